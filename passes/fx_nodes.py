@@ -1,0 +1,69 @@
+"""Building and recognising FX nodes in ATen graphs, with fake-tensor metadata kept valid.
+
+Every pass that inserts nodes goes through ``insert_call`` so that ``node.meta["val"]`` is
+always a fake tensor of the right shape, dtype and strides: later passes, the dump's byte
+counts and the partitioner all read it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.node import map_arg
+
+_F = torch.ops._c10d_functional
+ALL_GATHER = _F.all_gather_into_tensor.default
+REDUCE_SCATTER = _F.reduce_scatter_tensor.default
+ALL_REDUCE = _F.all_reduce.default
+WAIT = _F.wait_tensor.default
+
+from zerofx.metrics import COLLECTIVE_OPS  # noqa: E402  (one table of collectives for all of zerofx)
+
+
+def fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode:
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode
+
+
+def insert_call(gm: fx.GraphModule, target: Any, args: tuple, kwargs: dict | None = None,
+                *, role: str | None = None) -> fx.Node:
+    """Insert ``target(*args)`` at the graph's current insertion point, with ``meta["val"]``.
+
+    ``role`` is recorded in ``meta["zerofx_role"]`` so later passes and checks can find the
+    nodes zerofx made (e.g. every node of a parameter's gather chain).
+    """
+    kwargs = kwargs or {}
+    node = gm.graph.call_function(target, args, kwargs)
+    fake_args = map_arg(args, lambda n: n.meta["val"])
+    fake_kwargs = map_arg(kwargs, lambda n: n.meta["val"])
+    with fake_mode_of(gm):
+        node.meta["val"] = target(*fake_args, **fake_kwargs)
+    if role is not None:
+        node.meta["zerofx_role"] = role
+    return node
+
+
+def is_view(node: fx.Node) -> bool:
+    """True for ATen view ops (outputs alias their first input, no data is computed)."""
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+def first_user(node: fx.Node) -> fx.Node:
+    """The user of ``node`` that comes first in graph order."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return min(node.users, key=order.__getitem__)
+
+
+def tensor_bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return val.numel() * val.element_size()

@@ -1,0 +1,121 @@
+"""Models for the parity tests, each exercising one thing ZeRO-3 must get right.
+
+Every model's ``forward(x, y)`` returns a scalar mean loss, so averaging per-rank gradients of
+equal-sized local batches equals the gradient of the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerofx.models import GPT, GPTConfig, random_batch
+
+
+class MLP(nn.Module):
+    """No biases and an input that requires grad: the backward reads every weight, so ZeRO-3
+    moves exactly 3·Ψ·(N-1)/N per step."""
+
+    def __init__(self, dims=(16, 32, 32, 8)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(dims, dims[1:]))
+
+    def forward(self, x, y):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.gelu(x)
+        return F.mse_loss(x, y)
+
+
+class GraphBreakNet(nn.Module):
+    """Two dynamo frames: the print forces a graph break between the halves."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(12, 24)
+        self.b = nn.Linear(24, 12)
+        self.c = nn.Linear(12, 4)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.a(x))
+        torch._dynamo.graph_break()
+        h = torch.relu(self.b(h)) + x
+        return F.mse_loss(self.c(h), y)
+
+
+class FrozenBufferNet(nn.Module):
+    """A frozen embedding and layer, a constant buffer, a non-persistent buffer, and a buffer
+    mutated in forward (a step counter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.emb.weight.requires_grad_(False)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(16, 4)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 16))
+        self.register_buffer("offset", torch.full((16,), 0.1), persistent=False)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, y):
+        self.calls += 1
+        h = self.emb(x).mean(1) * self.scale + self.offset
+        h = F.silu(self.frozen(h)) + h
+        return F.mse_loss(self.head(h), y)
+
+
+class UnevenNet(nn.Module):
+    """Dim 0 of every parameter is indivisible by 2 and 4; with 4 ranks some shards are empty
+    (5 rows over 4 ranks: 2, 2, 1, 0) and one parameter has fewer rows than ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(6, 7)   # weight (7, 6), bias (7,)
+        self.l2 = nn.Linear(7, 5)   # weight (5, 7), bias (5,)
+        self.l3 = nn.Linear(5, 3)   # weight (3, 5), bias (3,)
+        self.gain = nn.Parameter(torch.ones(3, 1, 3))  # 3-D, fewer rows than 4 ranks
+
+    def forward(self, x, y):
+        h = F.gelu(self.l2(F.gelu(self.l1(x))))
+        out = self.l3(h) * self.gain.sum(dim=(1, 2)) / 3
+        return F.mse_loss(out, y)
+
+
+GPT_CFG = GPTConfig(vocab_size=96, seq_len=16, n_layer=2, n_head=4, d_model=32)
+
+
+@dataclass(frozen=True)
+class Case:
+    build: Callable[[], nn.Module]
+    batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    lr: float = 1e-2
+
+
+def _dense(in_dim: int, out_dim: int, grad_input: bool = False):
+    def make(n: int, g: torch.Generator):
+        x = torch.randn(n, in_dim, generator=g)
+        return x.requires_grad_(grad_input), torch.randn(n, out_dim, generator=g)
+
+    return make
+
+
+def _tokens(vocab: int, length: int, out_dim: int):
+    def make(n: int, g: torch.Generator):
+        return torch.randint(0, vocab, (n, length), generator=g), torch.randn(n, out_dim, generator=g)
+
+    return make
+
+
+CASES: dict[str, Case] = {
+    "mlp": Case(MLP, _dense(16, 8, grad_input=True)),
+    "gpt": Case(lambda: GPT(GPT_CFG), lambda n, g: random_batch(GPT_CFG, n, g), lr=3e-3),
+    "graph_break": Case(GraphBreakNet, _dense(12, 4)),
+    "frozen_buffers": Case(FrozenBufferNet, _tokens(20, 5, 4)),
+    "uneven": Case(UnevenNet, _dense(6, 3)),
+}

@@ -1,0 +1,83 @@
+"""Run a function on N local gloo ranks, each in its own process, with bounded waits.
+
+Each rank initializes the default process group from a FileStore in a fresh temporary folder
+(no ports to collide), runs ``fn(rank, world_size, *args)``, sends back its result or its
+traceback, and always destroys the process group. The parent waits at most ``timeout``
+seconds in total: a rank that fails or hangs ends the run with every rank's traceback instead
+of hanging the test suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 120
+
+
+def _rank_main(fn: Callable, rank: int, world_size: int, store_path: str, args: tuple, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        try:
+            results.put((rank, "ok", fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report everything, including SystemExit from a rank
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 420) -> list[Any]:
+    """``[fn(0, N, *args), ..., fn(N-1, N, *args)]``, each computed on its own rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store, args, results), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        got: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(got) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    rank, status, value = results.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    if any(p.exitcode not in (None, 0) for p in procs) and results.empty():
+                        time.sleep(0.5)  # give a dying rank's last message time to arrive
+                        if results.empty():
+                            break
+                    continue
+                got[rank] = (status, value)
+                if status == "error":
+                    deadline = min(deadline, time.monotonic() + 10)  # let peers report, briefly
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+    errors = {r: v for r, (s, v) in got.items() if s == "error"}
+    missing = sorted(set(range(world_size)) - set(got))
+    if errors or missing:
+        report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        if missing:
+            report += f"\nranks {missing} sent no result within {timeout:.0f}s (hung or crashed)"
+        raise AssertionError(f"multi-rank run of {fn.__name__} failed:\n{report}")
+    return [got[r][1] for r in range(world_size)]

@@ -1,0 +1,75 @@
+"""The public entry points: ``compile`` and ``explain``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from zerofx.backend import make_backend
+from zerofx.dump import Recorder
+from zerofx.errors import ZeroFXError
+from zerofx.options import Options
+from zerofx.sharding import is_sharded, mesh_of, shard
+
+__all__ = ["compile", "explain"]
+
+
+def _enter(fn):
+    """A frame outside torch/ around ``fn``: dynamo does not start tracing in torch.nn's own
+    frames, so compiling ``Module._call_impl`` directly would skip torch containers such as
+    ``nn.Sequential`` and only compile their children."""
+
+    def zerofx_entry(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return zerofx_entry
+
+
+def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) -> nn.Module:
+    """Shard ``model`` over ``mesh`` (ZeRO-3) and compile it with the zerofx pipeline, in place.
+
+    Returns ``model`` itself: parameter names, ``state_dict`` keys and the module tree are
+    unchanged; ``model.parameters()`` are now this rank's shards, so build the optimizer after
+    this call. ``options`` are the fields of :class:`zerofx.Options`.
+    """
+    opts = Options.from_kwargs(**options)
+    if not isinstance(model, nn.Module):
+        raise ZeroFXError(f"zerofx.compile takes an nn.Module, got {type(model).__name__}")
+    if is_sharded(model):
+        if mesh is not None and mesh is not mesh_of(model):
+            raise ZeroFXError("model was sharded on a different mesh; pass the same mesh or none")
+    else:
+        shard(model, mesh)
+    model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=make_backend(opts))
+    return model
+
+
+def explain(model: nn.Module, *example_inputs: Any, backward: bool = True, **options: Any) -> str:
+    """Compile ``model`` on ``example_inputs`` once and print what every pass did.
+
+    Runs one forward (and, with ``backward=True``, a backward of the output's sum, or of the
+    output itself when it is a scalar loss) so that backward graphs are compiled too; gradients
+    it produces are cleared again. On a sharded model this is a collective: every rank calls it.
+    Returns the report it printed.
+    """
+    opts = Options.from_kwargs(**options)
+    recorder = Recorder(dump_dir=opts.dump_dir)
+
+    def run(*args: Any) -> Any:
+        return model(*args)
+
+    compiled = torch.compile(run, backend=make_backend(opts, recorder))
+    had_grad = {p: p.grad for p in model.parameters()}
+    out = compiled(*example_inputs)
+    if backward:
+        loss = out if isinstance(out, torch.Tensor) else out[0]
+        if loss.requires_grad:
+            (loss if loss.dim() == 0 else loss.sum()).backward()
+    for p, g in had_grad.items():
+        p.grad = g
+    report = recorder.summary()
+    print(report)
+    return report

@@ -1,0 +1,115 @@
+"""The dynamo backend: capture with AOTAutograd, rewrite with the pass pipeline, then execute.
+
+One call of the backend per dynamo frame (a model with a graph break produces two). For each:
+
+    dynamo FX graph
+      -> AOTAutograd traces the joint forward+backward graph     (markers from zerofx.ops inside)
+      -> pipeline stage "joint"     (free: what the backward must recompute)
+      -> min-cut partitioner         -> forward graph, backward graph; invariant checked:
+                                        no gathered parameter is saved for backward
+      -> pipeline stage "forward" / "backward" / "inference"  (gather, reduce: lower markers)
+      -> codegen executor
+
+Registered as ``torch.compile(model, backend="zerofx")`` through the ``torch_dynamo_backends``
+entry point; options may be given as ``torch.compile(..., options={...})``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+from torch import fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from zerofx.codegen.executor import make_executor
+from zerofx.dump import Recorder
+from zerofx.options import Options
+from zerofx.passes.free import check_no_gathered_saved, saved_values
+from zerofx.passes.fx_nodes import tensor_bytes
+from zerofx.passes.pipeline import PassContext, run_pipeline
+
+log = logging.getLogger(__name__)
+
+__all__ = ["zerofx_backend", "make_backend"]
+
+_frame_ids = itertools.count()
+_recorders: dict[str, Recorder] = {}
+_lock = threading.Lock()
+
+
+def _recorder_for(options: Options) -> Recorder | None:
+    """One recorder per dump folder per process, so every frame lands in one summary."""
+    if options.dump_dir is None:
+        return None
+    key = str(options.dump_dir)
+    with _lock:
+        if key not in _recorders:
+            _recorders[key] = Recorder(dump_dir=key)
+        return _recorders[key]
+
+
+class _FrameCompiler:
+    """Compiles the graphs of one dynamo frame; AOTAutograd calls back into it."""
+
+    def __init__(self, options: Options, recorder: Recorder | None):
+        self.options = options
+        self.recorder = recorder
+        self.graph_id = f"frame{next(_frame_ids)}"
+        self.execute = make_executor(options.executor)
+
+    def _run(self, gm: fx.GraphModule, stage: str) -> fx.GraphModule:
+        ctx = PassContext(self.graph_id, stage, self.options)
+        return run_pipeline(gm, ctx, disabled=self.options.disable_passes, verify=self.options.verify,
+                            observer=self.recorder)
+
+    def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
+        joint = self._run(joint, "joint")
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                                     **kwargs)
+        saved = saved_values(fw, num_fwd_outputs)
+        if self.recorder is not None:
+            self.recorder.note(self.graph_id, "forward",
+                               f"saved for backward: {len(saved)} tensors, "
+                               f"{sum(tensor_bytes(n) for n in saved)} B ({', '.join(n.name for n in saved)})")
+        if self.options.verify and "free" not in self.options.disable_passes:
+            check_no_gathered_saved(fw, num_fwd_outputs, self.graph_id)
+        return fw, bw
+
+    def forward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
+        return self.execute(self._run(gm, "forward"))
+
+    def backward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
+        return self.execute(self._run(gm, "backward"))
+
+    def inference(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
+        return self.execute(self._run(gm, "inference"))
+
+
+def make_backend(options: Options | None = None, recorder: Recorder | None = None) -> Callable:
+    """A dynamo backend bound to ``options`` (and to ``recorder``, which ``explain`` uses)."""
+    options = options or Options()
+
+    def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+        frame = _FrameCompiler(options, recorder if recorder is not None else _recorder_for(options))
+        compile_with_aot = aot_autograd(
+            fw_compiler=frame.forward,
+            bw_compiler=frame.backward,
+            inference_compiler=frame.inference,
+            partition_fn=frame.partition,
+            keep_inference_input_mutations=True,
+        )
+        return compile_with_aot(gm, example_inputs)
+
+    backend.zerofx_options = options  # type: ignore[attr-defined]
+    return backend
+
+
+def zerofx_backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor], options: Any = None,
+                   **kwargs: Any) -> Callable:
+    """Entry point for ``torch.compile(model, backend="zerofx", options={...})``."""
+    return make_backend(Options.from_kwargs(options, **kwargs))(gm, example_inputs)

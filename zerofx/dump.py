@@ -1,0 +1,143 @@
+"""Debug dumps: what every pass did to every graph, as files (``ZEROFX_DUMP``) or a report.
+
+Layout written under ``<dump_dir>/rank<R>/`` (one folder per rank: graphs differ by rank when
+shards are uneven)::
+
+    summary.txt                     every graph, every pass: node deltas, collectives, saved values
+    frame0_joint/00_input.py        the graph as the pass pipeline received it
+    frame0_joint/01_free.py         ... after each pass, readable with shapes
+    frame0_joint/01_free.diff       unified diff against the previous file
+    frame0_forward/...
+    frame0_backward/...
+
+``frame<K>`` is the K-th graph zerofx compiled in this process (one per dynamo frame; a graph
+break makes two). The same summary is what ``zerofx.explain`` prints.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import fx
+
+from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, wire_bytes
+from zerofx.passes.fx_nodes import tensor_bytes
+from zerofx.passes.pipeline import PassContext
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op != "call_function":
+        return node.op
+    return str(node.target) if hasattr(node.target, "_schema") else getattr(node.target, "__name__", str(node.target))
+
+
+def _graph_code(gm: fx.GraphModule) -> str:
+    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+
+
+def _collective_line(node: fx.Node) -> str:
+    spec = COLLECTIVE_OPS[node.target]
+    nbytes = tensor_bytes(node if spec.sized == "out" else node.args[0])
+    wire = wire_bytes(spec.kind, nbytes, collective_group_size(spec, node.args))
+    val = node.meta["val"]
+    dtype = str(val.dtype).replace("torch.", "")
+    return f"{spec.kind:<15} {node.name:<28} {tuple(val.shape)} {dtype}: {nbytes} B, {wire} B/rank on the wire"
+
+
+@dataclass
+class PassRecord:
+    graph_id: str
+    stage: str
+    pass_name: str
+    code: str
+    nodes: int
+    added: Counter
+    removed: Counter
+    collectives: list[str]
+    seconds: float
+    messages: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        if self.pass_name == "input":
+            return f"  input: {self.nodes} nodes"
+        delta = lambda c, sign: ", ".join(f"{sign}{n} {op}" for op, n in sorted(c.items()))  # noqa: E731
+        changes = "; ".join(x for x in (delta(self.added, "+"), delta(self.removed, "-")) if x) or "no change"
+        lines = [f"  {self.pass_name}: {self.nodes} nodes ({changes}) in {self.seconds * 1e3:.1f} ms"]
+        lines += [f"      {m}" for m in self.messages]
+        lines += [f"      collective {c}" for c in self.collectives]
+        return "\n".join(lines)
+
+
+@dataclass
+class Recorder:
+    """Observer for ``run_pipeline`` that keeps every pass's result and, optionally, writes it."""
+
+    dump_dir: str | os.PathLike | None = None
+    records: list[PassRecord] = field(default_factory=list)
+    notes: dict[str, list[str]] = field(default_factory=dict)
+
+    def __call__(self, ctx: PassContext, pass_name: str, before: fx.GraphModule | None,
+                 after: fx.GraphModule, seconds: float) -> None:
+        before_ops = Counter(_op_name(n) for n in before.graph.nodes) if before is not None else Counter()
+        after_ops = Counter(_op_name(n) for n in after.graph.nodes)
+        before_names = {n.name for n in before.graph.nodes} if before is not None else set()
+        collectives = [_collective_line(n) for n in after.graph.nodes
+                       if n.target in COLLECTIVE_OPS and n.name not in before_names]
+        record = PassRecord(ctx.graph_id, ctx.stage, pass_name, _graph_code(after), len(after.graph.nodes),
+                            after_ops - before_ops if before is not None else Counter(),
+                            before_ops - after_ops if before is not None else Counter(),
+                            collectives if before is not None else [], seconds,
+                            list(ctx.messages) if before is not None else [])
+        self.records.append(record)
+        if self.dump_dir is not None:
+            self._write(record)
+
+    def note(self, graph_id: str, stage: str, text: str) -> None:
+        """Attach a line to a graph's summary (e.g. what the partitioner saved)."""
+        self.notes.setdefault(f"{graph_id}_{stage}", []).append(text)
+        if self.dump_dir is not None:
+            self._write_summary()
+
+    def summary(self) -> str:
+        out: list[str] = []
+        current = None
+        for r in self.records:
+            key = f"{r.graph_id}_{r.stage}"
+            if key != current:
+                current = key
+                out.append(f"{key}:")
+                out += [f"  note: {line}" for line in self.notes.get(key, [])]
+            out.append(r.summary())
+        for key, lines in self.notes.items():
+            if not any(f"{r.graph_id}_{r.stage}" == key for r in self.records):
+                out.append(f"{key}:")
+                out += [f"  note: {line}" for line in lines]
+        return "\n".join(out)
+
+    def _rank_dir(self) -> Path:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return Path(self.dump_dir) / f"rank{rank}"
+
+    def _write(self, record: PassRecord) -> None:
+        folder = self._rank_dir() / f"{record.graph_id}_{record.stage}"
+        folder.mkdir(parents=True, exist_ok=True)
+        same_graph = [r for r in self.records if (r.graph_id, r.stage) == (record.graph_id, record.stage)]
+        index = len(same_graph) - 1
+        path = folder / f"{index:02d}_{record.pass_name}.py"
+        path.write_text(record.code)
+        if index > 0:
+            prev = same_graph[-2]
+            diff = difflib.unified_diff(prev.code.splitlines(keepends=True), record.code.splitlines(keepends=True),
+                                        f"{index - 1:02d}_{prev.pass_name}.py", path.name)
+            (folder / f"{index:02d}_{record.pass_name}.diff").write_text("".join(diff))
+        self._write_summary()
+
+    def _write_summary(self) -> None:
+        folder = self._rank_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "summary.txt").write_text(self.summary() + "\n")

@@ -1,0 +1,141 @@
+"""What a training step costs: model-state bytes per rank and collective bytes on the wire.
+
+# NOTE: counting collective bytes
+Bytes are counted per rank, as the ZeRO paper and nccl-tests' "bus bandwidth" count them for
+ring algorithms: an all-gather of an ``S``-byte output moves ``S·(N-1)/N`` bytes into each rank,
+a reduce-scatter of an ``S``-byte input moves ``S·(N-1)/N`` out of each rank, an all-reduce
+(reduce-scatter + all-gather) ``2·S·(N-1)/N``. So ZeRO-3 moves ``3·Ψ·(N-1)/N`` per step (forward
+gather, backward re-gather, gradient reduce-scatter; Ψ = parameter bytes) and DDP ``2·Ψ·(N-1)/N``.
+The backend's actual traffic can differ (gloo runs reduce_scatter as an all-reduce of the whole
+input); these numbers describe the algorithm, comparable across backends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["wire_bytes", "CollectiveCounter", "record_collectives", "ModelStateBytes", "model_state_bytes",
+           "local_nbytes", "COLLECTIVE_OPS"]
+
+_F = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """How to read one collective op: its kind, which tensor's size counts, where its group size is."""
+
+    kind: str
+    sized: str  # "out" or "in"
+    group_size_arg: int | None  # None: resolve from the group name (all_reduce has no size arg)
+    group_name_arg: int
+
+
+COLLECTIVE_OPS: dict = {
+    _F.all_gather_into_tensor.default: CollectiveSpec("all_gather", "out", 1, 2),
+    _F.reduce_scatter_tensor.default: CollectiveSpec("reduce_scatter", "in", 2, 3),
+    _F.all_reduce.default: CollectiveSpec("all_reduce", "in", None, 2),
+}
+
+
+def collective_group_size(spec: CollectiveSpec, args: tuple) -> int:
+    if spec.group_size_arg is not None:
+        return args[spec.group_size_arg]
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(args[spec.group_name_arg]).size()
+
+
+def wire_bytes(kind: str, tensor_bytes: int, group_size: int) -> int:
+    """Per-rank bytes of one collective (see NOTE: counting collective bytes)."""
+    share = tensor_bytes * (group_size - 1) // group_size
+    return 2 * share if kind == "all_reduce" else share
+
+
+def local_nbytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds for ``t`` (its local shard when ``t`` is a DTensor)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+class CollectiveCounter:
+    """Count the collectives zerofx runs, in bytes per kind (see NOTE: counting collective bytes).
+
+    Every graph zerofx compiled reports its collectives each time it runs (the executor knows
+    them from the graph's fake-tensor metadata), and the marker ops report theirs when they run
+    eagerly (no compile, a graph break, a disabled pass). Collectives issued outside zerofx
+    (say, ``clip_grad_norm_``'s all-reduce) are not counted. A dispatch mode would see those
+    too, but torch.compile does not run compiled code under a dispatch mode, so it would count
+    a different (eager) program than the one that trains. Use around forward and backward::
+
+        with CollectiveCounter() as comm:
+            model(x).backward()
+        comm.bytes["all_gather"]
+    """
+
+    def __init__(self) -> None:
+        self.bytes: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+
+    def __enter__(self) -> CollectiveCounter:
+        with _active_lock:
+            _active.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _active_lock:
+            _active.remove(self)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+_active: list[CollectiveCounter] = []
+_active_lock = threading.Lock()
+
+
+def record_collectives(collectives: list[tuple[str, int]]) -> None:
+    """Add ``(kind, wire_bytes)`` pairs to every active CollectiveCounter (cheap when none is)."""
+    if not _active:
+        return
+    with _active_lock:
+        for counter in _active:
+            for kind, nbytes in collectives:
+                counter.bytes[kind] += nbytes
+                counter.calls[kind] += 1
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of model state held by this rank (ZeRO's "model states")."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ModelStateBytes:
+    """Local bytes of parameters, gradients and per-element optimizer state.
+
+    Scalar optimizer state (e.g. Adam's ``step``) is not per-element state and is left out.
+    """
+    params = list(model.parameters())
+    param_bytes = sum(local_nbytes(p) for p in params)
+    grad_bytes = sum(local_nbytes(p.grad) for p in params if p.grad is not None)
+    opt_bytes = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    opt_bytes += local_nbytes(value)
+    return ModelStateBytes(param_bytes, grad_bytes, opt_bytes)
