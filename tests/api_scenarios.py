@@ -1,0 +1,128 @@
+"""Rank-side scenarios for tests/test_multirank_api.py (each returns plain data to assert on)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import zerofx
+from tests.models import CASES, GPT_CFG
+from tests.parity import reference_shard
+from zerofx.backend import make_backend
+from zerofx.dump import Recorder
+from zerofx.models import GPT, random_batch
+
+
+def _train(model, ref, rank, world, steps, mesh_ready=True):
+    """Train ``model`` (already sharded) and ``ref`` side by side.
+
+    Returns the worst relative loss error over the steps and the worst absolute parameter error
+    at the end (parameters are ~0.02 in size; lr 3e-3)."""
+    gen = torch.Generator().manual_seed(7)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (model, ref))
+    worst_loss = worst_param = 0.0
+    for _ in range(steps):
+        x, y = random_batch(GPT_CFG, 2 * world, gen)
+        mine = slice(2 * rank, 2 * rank + 2)
+        loss = model(x[mine], y[mine])
+        loss.backward()
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        worst_loss = max(worst_loss, abs(total.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        local, expect = p.to_local(), reference_shard(q.detach(), rank, world)
+        worst_param = max(worst_param, (local - expect).abs().max().item())
+    return worst_loss, worst_param
+
+
+def _fresh_gpt():
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    return model, copy.deepcopy(model)
+
+
+def scenarios(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict = {}
+
+    def attempt(name, fn):
+        try:
+            out[name] = fn()
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+        torch._dynamo.reset()
+
+    def explain():
+        model, _ = _fresh_gpt()
+        zerofx.shard(model, mesh)
+        x, y = random_batch(GPT_CFG, 2, torch.Generator().manual_seed(0))
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            report = zerofx.explain(model, x, y)
+        grads_left = [n for n, p in model.named_parameters() if p.grad is not None]
+        return {"report": report, "printed": buf.getvalue(), "grads_left": grads_left}
+
+    def two_step_pairing():
+        model, ref = _fresh_gpt()
+        zerofx.shard(model, mesh)
+        compiled = torch.compile(model, backend="zerofx")
+        return _train(compiled, ref, rank, world, steps=4)
+
+    def eager_sharded():  # no compile at all: the marker ops' eager implementations
+        model, ref = _fresh_gpt()
+        zerofx.shard(model, mesh)
+        return _train(model, ref, rank, world, steps=4)
+
+    def disabled(pass_name):
+        def run():
+            model, ref = _fresh_gpt()
+            zerofx.shard(model, mesh)
+            recorder = Recorder()
+            options = zerofx.Options(disable_passes=(pass_name,))
+            model.compile(backend=make_backend(options, recorder))
+            errors = _train(model, ref, rank, world, steps=3)
+            return {"errors": errors, "summary": recorder.summary()}
+        return run
+
+    def clip_and_state_dict():
+        torch.manual_seed(0)
+        model = CASES["uneven"].build()
+        ref = copy.deepcopy(model)
+        zerofx.compile(model, mesh)
+        x, y = CASES["uneven"].batch(2 * world, torch.Generator().manual_seed(3))
+        model(x[2 * rank: 2 * rank + 2], y[2 * rank: 2 * rank + 2]).backward()
+        ref(x, y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.01)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.01)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        clipped = max((p.grad.to_local() - reference_shard(q.grad, rank, world)).abs().max().item()
+                      for p, q in zip(model.parameters(), ref.parameters()))
+        sd = model.state_dict()
+        return {"norm": norm.item(), "ref_norm": ref_norm.item(), "clipped_grad_err": clipped,
+                "state_dict": {k: (type(v).__name__, tuple(v.shape)) for k, v in sd.items()},
+                "ref_state_dict": {k: tuple(v.shape) for k, v in ref.state_dict().items()}}
+
+    attempt("explain", explain)
+    attempt("two_step_pairing", two_step_pairing)
+    attempt("eager_sharded", eager_sharded)
+    for name in ("free", "gather", "reduce"):
+        attempt(f"disabled_{name}", disabled(name))
+    attempt("clip_and_state_dict", clip_and_state_dict)
+    return out
+
+
+def fail_on_rank_one(rank: int, world: int) -> None:
+    """Rank 1 raises before a collective its peer is blocked in: the harness must not hang."""
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    dist.barrier()

@@ -1,0 +1,84 @@
+"""The public API on 2 gloo ranks: explain, the torch.compile pairing, eager fallback, pass
+ablations, gradient clipping and state_dict on shards."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.api_scenarios import fail_on_rank_one, scenarios
+from tests.multirank import run_ranks
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(scenarios, WORLD)
+
+
+def _get(results, name):
+    per_rank = [r[name] for r in results]
+    for rank, r in enumerate(per_rank):
+        assert not (isinstance(r, dict) and "error" in r), f"rank {rank}:\n{r['error']}"
+    return per_rank
+
+
+def test_explain_reports_every_pass_and_collective(results):
+    for r in _get(results, "explain"):
+        report = r["report"]
+        assert report == r["printed"].rstrip("\n")
+        for expected in ("_joint:", "_forward:", "_backward:", "free:", "gather:", "reduce:",
+                         "collective all_gather", "collective reduce_scatter", "saved for backward",
+                         "merged 1 gradient sum(s) of tied parameters"):
+            assert expected in report, expected
+        assert r["grads_left"] == []  # explain leaves no gradients behind
+
+
+def test_shard_then_torch_compile_backend_zerofx_trains_with_parity(results):
+    for loss_err, param_err in _get(results, "two_step_pairing"):
+        assert loss_err < 1e-5 and param_err < 1e-5
+
+
+def test_eager_sharded_model_without_compile_is_correct(results):
+    for loss_err, param_err in _get(results, "eager_sharded"):
+        assert loss_err < 1e-5 and param_err < 1e-5
+
+
+@pytest.mark.parametrize("pass_name", ["free", "gather", "reduce"])
+def test_every_pass_can_be_disabled_without_changing_numerics(results, pass_name):
+    for r in _get(results, f"disabled_{pass_name}"):
+        loss_err, param_err = r["errors"]
+        assert loss_err < 1e-5 and param_err < 1e-5
+        assert f"  {pass_name}:" not in r["summary"]
+
+
+def test_without_free_pass_gathered_parameters_are_saved(results):
+    """The reason the free pass exists, measured: without it the forward keeps full weights."""
+    with_free = _get(results, "disabled_gather")[0]["summary"]
+    without = _get(results, "disabled_free")[0]["summary"]
+
+    def saved_bytes(summary):
+        line = next(l for l in summary.splitlines() if "saved for backward" in l)
+        return int(line.split(", ")[1].split(" B")[0])
+
+    assert saved_bytes(without) > saved_bytes(with_free)
+    assert "collective all_gather" in without  # the forward still gathers...
+    backward = without.split("_backward:")[1]
+    assert "collective all_gather" not in backward  # ...but the backward never re-gathers
+
+
+def test_clip_grad_norm_on_shards_is_the_global_norm_and_state_dict_is_full_shape(results):
+    for r in _get(results, "clip_and_state_dict"):
+        assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-5)
+        assert r["clipped_grad_err"] < 1e-7
+        assert {k: shape for k, (_, shape) in r["state_dict"].items()} == r["ref_state_dict"]
+        assert {kind for kind, _ in r["state_dict"].values()} == {"DTensor"}
+
+
+def test_a_failing_rank_ends_the_run_promptly_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 1 fails on purpose"):
+        run_ranks(fail_on_rank_one, WORLD, timeout=120)
+    assert time.monotonic() - start < 60

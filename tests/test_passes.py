@@ -1,0 +1,150 @@
+"""Each pass on small hand-made graphs (traced with fake tensors; no process group needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+import zerofx  # noqa: F401  (registers the marker ops)
+from zerofx.errors import ZeroFXError
+from zerofx.passes.free import free_pass, gather_chain
+from zerofx.passes.fx_nodes import ALL_GATHER, REDUCE_SCATTER, WAIT
+from zerofx.passes.gather import gather_pass
+from zerofx.passes.pipeline import Pass, PassContext, run_pipeline
+from zerofx.passes.reduce import reduce_pass
+
+unshard = torch.ops.zerofx.unshard
+reduce_grad = torch.ops.zerofx.reduce_grad
+aten = torch.ops.aten
+
+
+def trace(fn, *shapes) -> fx.GraphModule:
+    return make_fx(fn, tracing_mode="fake")(*(torch.randn(s) for s in shapes))
+
+
+def ctx(stage: str) -> PassContext:
+    return PassContext("test", stage)
+
+
+def ops(gm: fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def index(gm: fx.GraphModule, target) -> list[int]:
+    return [i for i, t in enumerate(ops(gm)) if t is target]
+
+
+def test_gather_lowers_marker_to_padded_all_gather_waited_before_first_use():
+    # 10 rows over 4 ranks: padded shards of 3 rows, 12 gathered rows, sliced back to 10
+    def fw(s, x):
+        w = unshard(s, 4, "g", 10)
+        return torch.relu(x) @ w.t()
+
+    gm = gather_pass(trace(fw, (3, 5), (2, 5)), ctx("forward"))
+    gm.recompile()
+    targets = ops(gm)
+    assert unshard.default not in targets
+    assert targets.count(ALL_GATHER) == 1 and targets.count(WAIT) == 1
+    (ag,) = index(gm, ALL_GATHER)
+    (wait,) = index(gm, WAIT)
+    (relu,) = index(gm, aten.relu.default)
+    (mm,) = index(gm, aten.mm.default)
+    assert ag < relu < wait < mm  # issued where the marker was, waited just before its first use
+    assert aten.constant_pad_nd.default not in targets  # this shard has all 3 rows: no padding
+    sl = next(n for n in gm.graph.nodes if n.target is aten.slice.Tensor)
+    assert tuple(sl.meta["val"].shape) == (10, 5)
+    assert all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function")
+
+
+def test_gather_pads_short_shard_and_skips_pad_and_slice_when_even():
+    uneven = gather_pass(trace(lambda s: unshard(s, 4, "g", 10) * 2, (1, 5)), ctx("forward"))
+    pad = next(n for n in uneven.graph.nodes if n.target is aten.constant_pad_nd.default)
+    assert pad.args[1] == [0, 0, 0, 2] and tuple(pad.meta["val"].shape) == (3, 5)
+    even = gather_pass(trace(lambda s: unshard(s, 2, "g", 6) * 2, (3, 5)), ctx("forward"))
+    assert aten.constant_pad_nd.default not in ops(even) and aten.slice.Tensor not in ops(even)
+
+
+def test_gather_merges_markers_of_the_same_shard():
+    gm = trace(lambda s, x: x @ unshard(s, 2, "g", 6).t() + x @ unshard(s, 2, "g", 6).t(), (3, 5), (2, 5))
+    gm = gather_pass(gm, ctx("forward"))
+    assert ops(gm).count(ALL_GATHER) == 1
+
+
+def test_gather_is_a_noop_without_markers():
+    gm = trace(lambda x: torch.relu(x) + 1, (3,))
+    before = gm.code
+    assert gather_pass(gm, ctx("forward")).code == before
+
+
+def test_reduce_lowers_marker_contiguous_padded_and_waits_before_next_issue():
+    def bw(g1, g2):
+        # a transposed (non-contiguous) gradient of a 10-row parameter over 4 ranks, then another
+        a = reduce_grad(g1.t(), 4, "g", 1)
+        b = reduce_grad(torch.relu(g2), 4, "g", 2)
+        return a, b
+
+    gm = reduce_pass(trace(bw, (5, 10), (8, 3)), ctx("backward"))
+    gm.recompile()
+    targets = ops(gm)
+    assert reduce_grad.default not in targets and targets.count(REDUCE_SCATTER) == 2
+    rs_nodes = [n for n in gm.graph.nodes if n.target is REDUCE_SCATTER]
+    assert all(n.args[1] == "avg" for n in rs_nodes)
+    assert tuple(rs_nodes[0].args[0].meta["val"].shape) == (12, 5)  # padded to 4 * 3 rows
+    assert rs_nodes[0].args[0].meta["val"].is_contiguous()
+    rs1, rs2 = index(gm, REDUCE_SCATTER)
+    wait1, wait2 = index(gm, WAIT)
+    (relu,) = index(gm, aten.relu.default)
+    assert rs1 < relu  # issued as soon as the first gradient exists
+    assert wait1 < rs2 < wait2  # at most one reduce-scatter in flight
+    out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    assert [tuple(o.meta["val"].shape) for o in out] == [(1, 5), (2, 3)]
+
+
+def test_reduce_merges_tied_gradients_into_one_reduce_scatter():
+    def bw(g1, g2):
+        return reduce_grad(g1, 2, "g", 3).view(3, 4) + reduce_grad(g2 * 2, 2, "g", 3).view(3, 4)
+
+    gm = reduce_pass(trace(bw, (6, 4), (6, 4)), ctx("backward"))
+    assert ops(gm).count(REDUCE_SCATTER) == 1
+    rs = next(n for n in gm.graph.nodes if n.target is REDUCE_SCATTER)
+    assert rs.args[0].target is aten.add.Tensor  # the sum is reduced, not each term
+
+
+def test_reduce_keeps_distinct_layouts_apart():
+    def bw(g1, g2):
+        return reduce_grad(g1, 2, "g", 3) + reduce_grad(g2, 2, "other", 3)
+
+    assert ops(reduce_pass(trace(bw, (6, 4), (6, 4)), ctx("backward"))).count(REDUCE_SCATTER) == 2
+
+
+def test_free_tags_marker_and_its_views_but_not_computed_values():
+    gm = trace(lambda s, x: x @ unshard(s, 2, "g", 6).t(), (3, 5), (2, 5))
+    gm = free_pass(gm, ctx("joint"))
+    tagged = {n.target for n in gm.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
+    assert tagged == {unshard.default, aten.t.default}
+    assert not any(n.target is aten.mm.default for n in gather_chain(gm.graph))
+
+
+def test_runner_skips_disabled_passes_and_records_each_pass():
+    seen = []
+    gm = trace(lambda s: unshard(s, 2, "g", 6) * 2, (3, 5))
+    gm = run_pipeline(gm, ctx("forward"), disabled=("gather",),
+                      observer=lambda c, name, before, after, secs: seen.append(name))
+    assert seen == ["input"] and unshard.default in ops(gm)
+    gm = run_pipeline(gm, ctx("forward"), observer=lambda c, name, before, after, secs: seen.append(name))
+    assert seen[-1] == "gather" and unshard.default not in ops(gm)
+
+
+def test_runner_rejects_a_pass_that_drops_metadata():
+    def careless_pass(gm, ctx):
+        node = next(n for n in gm.graph.nodes if n.op == "call_function")
+        with gm.graph.inserting_after(node):
+            gm.graph.call_function(aten.relu.default, (node,))
+        return gm
+
+    gm = trace(lambda x: x * 2, (3,))
+    with pytest.raises(ZeroFXError, match="careless.*without meta"):
+        run_pipeline(gm, ctx("forward"), passes=(Pass("careless", careless_pass, ("forward",)),))

@@ -1,0 +1,35 @@
+"""The ``zerofx`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zerofx.demo import DemoConfig, run_demo
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zerofx", description="ZeRO data parallelism as a compiler.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train a small GPT with ZeRO-3 on local gloo ranks")
+    d = DemoConfig()
+    demo.add_argument("--world-size", "-n", type=int, default=d.world_size, help="ranks to start (default 2)")
+    demo.add_argument("--steps", type=int, default=d.steps)
+    demo.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
+    demo.add_argument("--seq-len", type=int, default=d.seq_len)
+    demo.add_argument("--layers", type=int, default=d.layers)
+    demo.add_argument("--d-model", type=int, default=d.d_model)
+    demo.add_argument("--dump", dest="dump_dir", default=None, help="write every pass's graphs here")
+    args = parser.parse_args(argv)
+
+    if args.command == "demo":
+        if args.world_size < 1 or args.steps < 1:
+            parser.error("--world-size and --steps must be at least 1")
+        cfg = DemoConfig(world_size=args.world_size, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
+                         layers=args.layers, d_model=args.d_model, dump_dir=args.dump_dir)
+        run_demo(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
