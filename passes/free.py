@@ -9,6 +9,10 @@ chain — each ``zerofx::unshard`` marker and the pure views of its output — a
 the joint graph, so the backward re-runs the marker (a re-gather) wherever it needs the weight
 and the forward saves only shards and activations.
 
+Selective unsharding (``Options.keep_gathered_bytes``, DeepCompile's idea) is the one
+exception, decided here with the cost model: within that budget, some gathered parameters are
+marked MUST_SAVE instead and skip their backward re-gather.
+
 ``check_no_gathered_saved`` asserts the result on the partitioned forward graph: none of the
 values it saves for backward is a gathered parameter or a view of one. Values *computed from*
 a gathered parameter and data (``x @ w.T``) are activations and are of course allowed.
@@ -20,7 +24,9 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerofx.errors import ZeroFXError
+from zerofx.metrics import wire_bytes
 from zerofx.ops import UNSHARD
+from zerofx.passes.cost_model import CostModel, tensor_bytes
 from zerofx.passes.fx_nodes import is_view
 from zerofx.passes.pipeline import PassContext
 
@@ -36,15 +42,70 @@ def gather_chain(graph: fx.Graph) -> list[fx.Node]:
     return chain
 
 
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes of the joint graph that depend on a tangent: the backward half."""
+    seen: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+                i in seen for i in node.all_input_nodes):
+            seen.add(node)
+    return seen
+
+
+def _chain_of(marker: fx.Node) -> list[fx.Node]:
+    chain, stack = [], [marker]
+    while stack:
+        n = stack.pop()
+        chain.append(n)
+        stack.extend(u for u in n.users if is_view(u))
+    return chain
+
+
+def choose_kept(graph: fx.Graph, budget: int, cost: CostModel) -> list[fx.Node]:
+    """Selective unsharding: markers whose gathered value stays alive until the backward.
+
+    Only markers the backward reads are candidates (the others are never re-gathered). Each
+    saves one re-gather; its price is the gathered bytes held from forward to backward. Taken
+    greedily by communication time saved per byte held (small parameters first: their
+    collectives are latency-bound), while the total fits ``budget``.
+    """
+    if budget <= 0:
+        return []
+    backward = _backward_nodes(graph)
+    candidates = []
+    for marker in (n for n in graph.nodes if n.target is UNSHARD and n not in backward):
+        if any(u in backward for n in _chain_of(marker) for u in n.users):
+            nbytes = tensor_bytes(marker.meta["val"])
+            group_size = marker.args[1]
+            saved_s = cost.comm.time(wire_bytes("all_gather", nbytes, group_size))
+            candidates.append((-saved_s / max(nbytes, 1), marker.name, marker, nbytes))
+    kept, used = [], 0
+    for _, _, marker, nbytes in sorted(candidates):
+        if used + nbytes <= budget:
+            kept.append(marker)
+            used += nbytes
+    return kept
+
+
 def free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Make the backward re-gather parameters instead of saving the gathered ones."""
+    options = ctx.options
+    budget = int(getattr(options, "keep_gathered_bytes", 0) or 0) if options is not None else 0
+    cost = getattr(options, "cost_model", None) or CostModel()
+    kept = choose_kept(gm.graph, budget, cost)
+    kept_nodes = {n for marker in kept for n in _chain_of(marker)}
     chain = gather_chain(gm.graph)
     for node in chain:
-        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-        node.meta["zerofx_role"] = "gather"
+        keep = node in kept_nodes
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
+        node.meta["zerofx_role"] = "kept_gather" if keep else "gather"
     if chain:
         markers = sum(1 for n in chain if n.target is UNSHARD)
-        ctx.report(f"tagged MUST_RECOMPUTE: {markers} unshard markers and {len(chain) - markers} views of them")
+        ctx.report(f"tagged MUST_RECOMPUTE: {markers - len(kept)} unshard markers and views of them")
+    if kept:
+        held = sum(tensor_bytes(m.meta["val"]) for m in kept)
+        ctx.report(f"selective unsharding: kept {len(kept)} gathered parameters for backward, {held} B "
+                   f"(budget {budget} B): {', '.join(m.name for m in kept)}")
     return gm
 
 
@@ -56,7 +117,7 @@ def saved_values(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
 
 def check_no_gathered_saved(fw_gm: fx.GraphModule, num_fwd_outputs: int, graph_id: str) -> None:
     """Raise if the partitioned forward saves a gathered parameter (or a view of one)."""
-    chain = set(gather_chain(fw_gm.graph))
+    chain = {n for n in gather_chain(fw_gm.graph) if n.meta.get("zerofx_role") != "kept_gather"}
     bad = [n.name for n in saved_values(fw_gm, num_fwd_outputs) if n in chain]
     if bad:
         raise ZeroFXError(

@@ -15,8 +15,11 @@ Where passes run. AOTAutograd hands zerofx three kinds of graph per dynamo frame
 Each pass declares the stages it applies to. ZeRO-3's pipeline, in order:
 
     free      (joint)                       gathered params are recomputed in backward, never saved
+                                            (except those selective unsharding keeps)
     gather    (forward, backward, inference) unshard markers -> all_gather + wait before first use
     reduce    (backward)                    reduce_grad markers -> reduce_scatter(avg) into the shard
+    bucket    (forward, backward, inference) neighbouring collectives merged up to a byte cap
+    schedule  (forward, backward, inference) prefetch all-gathers, defer reduce-scatter waits
 """
 
 from __future__ import annotations
@@ -58,18 +61,22 @@ class Pass:
 
 
 def _build() -> tuple[Pass, ...]:
+    from zerofx.passes.bucket import bucket_pass
     from zerofx.passes.free import free_pass
     from zerofx.passes.gather import gather_pass
     from zerofx.passes.reduce import reduce_pass
+    from zerofx.passes.schedule import schedule_pass
 
     return (
         Pass("free", free_pass, ("joint",)),
         Pass("gather", gather_pass, ("forward", "backward", "inference")),
         Pass("reduce", reduce_pass, ("backward",)),
+        Pass("bucket", bucket_pass, ("forward", "backward", "inference")),
+        Pass("schedule", schedule_pass, ("forward", "backward", "inference")),
     )
 
 
-PASS_NAMES = ("free", "gather", "reduce")
+PASS_NAMES = ("free", "gather", "reduce", "bucket", "schedule")
 
 
 def default_pipeline() -> tuple[Pass, ...]:

@@ -80,14 +80,33 @@ def test_communication_volume(runs, world_size, name):
             assert total == pytest.approx(3 * acc["psi_pad"] * share, abs=8)
 
 
-_GATHER_VIEW_OPS = ("aten.slice.", "aten.t.", "aten.view.", "aten.transpose.", "aten.permute.",
-                    "aten.expand.", "aten._unsafe_view.", "aten.alias.", "aten.unsqueeze.", "aten.squeeze.")
+# ops whose output is (a view or a copy of) the gathered parameter: bucketing unpacks with
+# split_with_sizes + clone + _unsafe_view
+_GATHER_DERIVED_OPS = ("aten.slice.", "aten.t.", "aten.view.", "aten.transpose.", "aten.permute.",
+                       "aten.expand.", "aten._unsafe_view.", "aten.alias.", "aten.unsqueeze.", "aten.squeeze.",
+                       "aten.split_with_sizes.", "aten.clone.", "aten.reshape.")
 
 
-def _final_forward_code(dump: Path, rank: int) -> list[str]:
+def _forward_code(dump: Path, rank: int, after_pass: str) -> list[str]:
     folders = sorted((dump / f"rank{rank}").glob("frame*_forward"))
     assert folders, f"no forward graphs dumped under {dump}"
-    return [sorted(f.glob("*.py"))[-1].read_text() for f in folders]
+    return [next(f.glob(f"*_{after_pass}.py")).read_text() for f in folders]
+
+
+def _gathered_values(code: str) -> set[str]:
+    gathered: set[str] = set()
+    for line in code.splitlines():
+        m = re.match(r"\s*(\w+)(?::[^=]*)? = torch\.ops\.(\S+?)\((\w+)", line)
+        if m:
+            name, op, first_arg = m.groups()
+            if op.startswith("_c10d_functional.wait_tensor") or (op.startswith(_GATHER_DERIVED_OPS)
+                                                                  and first_arg in gathered):
+                gathered.add(name)
+            continue
+        m = re.match(r"\s*(\w+)(?::[^=]*)? = (\w+)\[\d+\]", line)  # getitem of a split
+        if m and m.group(2) in gathered:
+            gathered.add(m.group(1))
+    return gathered
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -99,17 +118,12 @@ def test_dumped_forward_gathers_every_param_and_saves_none(runs, world_size):
 
     n_params = len(list(GPT(GPT_CFG).parameters()))  # tied embedding counted once
     for rank in range(world_size):
-        (code,) = _final_forward_code(dump, rank)
-        assert "torch.ops.zerofx.unshard.default(" not in code, "markers left unlowered"
-        assert code.count("_c10d_functional.all_gather_into_tensor.default(") == n_params
-        gathered: set[str] = set()
-        for line in code.splitlines():
-            m = re.match(r"\s*(\w+)(?::[^=]*)? = torch\.ops\.(\S+?)\((\w+)", line)
-            if not m:
-                continue
-            name, op, first_arg = m.groups()
-            if op.startswith("_c10d_functional.wait_tensor") or (op.startswith(_GATHER_VIEW_OPS) and first_arg in gathered):
-                gathered.add(name)
+        (lowered,) = _forward_code(dump, rank, "gather")
+        assert "torch.ops.zerofx.unshard.default(" not in lowered, "markers left unlowered"
+        assert lowered.count("_c10d_functional.all_gather_into_tensor.default(") == n_params
+        (code,) = _forward_code(dump, rank, "schedule")  # the final forward graph
+        assert "torch.ops.zerofx.unshard.default(" not in code
+        gathered = _gathered_values(code)
         assert len(gathered) >= n_params
         returned = re.search(r"return \((.*)\)", code).group(1)
         saved = {s.strip() for s in returned.split(",")}

@@ -43,6 +43,12 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) ->
             raise ZeroFXError("model was sharded on a different mesh; pass the same mesh or none")
     else:
         shard(model, mesh)
+    mesh = mesh_of(model)
+    if opts.calibrate and opts.cost_model is None and mesh.size() > 1:
+        from zerofx.passes.cost_model import CostModel, calibrate_comm
+
+        opts = Options.from_kwargs(opts, cost_model=CostModel(comm=calibrate_comm(mesh.get_group(),
+                                                                                  device=mesh.device_type)))
     model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=make_backend(opts))
     return model
 

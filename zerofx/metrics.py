@@ -37,6 +37,7 @@ class CollectiveSpec:
 
 COLLECTIVE_OPS: dict = {
     _F.all_gather_into_tensor.default: CollectiveSpec("all_gather", "out", 1, 2),
+    _F.all_gather_into_tensor_out.default: CollectiveSpec("all_gather", "out", 1, 2),
     _F.reduce_scatter_tensor.default: CollectiveSpec("reduce_scatter", "in", 2, 3),
     _F.all_reduce.default: CollectiveSpec("all_reduce", "in", None, 2),
 }

@@ -24,12 +24,28 @@ class Options:
             lower have eager implementations, so disabling any pass keeps results correct.
         verify: lint the graph and check zerofx's invariants after every pass.
         executor: what runs the final graphs; ``"aten"`` runs them op by op.
+        bucket_bytes: cap of a collective bucket in bytes (gathered size for all-gathers, input
+            size for reduce-scatters); ``"auto"`` takes the cost model's bandwidth-saturating
+            size; 0 disables bucketing.
+        prefetch_bytes: how much the schedule pass may raise a graph's estimated peak memory to
+            overlap communication; ``"auto"`` allows twice the largest gathered bucket.
+        keep_gathered_bytes: selective unsharding budget: bytes of gathered parameters that may
+            stay alive from forward to backward to skip their re-gather (0: pure ZeRO-3).
+        calibrate: measure the collective cost constants on the mesh at ``zerofx.compile``
+            (a short collective on every rank, cached on disk per backend and world size).
+        cost_model: the ``zerofx.passes.cost_model.CostModel`` decisions read; filled by
+            calibration, defaults otherwise.
     """
 
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("ZEROFX_DUMP") or None)
     disable_passes: tuple[str, ...] = ()
     verify: bool = True
     executor: str = "aten"
+    bucket_bytes: int | str = "auto"
+    prefetch_bytes: int | str = "auto"
+    keep_gathered_bytes: int = 0
+    calibrate: bool = False
+    cost_model: object = None
 
     def __post_init__(self) -> None:
         from zerofx.passes.pipeline import PASS_NAMES
@@ -45,6 +61,12 @@ class Options:
             )
         if self.executor not in EXECUTORS:
             raise ZeroFXError(f"option executor={self.executor!r}: choose one of {list(EXECUTORS)}")
+        for name in ("bucket_bytes", "prefetch_bytes"):
+            value = getattr(self, name)
+            if not (value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)):
+                raise ZeroFXError(f"option {name}={value!r}: give a byte count >= 0 or 'auto'")
+        if not isinstance(self.keep_gathered_bytes, int) or self.keep_gathered_bytes < 0:
+            raise ZeroFXError(f"option keep_gathered_bytes={self.keep_gathered_bytes!r}: give a byte count >= 0")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ZeroFXError(f"option dump_dir must be a path, got {type(self.dump_dir).__name__}")
 
@@ -53,7 +75,7 @@ class Options:
         """Build options from an Options, a dict and/or keyword arguments; unknown names raise."""
         merged: dict[str, Any] = {}
         if isinstance(options, Options):
-            merged.update(dataclasses.asdict(options))
+            merged.update({f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
         elif options:
             merged.update(options)
         merged.update(kwargs)
