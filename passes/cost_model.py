@@ -55,12 +55,16 @@ def tensor_bytes(val: object, symbolic: bool = False):
 
 
 def is_alias(node: fx.Node) -> bool:
-    """Nodes whose output shares its input's storage (views, waits) allocate nothing."""
+    """Nodes whose output shares an input's storage allocate nothing: views, waits, and
+    in-place or ``out=`` ops (their schema's return carries an alias annotation)."""
     if node.op != "call_function":
         return False
     if node.target is WAIT:
         return True
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    returns = node.target._schema.returns
+    return node.target.is_view or (len(returns) == 1 and returns[0].alias_info is not None)
 
 
 def node_bytes(node: fx.Node, symbolic: bool = False):
@@ -70,9 +74,17 @@ def node_bytes(node: fx.Node, symbolic: bool = False):
     return tensor_bytes(node.meta.get("val"), symbolic)
 
 
+def _aliased_input(node: fx.Node) -> fx.Node | None:
+    """The input whose storage an aliasing node returns (``out=`` for out variants)."""
+    out = node.kwargs.get("out")
+    if isinstance(out, fx.Node):
+        return out
+    return node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+
+
 def _storage_root(node: fx.Node) -> fx.Node:
-    while is_alias(node) and node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
+    while is_alias(node) and _aliased_input(node) is not None:
+        node = _aliased_input(node)
     return node
 
 
@@ -89,10 +101,12 @@ def estimate_memory(gm: fx.GraphModule, inputs_freed_at_last_use: bool = False) 
     """Simulate allocation and freeing of ``gm``'s values in graph order.
 
     Values die after their last use (FX's generated code drops them then), except graph
-    outputs. Aliases (views, waits) keep their storage root alive. A collective's output is
-    allocated when it is issued. With ``inputs_freed_at_last_use`` (AOTAutograd's backward,
-    which releases saved tensors as it goes), inputs start counted and are freed too; the
-    result is then relative to the live bytes before the graph ran.
+    outputs. Aliases (views, waits, in-place ops) keep their storage root alive. A
+    collective's output is allocated when it is issued. Inputs are not counted and, by
+    default, not freed (a forward's inputs are parameters and user data held elsewhere). With
+    ``inputs_freed_at_last_use`` (a backward run with the boxed calling convention, which
+    drops each saved tensor at its last use) they start counted and are freed at last use; the
+    result is then relative to the live bytes before the graph.
     """
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
@@ -258,4 +272,5 @@ def calibrate_comm(group: torch.distributed.ProcessGroup | None = None, *, devic
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(model)))
         tmp.replace(path)
+    dist.barrier(group=group)  # the cache exists for every rank's next look
     return model

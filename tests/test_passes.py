@@ -149,3 +149,46 @@ def test_runner_rejects_a_pass_that_drops_metadata():
     gm = trace(lambda x: x * 2, (3,))
     with pytest.raises(ZeroFXError, match="careless.*without meta"):
         run_pipeline(gm, ctx("forward"), passes=(Pass("careless", careless_pass, ("forward",)),))
+
+
+def _two_layer_forward():
+    def fw(s1, s2, x):
+        w1 = unshard(s1, 2, "g", 64)
+        h = torch.relu(x @ w1.t())
+        h = torch.tanh(h) * 2 + 1
+        w2 = unshard(s2, 2, "g", 64)
+        return h @ w2.t()
+
+    return gather_pass(trace(fw, (32, 64), (32, 64), (8, 64)), ctx("forward"))
+
+
+@pytest.mark.parametrize("budget,expect_moved", [(0, False), (1 << 20, True)])
+def test_schedule_prefetches_within_the_memory_budget(budget, expect_moved):
+    from zerofx.options import Options
+    from zerofx.passes.cost_model import estimate_memory
+    from zerofx.passes.schedule import schedule_pass
+
+    gm = _two_layer_forward()
+    before = estimate_memory(gm).peak_bytes
+    c = PassContext("test", "forward", Options(prefetch_bytes=budget))
+    gm = schedule_pass(gm, c)
+    gm.graph.lint()
+    ag = index(gm, ALL_GATHER)
+    first_mm = index(gm, aten.mm.default)[0]
+    # gathering w2 before the first matmul holds both weights at once: only a budget allows it
+    assert (ag[1] < first_mm) == expect_moved
+    assert estimate_memory(gm).peak_bytes - before <= budget
+    assert "estimated peak" in c.messages[0]
+
+
+def test_cost_model_sizes_are_symbolic_in_dynamic_dims():
+    import sympy
+
+    from zerofx.passes.cost_model import node_bytes, node_flops
+
+    gm = make_fx(lambda x, w: torch.relu(x @ w), tracing_mode="symbolic")(torch.randn(5, 3), torch.randn(3, 4))
+    mm = next(n for n in gm.graph.nodes if n.target is aten.mm.default)
+    expr = node_bytes(mm, symbolic=True)
+    assert isinstance(expr, sympy.Expr) and expr.free_symbols
+    assert node_bytes(mm) == 5 * 4 * 4  # concrete hint
+    assert node_flops(mm) == 2 * 5 * 4 * 3

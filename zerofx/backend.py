@@ -29,15 +29,19 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from zerofx.codegen.executor import make_executor
 from zerofx.dump import Recorder
 from zerofx.options import Options
+from zerofx.passes.cost_model import MemoryEstimate, estimate_memory
 from zerofx.passes.free import check_no_gathered_saved, saved_values
 from zerofx.passes.fx_nodes import tensor_bytes
 from zerofx.passes.pipeline import PassContext, run_pipeline
 
 log = logging.getLogger(__name__)
 
-__all__ = ["zerofx_backend", "make_backend"]
+__all__ = ["zerofx_backend", "make_backend", "predict_step_peak", "memory_estimates"]
 
 _frame_ids = itertools.count()
+# (graph_id, stage) -> the cost model's memory estimate of the final graph, for every graph
+# compiled in this process; read by predict_step_peak and the dump
+memory_estimates: dict[tuple[str, str], MemoryEstimate] = {}
 _recorders: dict[str, Recorder] = {}
 _lock = threading.Lock()
 
@@ -80,14 +84,24 @@ class _FrameCompiler:
             check_no_gathered_saved(fw, num_fwd_outputs, self.graph_id)
         return fw, bw
 
+    def _finish(self, gm: fx.GraphModule, stage: str) -> Callable:
+        gm = self._run(gm, stage)
+        # the executor frees a backward's saved inputs at their last use
+        estimate = estimate_memory(gm, inputs_freed_at_last_use=(stage == "backward"))
+        memory_estimates[(self.graph_id, stage)] = estimate
+        if self.recorder is not None:
+            self.recorder.note(self.graph_id, stage, f"estimated peak {estimate.peak_bytes} B at "
+                                                     f"{estimate.peak_node}; outputs {estimate.output_bytes} B")
+        return self.execute(gm)
+
     def forward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
-        return self.execute(self._run(gm, "forward"))
+        return self._finish(gm, "forward")
 
     def backward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
-        return self.execute(self._run(gm, "backward"))
+        return self._finish(gm, "backward")
 
     def inference(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
-        return self.execute(self._run(gm, "inference"))
+        return self._finish(gm, "inference")
 
 
 def make_backend(options: Options | None = None, recorder: Recorder | None = None) -> Callable:
@@ -113,3 +127,20 @@ def zerofx_backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor], optio
                    **kwargs: Any) -> Callable:
     """Entry point for ``torch.compile(model, backend="zerofx", options={...})``."""
     return make_backend(Options.from_kwargs(options, **kwargs))(gm, example_inputs)
+
+
+def predict_step_peak(graph_ids: list[str]) -> int:
+    """Predicted peak bytes of forward + backward above the step's start, for frames run in
+    ``graph_ids`` order (backwards run in reverse): each forward's transient peak on top of
+    what earlier forwards saved, then each backward's peak on top of what is still saved (a
+    backward releases its frame's saved tensors only when it returns)."""
+    live = peak = 0
+    for gid in graph_ids:
+        fw = memory_estimates[(gid, "forward")]
+        peak = max(peak, live + fw.peak_bytes)
+        live += fw.output_bytes
+    for gid in reversed(graph_ids):
+        bw = memory_estimates[(gid, "backward")]
+        peak = max(peak, live + bw.peak_bytes)
+        live += bw.output_bytes - memory_estimates[(gid, "forward")].output_bytes
+    return peak

@@ -13,6 +13,7 @@ input); these numbers describe the algorithm, comparable across backends.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 __all__ = ["wire_bytes", "CollectiveCounter", "record_collectives", "ModelStateBytes", "model_state_bytes",
-           "local_nbytes", "COLLECTIVE_OPS"]
+           "local_nbytes", "COLLECTIVE_OPS", "AllocationTrace"]
 
 _F = torch.ops._c10d_functional
 
@@ -140,3 +141,64 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     opt_bytes += local_nbytes(value)
     return ModelStateBytes(param_bytes, grad_bytes, opt_bytes)
+
+
+class AllocationTrace:
+    """Live bytes over time as the allocator saw them, for CPU (profiler) and CUDA (allocator stats).
+
+    On CPU there is no allocator counter to read, and torch.compile does not run compiled code
+    under a dispatch mode, so a dispatch-level storage tracker would measure a different
+    (eager) program. The profiler's memory events do see every allocation and free made by
+    compiled and eager code alike, each with the running total of bytes allocated since the
+    trace started: that running total is the curve this class reads. Use ``mark()`` to take
+    timestamps between phases::
+
+        with AllocationTrace() as trace:
+            t0 = trace.mark(); step(); t1 = trace.mark()
+        trace.peak_between(t0, t1) - trace.live_at(t0)   # bytes a step needed above its start
+
+    Values are relative to the moment the trace started (tensors alive before are not seen).
+    """
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, int]] = []  # (time_ns, live bytes since start)
+        self._prof = None
+
+    def __enter__(self) -> AllocationTrace:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def mark(self) -> int:
+        """A timestamp on the profiler's clock (epoch nanoseconds)."""
+        return time.time_ns()
+
+    def __exit__(self, *exc: object) -> None:
+        self._prof.__exit__(*exc)
+        from torch._C._profiler import _EventType
+
+        events = []
+        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+                events.append((node.start_time_ns, node.extra_fields.total_allocated))
+            stack.extend(node.children)
+        self.events = sorted(events)
+
+    def live_at(self, t_ns: int) -> int:
+        live = 0
+        for t, total in self.events:
+            if t > t_ns:
+                break
+            live = total
+        return live
+
+    def peak_between(self, t0: int, t1: int) -> int:
+        return max([self.live_at(t0)] + [total for t, total in self.events if t0 <= t <= t1])
+
+    @property
+    def peak(self) -> int:
+        return max((total for _, total in self.events), default=0)

@@ -1,0 +1,276 @@
+"""Side-by-side training-step benchmark: zerofx against DDP, FSDP2 (eager and compiled), and a
+single process, on one model, one data stream and one world size per run.
+
+    python benchmarks/peers.py --world-sizes 2 4 --json results.json --markdown results.md
+
+Every method trains the same GPT (zerofx/models.py) from the same seed on the same token
+batches (each rank its slice of the global batch; the single process the whole batch), with
+AdamW. Per method and rank it measures:
+
+* median step time (forward + backward + optimizer step) over ``--steps`` steps after warm-up;
+* compile time: the first step's time minus the median;
+* peak memory: the most bytes alive during a steady-state step, counted by the allocator from
+  before the model was built (zerofx.metrics.AllocationTrace), so model state, optimizer
+  state, communication buffers and activations are all in;
+* model-state bytes: parameters + gradients + optimizer state held by the rank;
+* collective bytes per step per rank (zerofx.metrics NOTE: counting collective bytes): counted
+  for zerofx and FSDP2 eager; DDP's come from its C++ reducer, which no Python hook sees, so
+  they are the analytical 2·Ψ·(N-1)/N; compiled FSDP2 runs the same collectives as eager.
+
+Ratios are to FSDP2 eager of the same run. Compare within one run only: ranks share the
+machine's cores, so absolute times move with load and world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+SIZES = {
+    "small": dict(vocab_size=512, seq_len=128, n_layer=4, n_head=4, d_model=128),
+    "medium": dict(vocab_size=1024, seq_len=128, n_layer=6, n_head=8, d_model=256),
+}
+METHODS = ("ddp", "fsdp2", "fsdp2_compile", "zerofx", "zerofx_tuned")
+
+
+@dataclass(frozen=True)
+class Setup:
+    size: str
+    batch: int  # sequences per rank
+    steps: int
+    warmup: int
+    methods: tuple[str, ...]
+
+
+def _batches(cfg, setup: Setup, world: int, count: int):
+    gen = torch.Generator().manual_seed(1234)
+    for _ in range(count):
+        data = torch.randint(0, cfg.vocab_size, (setup.batch * world, cfg.seq_len + 1), generator=gen)
+        yield data[:, :-1], data[:, 1:]
+
+
+class _C10dCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of eager c10d collectives (FSDP2 eager issues them through the dispatcher)."""
+
+    def __init__(self, world: int):
+        super().__init__()
+        self.world, self.bytes = world, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from zerofx.metrics import wire_bytes
+
+        name = str(func)
+        share = lambda t: t.numel() * t.element_size()  # noqa: E731
+        if "_allgather_base" in name or "allgather_into_tensor_coalesced" in name:
+            out = args[0] if isinstance(args[0], torch.Tensor) else sum(share(t) for t in args[0])
+            self.bytes += wire_bytes("all_gather", share(out) if isinstance(out, torch.Tensor) else out, self.world)
+        elif "_reduce_scatter_base" in name or "reduce_scatter_tensor_coalesced" in name:
+            inp = args[1] if isinstance(args[1], torch.Tensor) else None
+            self.bytes += wire_bytes("reduce_scatter", share(inp) if inp is not None else 0, self.world)
+        elif "allreduce" in name:
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            self.bytes += wire_bytes("all_reduce", sum(share(t) for t in tensors), self.world)
+        return func(*args, **(kwargs or {}))
+
+
+def _build(method: str, cfg, mesh):
+    import zerofx
+    from zerofx.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if method == "single":
+        return model
+    if method == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    if method.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return torch.compile(model) if method == "fsdp2_compile" else model
+    if method == "zerofx":
+        return zerofx.compile(model, mesh)
+    if method == "zerofx_tuned":
+        psi = sum(p.numel() * p.element_size() for p in model.parameters())
+        # selective unsharding of up to half the model, constants measured on this mesh
+        return zerofx.compile(model, mesh, calibrate=True, keep_gathered_bytes=psi // 2)
+    raise ValueError(method)
+
+
+def _state_bytes(model, opt) -> int:
+    from zerofx.metrics import model_state_bytes
+
+    return model_state_bytes(model, opt).total
+
+
+def run_method(method: str, setup: Setup, rank: int, world: int, mesh) -> dict:
+    import zerofx
+    from zerofx.metrics import AllocationTrace
+    from zerofx.models import GPTConfig
+
+    cfg = GPTConfig(**SIZES[setup.size])
+    batches = list(_batches(cfg, setup, world, setup.warmup + setup.steps + 1))
+    mine = slice(rank * setup.batch, (rank + 1) * setup.batch) if method != "single" else slice(None)
+    times, comm_bytes = [], 0
+    with AllocationTrace() as trace:
+        model = _build(method, cfg, mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for i, (x, y) in enumerate(batches[: setup.warmup + 1]):
+            measured_step = i == setup.warmup
+            t0 = trace.mark()
+            start = time.perf_counter()
+            if method.startswith("zerofx") and measured_step:
+                with zerofx.CollectiveCounter() as comm:
+                    model(x[mine], y[mine]).backward()
+                comm_bytes = comm.total_bytes
+            elif method == "fsdp2" and measured_step:
+                counter = _C10dCounter(world)
+                with counter:
+                    model(x[mine], y[mine]).backward()
+                comm_bytes = counter.bytes
+            else:
+                model(x[mine], y[mine]).backward()
+            opt.step()
+            if measured_step:
+                state = _state_bytes(model, opt)
+            opt.zero_grad()
+            times.append(time.perf_counter() - start)
+            t1 = trace.mark()
+    peak = trace.peak_between(t0, t1)
+    step_start = trace.live_at(t0)
+    first = times[0]
+    for x, y in batches[setup.warmup + 1:]:
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        model(x[mine], y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times[setup.warmup + 1:])
+    if method == "ddp":
+        psi = sum(p.numel() * p.element_size() for p in model.parameters())
+        comm_bytes = 2 * psi * (world - 1) // world
+    if method == "fsdp2_compile":
+        comm_bytes = None
+    return {"step_s": median, "compile_s": max(first - median, 0.0), "peak_bytes": peak, "start_bytes": step_start,
+            "state_bytes": state, "comm_bytes": comm_bytes}
+
+
+def _rank_main(setup: Setup) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    out = {}
+    try:
+        for method in setup.methods:
+            try:
+                out[method] = run_method(method, setup, rank, world, mesh)
+            except Exception:
+                out[method] = {"error": traceback.format_exc(limit=6)}
+            torch._dynamo.reset()
+            dist.barrier()
+            if rank == 0:
+                print(f"  [{setup.size} w{world}] {method}: {out[method].get('step_s', 'failed')}", flush=True)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def run_world(setup: Setup, world: int) -> list[dict]:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"bench-{uuid.uuid4()}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                          monitor_interval=0.2, start_method="spawn")
+    results = elastic_launch(launch, _rank_main)(setup)
+    return [results[r] for r in range(world)]
+
+
+def summarize(size: str, world: int, per_rank: list[dict], single: dict | None) -> list[dict]:
+    rows = []
+    fsdp2 = [r.get("fsdp2", {}) for r in per_rank]
+    base = max(r["step_s"] for r in fsdp2) if all("step_s" in r for r in fsdp2) else None
+    methods = list(per_rank[0])
+    if single is not None:
+        rows.append({"size": size, "world": world, "method": "single (1 process, global batch)", **single,
+                     "ratio_to_fsdp2": single["step_s"] / base if base else None})
+    for m in methods:
+        ok = [r[m] for r in per_rank if "error" not in r[m]]
+        if len(ok) != len(per_rank):
+            err = next(r[m]["error"] for r in per_rank if "error" in r[m])
+            rows.append({"size": size, "world": world, "method": m, "error": err.strip().splitlines()[-1]})
+            continue
+        step = max(r["step_s"] for r in ok)  # the slowest rank sets the pace
+        rows.append({"size": size, "world": world, "method": m, "step_s": step,
+                     "compile_s": max(r["compile_s"] for r in ok),
+                     "peak_bytes": max(r["peak_bytes"] for r in ok),
+                     "state_bytes": max(r["state_bytes"] for r in ok),
+                     "comm_bytes": ok[0]["comm_bytes"],
+                     "ratio_to_fsdp2": step / base if base else None})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    mib = lambda b: "n/a" if b is None else f"{b / 2**20:.2f}"  # noqa: E731
+    lines = ["| size | N | method | step ms | ×FSDP2 eager | compile s | peak MiB/rank | state MiB/rank | comm MiB/step/rank |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['size']} | {r['world']} | {r['method']} | failed: {r['error']} | | | | | |")
+            continue
+        ratio = "n/a" if r.get("ratio_to_fsdp2") is None else f"{r['ratio_to_fsdp2']:.2f}"
+        lines.append(f"| {r['size']} | {r['world']} | {r['method']} | {r['step_s'] * 1e3:.1f} | {ratio} | "
+                     f"{r['compile_s']:.1f} | {mib(r['peak_bytes'])} | {mib(r['state_bytes'])} | {mib(r['comm_bytes'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes", nargs="+", default=["small"], choices=sorted(SIZES))
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--json", help="write the rows as JSON here")
+    parser.add_argument("--markdown", help="write the table here")
+    args = parser.parse_args(argv)
+
+    rows = []
+    for size in args.sizes:
+        for world in args.world_sizes:
+            setup = Setup(size, args.batch, args.steps, args.warmup, tuple(args.methods))
+            print(f"{size}, world size {world}:", flush=True)
+            torch.set_num_threads(1)
+            single = run_method("single", Setup(size, args.batch, args.steps, args.warmup, ("single",)), 0, world,
+                                None)
+            single["batch"] = args.batch * world
+            rows += summarize(size, world, run_world(setup, world), single)
+    table = markdown(rows)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, f, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
