@@ -138,11 +138,6 @@ def estimate_memory(gm: fx.GraphModule, inputs_freed_at_last_use: bool = False) 
 
 # --------------------------------------------------------------------------------- compute --
 
-def _numel(val: object) -> int:
-    return int(tensor_bytes(val) // max(getattr(val, "element_size", lambda: 1)(), 1)) if isinstance(
-        val, torch.Tensor) else 0
-
-
 def node_flops(node: fx.Node) -> int:
     """Floating-point operations of one ATen node (matmuls and attention exactly, others ~numel)."""
     if node.op != "call_function" or is_alias(node) or node.target in COLLECTIVE_OPS:
@@ -166,7 +161,8 @@ def node_flops(node: fx.Node) -> int:
         batch = math.prod(q[:-2])
         flops = 4 * batch * q[-2] * k[-2] * q[-1]
         return flops * 2 if "backward" in name else flops
-    return _numel(node.meta.get("val"))
+    val = node.meta.get("val")
+    return tensor_bytes(val) // val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
 @dataclass(frozen=True)

@@ -60,10 +60,3 @@ def first_user(node: fx.Node) -> fx.Node:
     """The user of ``node`` that comes first in graph order."""
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     return min(node.users, key=order.__getitem__)
-
-
-def tensor_bytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return 0
-    return val.numel() * val.element_size()

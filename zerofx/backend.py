@@ -29,9 +29,8 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from zerofx.codegen.executor import make_executor
 from zerofx.dump import Recorder
 from zerofx.options import Options
-from zerofx.passes.cost_model import MemoryEstimate, estimate_memory
+from zerofx.passes.cost_model import MemoryEstimate, estimate_memory, tensor_bytes
 from zerofx.passes.free import check_no_gathered_saved, saved_values
-from zerofx.passes.fx_nodes import tensor_bytes
 from zerofx.passes.pipeline import PassContext, run_pipeline
 
 log = logging.getLogger(__name__)
@@ -79,7 +78,7 @@ class _FrameCompiler:
         if self.recorder is not None:
             self.recorder.note(self.graph_id, "forward",
                                f"saved for backward: {len(saved)} tensors, "
-                               f"{sum(tensor_bytes(n) for n in saved)} B ({', '.join(n.name for n in saved)})")
+                               f"{sum(tensor_bytes(n.meta.get('val')) for n in saved)} B ({', '.join(n.name for n in saved)})")
         if self.options.verify and "free" not in self.options.disable_passes:
             check_no_gathered_saved(fw, num_fwd_outputs, self.graph_id)
         return fw, bw

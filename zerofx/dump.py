@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import fx
 
 from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, wire_bytes
-from zerofx.passes.fx_nodes import tensor_bytes
+from zerofx.passes.cost_model import tensor_bytes
 from zerofx.passes.pipeline import PassContext
 
 
@@ -42,7 +42,7 @@ def _graph_code(gm: fx.GraphModule) -> str:
 
 def _collective_line(node: fx.Node) -> str:
     spec = COLLECTIVE_OPS[node.target]
-    nbytes = tensor_bytes(node if spec.sized == "out" else node.args[0])
+    nbytes = tensor_bytes((node if spec.sized == "out" else node.args[0]).meta.get("val"))
     wire = wire_bytes(spec.kind, nbytes, collective_group_size(spec, node.args))
     val = node.meta["val"]
     dtype = str(val.dtype).replace("torch.", "")
