@@ -7,6 +7,7 @@ or, in two steps, ``zerofx.shard(model, mesh)`` then ``torch.compile(model, back
 """
 
 from zerofx import ops as _ops  # noqa: F401  (registers the zerofx:: marker ops)
+from zerofx.accumulation import no_sync
 from zerofx.api import compile, explain
 from zerofx.errors import ZeroFXError
 from zerofx.metrics import CollectiveCounter, model_state_bytes
@@ -15,4 +16,4 @@ from zerofx.sharding import shard
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "explain", "shard", "Options", "ZeroFXError", "CollectiveCounter", "model_state_bytes"]
+__all__ = ["compile", "explain", "shard", "no_sync", "Options", "ZeroFXError", "CollectiveCounter", "model_state_bytes"]
