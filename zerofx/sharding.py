@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils._pytree import tree_map
 
 from zerofx.errors import ZeroFXError
+from zerofx.loss_scaling import make_loss_scaler
 from zerofx.options import Options
 from zerofx.params import GroupInfo, ModelRuntime, ParamState, runtime_of, track
 
@@ -179,11 +180,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     model._zerofx_options = opts
     runtime = ModelRuntime(stage=opts.stage)
     model._zerofx_runtime = runtime
-    if opts.loss_scale == "dynamic":
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        runtime.scaler = ShardedGradScaler(device=mesh.device_type, init_scale=opts.initial_loss_scale,
-                                           growth_interval=opts.loss_scale_window)
+    runtime.scaler = make_loss_scaler(opts, mesh)
     if mesh.size() == 1 and opts.param_dtype is None:
         log.info("zerofx: mesh has one rank; parameters stay whole")
         return model
