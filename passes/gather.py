@@ -48,10 +48,11 @@ def _dedupe_markers(gm: fx.GraphModule) -> None:
 
 def _replace(gm: fx.GraphModule, marker: fx.Node, value: fx.Node) -> None:
     """Use ``value`` for ``marker``; a graph output keeps its own copy (outputs must not alias inputs)."""
-    if any(user.op == "output" for user in marker.users) and value.op == "placeholder":
+    marker.replace_all_uses_with(value, delete_user_cb=lambda user: user.op != "output" or value.op != "placeholder")
+    if marker.users:  # returned as a graph output while ``value`` is a graph input
         with gm.graph.inserting_before(marker):
-            value = insert_call(gm, aten.clone.default, (value,), role="gather")
-    marker.replace_all_uses_with(value)
+            copy = insert_call(gm, aten.clone.default, (value,), role="gather")
+        marker.replace_all_uses_with(copy)
     gm.graph.erase_node(marker)
 
 
