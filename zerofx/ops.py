@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from zerofx.metrics import record_collectives, wire_bytes
 
-__all__ = ["padded_rows", "local_rows", "unshard", "reduce_grad", "read_full", "sync_grad", "all_reduce_grad",
+__all__ = ["padded_rows", "local_rows", "row_offset", "unshard", "reduce_grad", "read_full", "sync_grad", "all_reduce_grad",
            "local_grad", "FORWARD_MARKERS", "GRAD_MARKERS"]
 
 _F = torch.ops._c10d_functional
@@ -61,6 +61,11 @@ def local_rows(full_rows: int, group_size: int, rank: int) -> int:
     """Real (unpadded) rows of ``rank``'s shard under torch.chunk semantics."""
     rows = padded_rows(full_rows, group_size)
     return max(0, min(rows, full_rows - rank * rows))
+
+
+def row_offset(full_rows: int, group_size: int, rank: int) -> int:
+    """First row of ``rank``'s shard (``full_rows`` for a rank holding none)."""
+    return min(full_rows, padded_rows(full_rows, group_size) * rank)
 
 
 def _nbytes(t: torch.Tensor) -> int:

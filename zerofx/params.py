@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
+from zerofx.ops import local_rows, row_offset
+
 __all__ = ["GroupInfo", "ParamState", "ModelRuntime"]
 
 
@@ -75,15 +77,11 @@ class ParamState:
 
     @property
     def shard_rows(self) -> int:
-        from zerofx.ops import local_rows
-
         return local_rows(self.full_rows, self.shard_group.size, self.shard_group.rank)
 
     @property
-    def row_offset(self) -> int:
-        from zerofx.ops import padded_rows
-
-        return min(self.full_rows, padded_rows(self.full_rows, self.shard_group.size) * self.shard_group.rank)
+    def first_row(self) -> int:
+        return row_offset(self.full_rows, self.shard_group.size, self.shard_group.rank)
 
     def forward_value(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The whole parameter for forward, through the markers of this stage and mode."""
@@ -135,7 +133,7 @@ class ParamState:
         if self.runtime.stage == 1 and not self.whole and pending.dtype == reduced.dtype:
             # ZeRO-1 keeps the whole gradient buffer: this rank's averaged rows land back in it
             # and the optimizer's gradient shard is a view of them (see docs/zero_stages.md)
-            rows = pending[self.row_offset: self.row_offset + self.shard_rows]
+            rows = pending[self.first_row: self.first_row + self.shard_rows]
             rows.copy_(reduced)
             reduced = rows
         self.param.grad = DTensor.from_local(reduced, self.param.device_mesh, self.param.placements,

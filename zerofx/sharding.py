@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_map
 
 from zerofx.errors import ZeroFXError
 from zerofx.loss_scaling import make_loss_scaler
+from zerofx.ops import row_offset
 from zerofx.options import Options
 from zerofx.params import GroupInfo, ModelRuntime, ParamState, runtime_of, track
 
@@ -132,9 +133,8 @@ def _make_state(qualname: str, param: nn.Parameter, mesh: DeviceMesh, opts: Opti
         full = torch.empty(param.shape, dtype=compute or master, device=param.device)
         if compute is None:
             # the shard is a view of its own rows of the whole copy: no second copy of them
-            rows = dt.to_local().shape[0]
-            offset = min(param.shape[0], -(-param.shape[0] // shard_group.size) * shard_group.rank)
-            view = full.detach()[offset: offset + rows]
+            offset = row_offset(param.shape[0], shard_group.size, shard_group.rank)
+            view = full.detach()[offset: offset + dt.to_local().shape[0]]
             view.copy_(dt.to_local())
             dt = DTensor.from_local(view, mesh, placements, shape=dt.shape, stride=dt.stride())
     new_param = nn.Parameter(dt, requires_grad=param.requires_grad)
