@@ -5,7 +5,10 @@ Bytes are counted per rank, as the ZeRO paper and nccl-tests' "bus bandwidth" co
 ring algorithms: an all-gather of an ``S``-byte output moves ``S·(N-1)/N`` bytes into each rank,
 a reduce-scatter of an ``S``-byte input moves ``S·(N-1)/N`` out of each rank, an all-reduce
 (reduce-scatter + all-gather) ``2·S·(N-1)/N``. So ZeRO-3 moves ``3·Ψ·(N-1)/N`` per step (forward
-gather, backward re-gather, gradient reduce-scatter; Ψ = parameter bytes) and DDP ``2·Ψ·(N-1)/N``.
+gather, backward re-gather, gradient reduce-scatter; Ψ = parameter bytes), ZeRO-1/2 and DDP
+``2·Ψ·(N-1)/N`` (ZeRO-1/2: gradient reduce-scatter, then the all-gather of updated shards after
+the optimizer step). Collectives zerofx runs outside graphs (ZeRO-1's end-of-backward reduce,
+the post-step all-gather) go through the same marker ops and are counted the same way.
 The backend's actual traffic can differ (gloo runs reduce_scatter as an all-reduce of the whole
 input); these numbers describe the algorithm, comparable across backends.
 """
