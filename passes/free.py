@@ -7,7 +7,10 @@ input of ``mm`` backward), which would keep every gathered parameter alive from 
 backward: ZeRO-3 would hold the whole model unsharded at the peak. This pass marks the gather
 chain — each ``zerofx::unshard`` marker and the pure views of its output — as MUST_RECOMPUTE in
 the joint graph, so the backward re-runs the marker (a re-gather) wherever it needs the weight
-and the forward saves only shards and activations.
+and the forward saves only shards and activations. The markers of values a rank holds whole
+(``read_full``, ``sync_grad``, ``local_grad``: stages 1 and 2, small parameters, no-sync
+micro-batches) are tagged the same way: re-running them costs nothing once lowered, and saving
+their results would save a second copy of a whole parameter.
 
 Selective unsharding (``Options.keep_gathered_bytes``, DeepCompile's idea) is the one
 exception, decided here with the cost model: within that budget, some gathered parameters are
@@ -25,18 +28,19 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from zerofx.errors import ZeroFXError
 from zerofx.metrics import wire_bytes
-from zerofx.ops import UNSHARD
+from zerofx.ops import FORWARD_MARKERS, UNSHARD
 from zerofx.passes.cost_model import CostModel, tensor_bytes
 from zerofx.passes.fx_nodes import is_view
 from zerofx.passes.pipeline import PassContext
 
 
 def gather_chain(graph: fx.Graph) -> list[fx.Node]:
-    """Every ``unshard`` marker and every view reachable from one only through views."""
+    """Every forward marker (``unshard`` and the markers of whole values) and every view
+    reachable from one only through views."""
     chain: list[fx.Node] = []
     in_chain: set[fx.Node] = set()
     for node in graph.nodes:  # topological order: producers come first
-        if node.target is UNSHARD or (is_view(node) and node.args and node.args[0] in in_chain):
+        if node.target in FORWARD_MARKERS or (is_view(node) and node.args and node.args[0] in in_chain):
             chain.append(node)
             in_chain.add(node)
     return chain
@@ -100,8 +104,11 @@ def free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
         node.meta["zerofx_role"] = "kept_gather" if keep else "gather"
     if chain:
-        markers = sum(1 for n in chain if n.target is UNSHARD)
-        ctx.report(f"tagged MUST_RECOMPUTE: {markers - len(kept)} unshard markers and views of them")
+        gathers = sum(1 for n in chain if n.target is UNSHARD)
+        others = sum(1 for n in chain if n.target in FORWARD_MARKERS) - gathers
+        views = len(chain) - gathers - others
+        whole = f", {others} markers of whole values" if others else ""
+        ctx.report(f"tagged MUST_RECOMPUTE: {gathers - len(kept)} unshard markers{whole} and {views} views of them")
     if kept:
         held = sum(tensor_bytes(m.meta["val"]) for m in kept)
         ctx.report(f"selective unsharding: kept {len(kept)} gathered parameters for backward, {held} B "

@@ -20,6 +20,7 @@ ALL_GATHER = _F.all_gather_into_tensor.default
 REDUCE_SCATTER = _F.reduce_scatter_tensor.default
 ALL_REDUCE = _F.all_reduce.default
 WAIT = _F.wait_tensor.default
+CONVERT = torch.ops.prims.convert_element_type.default
 
 from zerofx.metrics import COLLECTIVE_OPS  # noqa: E402  (one table of collectives for all of zerofx)
 
@@ -54,6 +55,24 @@ def is_view(node: fx.Node) -> bool:
     """True for ATen view ops (outputs alias their first input, no data is computed)."""
     target = node.target
     return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+def full_args(node: fx.Node) -> tuple:
+    """``node``'s arguments in schema order, defaults filled in, and stored back positionally.
+
+    Marker ops have trailing optional arguments (dtypes) that tracing may leave out or pass by
+    keyword; passes read and compare markers by position, so they normalize them first."""
+    schema = node.target._schema
+    args = []
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            args.append(node.args[i])
+        elif arg.name in node.kwargs:
+            args.append(node.kwargs[arg.name])
+        else:
+            args.append(arg.default_value)
+    node.args, node.kwargs = tuple(args), {}
+    return node.args
 
 
 def first_user(node: fx.Node) -> fx.Node:

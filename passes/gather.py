@@ -1,16 +1,24 @@
-"""gather: lower each ``zerofx::unshard`` marker into an asynchronous all-gather and its wait.
+"""gather: make each parameter's full value available where the forward markers ask for it.
 
-IR produced, for a shard ``s`` of a parameter with ``R`` rows over ``N`` ranks
-(``r = ceil(R / N)``; the pad and the slice only appear when ``N`` does not divide ``R``)::
+``unshard`` becomes an asynchronous all-gather and its wait. IR produced, for a shard ``s`` of a
+parameter with ``R`` rows over ``N`` ranks (``r = ceil(R / N)``; the cast only appears with
+mixed precision, the pad and the slice only when ``N`` does not divide ``R``)::
 
-    p  = aten.constant_pad_nd(s, [..., 0, r - s.rows])          # equal-sized all-gather input
+    c  = prims.convert_element_type(s, bf16)                    # cast BEFORE the gather: half the bytes
+    p  = aten.constant_pad_nd(c, [..., 0, r - s.rows])          # equal-sized all-gather input
     ag = _c10d_functional.all_gather_into_tensor(p, N, group)   # issued where the marker was
     w  = _c10d_functional.wait_tensor(ag)                       # just before the first use
     full = aten.slice(w, 0, 0, R)                               # drop the padding (a view)
 
-Markers that gather the same shard with the same layout in one graph (a tied weight read by
-two modules) become one gather. The schedule pass moves issue and wait to overlap compute;
-here the issue sits where the parameter is first needed, which keeps peak memory minimal.
+The other forward markers need no communication in the forward, only in their backward (which
+the reduce pass lowers): ``read_full(shard, full)`` becomes ``full`` (stages 1 and 2 keep the
+whole parameter), ``sync_grad(x)`` becomes ``x`` or its cast (whole parameters), and
+``local_grad(x, sink)`` becomes ``x``. Their eager implementations copy because custom ops may
+not return an input; once lowered, no copy is made.
+
+Markers that read the same value with the same layout in one graph (a tied weight read by two
+modules) become one. The schedule pass moves issue and wait to overlap compute; here the issue
+sits where the parameter is first needed, which keeps peak memory minimal.
 """
 
 from __future__ import annotations
@@ -18,8 +26,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerofx.ops import UNSHARD, padded_rows
-from zerofx.passes.fx_nodes import ALL_GATHER, WAIT, first_user, insert_call
+from zerofx.ops import FORWARD_MARKERS, LOCAL_GRAD, READ_FULL, UNSHARD, padded_rows
+from zerofx.passes.fx_nodes import ALL_GATHER, CONVERT, WAIT, first_user, full_args, insert_call
 from zerofx.passes.pipeline import PassContext
 
 aten = torch.ops.aten
@@ -27,10 +35,10 @@ aten = torch.ops.aten
 
 def _dedupe_markers(gm: fx.GraphModule) -> None:
     seen: dict[tuple, fx.Node] = {}
-    for node in list(gm.graph.nodes):
-        if node.target is not UNSHARD:
+    for node in list(gm.graph.nodes):  # producers first, so a deduped input makes its users equal
+        if node.target not in FORWARD_MARKERS:
             continue
-        key = tuple(node.args)
+        key = (node.target, *full_args(node))
         if key in seen:
             node.replace_all_uses_with(seen[key])
             gm.graph.erase_node(node)
@@ -38,24 +46,62 @@ def _dedupe_markers(gm: fx.GraphModule) -> None:
             seen[key] = node
 
 
-def gather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Turn "this shard is needed whole here" into a real all-gather the scheduler can move."""
-    _dedupe_markers(gm)
-    for marker in [n for n in gm.graph.nodes if n.target is UNSHARD]:
-        shard, group_size, group_name, full_rows = marker.args
-        rows = padded_rows(full_rows, group_size)
-        shard_rows = shard.meta["val"].shape[0]
+def _replace(gm: fx.GraphModule, marker: fx.Node, value: fx.Node) -> None:
+    """Use ``value`` for ``marker``; a graph output keeps its own copy (outputs must not alias inputs)."""
+    marker.replace_all_uses_with(value, delete_user_cb=lambda user: user.op != "output" or value.op != "placeholder")
+    if marker.users:  # returned as a graph output while ``value`` is a graph input
         with gm.graph.inserting_before(marker):
-            src = shard
-            if shard_rows < rows:
-                pad = [0, 0] * (shard.meta["val"].dim() - 1) + [0, rows - shard_rows]
-                src = insert_call(gm, aten.constant_pad_nd.default, (shard, pad), role="gather")
-            gathered = insert_call(gm, ALL_GATHER, (src, group_size, group_name), role="gather")
-        with gm.graph.inserting_before(first_user(marker)):
-            waited = insert_call(gm, WAIT, (gathered,), role="gather")
-            full = waited
-            if rows * group_size != full_rows:
-                full = insert_call(gm, aten.slice.Tensor, (waited, 0, 0, full_rows), role="gather")
-        marker.replace_all_uses_with(full)
-        gm.graph.erase_node(marker)
+            copy = insert_call(gm, aten.clone.default, (value,), role="gather")
+        marker.replace_all_uses_with(copy)
+    gm.graph.erase_node(marker)
+
+
+def _lower_unshard(gm: fx.GraphModule, marker: fx.Node) -> None:
+    shard, group_size, group_name, full_rows, compute_dtype, _ = full_args(marker)
+    rows = padded_rows(full_rows, group_size)
+    shard_rows = shard.meta["val"].shape[0]
+    with gm.graph.inserting_before(marker):
+        src = shard
+        if compute_dtype is not None and compute_dtype != shard.meta["val"].dtype:
+            src = insert_call(gm, CONVERT, (src, compute_dtype), role="gather")
+        if shard_rows < rows:
+            pad = [0, 0] * (shard.meta["val"].dim() - 1) + [0, rows - shard_rows]
+            src = insert_call(gm, aten.constant_pad_nd.default, (src, pad), role="gather")
+        gathered = insert_call(gm, ALL_GATHER, (src, group_size, group_name), role="gather")
+    with gm.graph.inserting_before(first_user(marker)):
+        waited = insert_call(gm, WAIT, (gathered,), role="gather")
+        full = waited
+        if rows * group_size != full_rows:
+            full = insert_call(gm, aten.slice.Tensor, (waited, 0, 0, full_rows), role="gather")
+    marker.replace_all_uses_with(full)
+    gm.graph.erase_node(marker)
+
+
+def _lower_identity(gm: fx.GraphModule, marker: fx.Node) -> None:
+    args = full_args(marker)
+    if marker.target is READ_FULL:
+        _replace(gm, marker, args[1])
+    elif marker.target is LOCAL_GRAD:
+        _replace(gm, marker, args[0])
+    else:  # SYNC_GRAD(x, group_size, group_name, compute_dtype, reduce_dtype)
+        x, compute_dtype = args[0], args[3]
+        if compute_dtype is not None and compute_dtype != x.meta["val"].dtype:
+            with gm.graph.inserting_before(marker):
+                x = insert_call(gm, CONVERT, (x, compute_dtype), role="gather")
+        _replace(gm, marker, x)
+
+
+def gather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Turn "this parameter is needed whole here" into an all-gather the scheduler can move, or
+    into nothing where the rank holds the whole value already."""
+    _dedupe_markers(gm)
+    identities = 0
+    for marker in [n for n in gm.graph.nodes if n.target in FORWARD_MARKERS]:
+        if marker.target is UNSHARD:
+            _lower_unshard(gm, marker)
+        else:
+            _lower_identity(gm, marker)
+            identities += 1
+    if identities:
+        ctx.report(f"{identities} markers of whole values (read_full/sync_grad/local_grad) need no gather")
     return gm

@@ -12,14 +12,20 @@ Where passes run. AOTAutograd hands zerofx three kinds of graph per dynamo frame
     backward   the backward half                     lower markers into collectives
     inference  forward without autograd              lower markers into collectives
 
-Each pass declares the stages it applies to. ZeRO-3's pipeline, in order:
+Each pass declares the (graph) stages it applies to. The pipeline, in order:
 
-    free      (joint)                       gathered params are recomputed in backward, never saved
-                                            (except those selective unsharding keeps)
-    gather    (forward, backward, inference) unshard markers -> all_gather + wait before first use
-    reduce    (backward)                    reduce_grad markers -> reduce_scatter(avg) into the shard
+    free      (joint)                       forward markers are recomputed in backward, never saved
+                                            (except gathers selective unsharding keeps)
+    gather    (forward, backward, inference) unshard -> [cast] all_gather + wait before first use;
+                                            read_full / sync_grad / local_grad -> their input
+    reduce    (backward)                    reduce_grad -> reduce_scatter(avg) into the shard;
+                                            all_reduce_grad -> all_reduce(avg)
     bucket    (forward, backward, inference) neighbouring collectives merged up to a byte cap
     schedule  (forward, backward, inference) prefetch all-gathers, defer reduce-scatter waits
+
+ZeRO stages 1/2/3, the persistence threshold, hybrid meshes and no-sync accumulation are not
+separate pipelines: they put different markers into the captured graphs (``zerofx.params``,
+NOTE: markers per stage), and these same passes lower whatever markers they find.
 """
 
 from __future__ import annotations

@@ -97,3 +97,66 @@ def test_dump_dir_from_environment(monkeypatch, tmp_path):
     assert zerofx.Options().dump_dir == str(tmp_path)
     monkeypatch.delenv("ZEROFX_DUMP")
     assert zerofx.Options().dump_dir is None
+
+
+def test_incompatible_or_bad_zero_options_name_the_option():
+    with pytest.raises(ZeroFXError, match=r"option stage=4: choose 1, 2 or 3"):
+        zerofx.Options(stage=4)
+    for stage in (1, 2):
+        with pytest.raises(ZeroFXError, match=rf"option persistence_threshold=100 only applies to stage 3.*stage {stage}"):
+            zerofx.Options(stage=stage, persistence_threshold=100)
+    with pytest.raises(ZeroFXError, match=r"option persistence_threshold=-1"):
+        zerofx.Options(persistence_threshold=-1)
+    with pytest.raises(ZeroFXError, match=r"option loss_scale is required with param_dtype=torch.float16"):
+        zerofx.Options(param_dtype=torch.float16)
+    with pytest.raises(ZeroFXError, match=r"option loss_scale is required with reduce_dtype=torch.float16"):
+        zerofx.Options(param_dtype="bf16", reduce_dtype="fp16")
+    with pytest.raises(ZeroFXError, match=r"option param_dtype='int8'"):
+        zerofx.Options(param_dtype="int8")
+    with pytest.raises(ZeroFXError, match=r"option loss_scale='static'"):
+        zerofx.Options(loss_scale="static")
+    with pytest.raises(ZeroFXError, match=r"option loss_scale_window=0"):
+        zerofx.Options(loss_scale_window=0)
+    ok = zerofx.Options(param_dtype="fp16", loss_scale="dynamic", reduce_dtype="float32")
+    assert ok.param_dtype is torch.float16 and ok.reduce_dtype is torch.float32
+    assert zerofx.Options(param_dtype=torch.float32).param_dtype is None  # fp32 compute is no mixed precision
+
+
+def test_a_3d_mesh_is_a_clear_error_naming_the_mesh(one_rank):
+    mesh3 = DeviceMesh("cpu", torch.arange(1).view(1, 1, 1), _init_backend=False)
+    with pytest.raises(ZeroFXError, match=r"mesh: zerofx shards over a 1-D mesh .* or a 2-D mesh .*got a 3-D mesh \(1, 1, 1\)"):
+        zerofx.compile(nn.Linear(2, 2), mesh3)
+
+
+def test_layout_options_are_decided_where_the_model_is_sharded(one_rank):
+    with pytest.raises(Exception, match=r"option stage is decided when parameters are sharded.*zerofx.shard"):
+        torch.compile(nn.Linear(2, 2), backend="zerofx", options={"stage": 2})(torch.randn(1, 2))
+    torch._dynamo.reset()
+    model = nn.Linear(2, 2)
+    zerofx.shard(model, one_rank, stage=2)
+    with pytest.raises(ZeroFXError, match=r"option stage=3 differs from the one the model was sharded with \(2\)"):
+        zerofx.compile(model, stage=3)
+    with pytest.raises(ZeroFXError, match="option loss_scale: this model has no loss scaler"):
+        zerofx.loss_scaler(model)
+    with pytest.raises(ZeroFXError, match="no_sync needs a model sharded by zerofx"):
+        with zerofx.no_sync(nn.Linear(2, 2)):
+            pass
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_world_size_one_with_bf16_goes_through_the_markers(one_rank, stage):
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    zerofx.compile(model, one_rank, stage=stage, param_dtype=torch.bfloat16)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    for _ in range(2):
+        x, y = torch.randn(4, 16), torch.randn(4, 8)
+        loss, ref_loss = model(x, y), ref(x, y)
+        assert loss.dtype is torch.bfloat16
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=2.0**-7)  # see tests/test_zero_stages.py
+        for m, o, l in ((model, opt, loss), (ref, ref_opt, ref_loss)):
+            l.backward()
+            o.step()
+            o.zero_grad()
+    assert {p.to_local().dtype for p in model.parameters()} == {torch.float32}

@@ -192,3 +192,79 @@ def test_cost_model_sizes_are_symbolic_in_dynamic_dims():
     assert isinstance(expr, sympy.Expr) and expr.free_symbols
     assert node_bytes(mm) == 5 * 4 * 4  # concrete hint
     assert node_flops(mm) == 2 * 5 * 4 * 3
+
+
+read_full = torch.ops.zerofx.read_full
+sync_grad = torch.ops.zerofx.sync_grad
+all_reduce_grad = torch.ops.zerofx.all_reduce_grad
+local_grad = torch.ops.zerofx.local_grad
+CONVERT = torch.ops.prims.convert_element_type.default
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+
+
+def test_gather_casts_the_shard_before_the_all_gather():
+    """Mixed precision: the fp32 shard is cast to bf16 first, so the all-gather moves bf16."""
+    gm = gather_pass(trace(lambda s, x: x.to(torch.bfloat16) @ unshard(s, 4, "g", 10, torch.bfloat16).t(),
+                           (3, 5), (2, 5)), ctx("forward"))
+    (convert,) = [n for n in gm.graph.nodes if n.target is CONVERT and n.args[0].op == "placeholder"
+                  and tuple(n.args[0].meta["val"].shape) == (3, 5)]
+    (ag,) = [n for n in gm.graph.nodes if n.target is ALL_GATHER]
+    assert ag.args[0] is convert and ag.meta["val"].dtype == torch.bfloat16
+    assert tuple(ag.meta["val"].shape) == (12, 5)
+
+
+def test_gather_lowers_markers_of_whole_values_to_their_inputs():
+    def fw(s, full, x, sink):
+        a = read_full(s, full, 2, "g") * 2           # stages 1/2: the whole copy, no collective
+        b = sync_grad(x, 2, "g", torch.bfloat16)      # a whole parameter, computed in bf16
+        c = local_grad(full, sink) + 1                # no-sync: the value itself
+        return a, b, c, read_full(s, full, 2, "g")    # returned directly: must not alias an input
+
+    gm = gather_pass(trace(fw, (3, 5), (6, 5), (4,), (6, 5)), ctx("forward"))
+    targets = ops(gm)
+    assert not {read_full.default, sync_grad.default, local_grad.default} & set(targets)
+    assert ALL_GATHER not in targets
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    mul = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor)
+    assert mul.args[0] is placeholders[1]  # read_full -> full
+    convert = next(n for n in gm.graph.nodes if n.target is CONVERT)
+    assert convert.args == (placeholders[2], torch.bfloat16)  # sync_grad -> its cast
+    out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    assert out[3].target is aten.clone.default  # the output keeps its own copy
+
+
+def test_reduce_lowers_all_reduce_grad_and_casts_around_collectives():
+    def bw(g1, g2):
+        a = all_reduce_grad(g1, 2, "g", torch.float32, torch.float32)       # bf16 grad, fp32 reduce
+        b = reduce_grad(g2, 2, "g", 3, torch.float32, torch.float32)
+        return a, b
+
+    gm = trace(bw, (4,), (6, 5))
+    for n in gm.graph.nodes:  # make the gradients bf16, as a bf16 backward produces them
+        if n.op == "placeholder":
+            n.meta["val"] = n.meta["val"].to(torch.bfloat16)
+    gm = reduce_pass(gm, ctx("backward"))
+    (ar,) = [n for n in gm.graph.nodes if n.target is ALL_REDUCE]
+    (rs,) = [n for n in gm.graph.nodes if n.target is REDUCE_SCATTER]
+    assert ar.args[1] == "avg" and ar.args[0].target is CONVERT and ar.meta["val"].dtype == torch.float32
+    assert rs.args[0].target is CONVERT and rs.args[0].args[1] == torch.float32
+    assert not {all_reduce_grad.default, reduce_grad.default} & set(ops(gm))
+    assert ops(gm).count(WAIT) == 2
+
+
+def test_reduce_merges_tied_all_reduce_grads_but_not_different_markers():
+    same = reduce_pass(trace(lambda a, b: all_reduce_grad(a, 2, "g") + all_reduce_grad(b, 2, "g"), (4,), (4,)),
+                       ctx("backward"))
+    assert ops(same).count(ALL_REDUCE) == 1
+    mixed = reduce_pass(trace(lambda a, b: all_reduce_grad(a, 2, "g") + reduce_grad(b, 1, "g", 4), (4,), (4,)),
+                        ctx("backward"))
+    assert ops(mixed).count(ALL_REDUCE) == 1 and ops(mixed).count(REDUCE_SCATTER) == 1
+
+
+def test_free_tags_every_forward_marker():
+    gm = trace(lambda s, full, x, sink: x @ read_full(s, full, 2, "g").t() + local_grad(sync_grad(x @ full.t(), 2, "g"), sink),
+               (3, 5), (6, 5), (2, 5), (2, 6))
+    gm = free_pass(gm, ctx("joint"))
+    tagged = {n.target for n in gm.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
+    assert {read_full.default, sync_grad.default, local_grad.default, aten.t.default} <= tagged
+    assert aten.mm.default not in tagged

@@ -3,16 +3,24 @@
     model = zerofx.compile(model, mesh)              # ZeRO-3: parameters become 1/N shards
     opt = torch.optim.AdamW(model.parameters())      # so optimizer state is 1/N too
 
+``zerofx.compile(model, mesh, stage=1 or 2, param_dtype=torch.bfloat16, ...)`` picks another ZeRO
+stage or mixed precision (see ``zerofx.Options``); a 2-D mesh ``(replicate, shard)`` shards
+hybridly; ``zerofx.no_sync`` accumulates gradients; ``zerofx.checkpoint`` saves and loads.
+
 or, in two steps, ``zerofx.shard(model, mesh)`` then ``torch.compile(model, backend="zerofx")``.
 """
 
 from zerofx import ops as _ops  # noqa: F401  (registers the zerofx:: marker ops)
+from zerofx import checkpoint
+from zerofx.accumulation import no_sync
 from zerofx.api import compile, explain
 from zerofx.errors import ZeroFXError
+from zerofx.loss_scaling import loss_scaler
 from zerofx.metrics import CollectiveCounter, model_state_bytes
 from zerofx.options import Options
 from zerofx.sharding import shard
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "explain", "shard", "Options", "ZeroFXError", "CollectiveCounter", "model_state_bytes"]
+__all__ = ["compile", "explain", "shard", "no_sync", "loss_scaler", "checkpoint", "Options", "ZeroFXError",
+           "CollectiveCounter", "model_state_bytes"]

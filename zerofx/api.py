@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zerofx.backend import make_backend
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError
-from zerofx.options import Options
+from zerofx.options import LAYOUT_OPTIONS, Options
 from zerofx.sharding import is_sharded, mesh_of, shard
 
 __all__ = ["compile", "explain"]
@@ -29,7 +29,8 @@ def _enter(fn):
 
 
 def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) -> nn.Module:
-    """Shard ``model`` over ``mesh`` (ZeRO-3) and compile it with the zerofx pipeline, in place.
+    """Shard ``model`` over ``mesh`` (ZeRO-3 by default, ``stage=1``/``2`` on request) and
+    compile it with the zerofx pipeline, in place.
 
     Returns ``model`` itself: parameter names, ``state_dict`` keys and the module tree are
     unchanged; ``model.parameters()`` are now this rank's shards, so build the optimizer after
@@ -41,8 +42,13 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) ->
     if is_sharded(model):
         if mesh is not None and mesh is not mesh_of(model):
             raise ZeroFXError("model was sharded on a different mesh; pass the same mesh or none")
+        sharded_with = model._zerofx_options
+        differ = [n for n in LAYOUT_OPTIONS if n in options and getattr(opts, n) != getattr(sharded_with, n)]
+        if differ:
+            raise ZeroFXError(f"option {differ[0]}={getattr(opts, differ[0])!r} differs from the one the model was "
+                              f"sharded with ({getattr(sharded_with, differ[0])!r}); shard and compile with the same")
     else:
-        shard(model, mesh)
+        shard(model, mesh, opts)
     mesh = mesh_of(model)
     if opts.calibrate and opts.cost_model is None and mesh.size() > 1:
         from zerofx.passes.cost_model import CostModel, calibrate_comm

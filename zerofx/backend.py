@@ -28,6 +28,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from zerofx.codegen.executor import make_executor
 from zerofx.dump import Recorder
+from zerofx.errors import ZeroFXError
 from zerofx.options import Options
 from zerofx.passes.cost_model import MemoryEstimate, estimate_memory, tensor_bytes
 from zerofx.passes.free import check_no_gathered_saved, saved_values
@@ -124,8 +125,19 @@ def make_backend(options: Options | None = None, recorder: Recorder | None = Non
 
 def zerofx_backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor], options: Any = None,
                    **kwargs: Any) -> Callable:
-    """Entry point for ``torch.compile(model, backend="zerofx", options={...})``."""
-    return make_backend(Options.from_kwargs(options, **kwargs))(gm, example_inputs)
+    """Entry point for ``torch.compile(model, backend="zerofx", options={...})``.
+
+    Layout options (``zerofx.options.LAYOUT_OPTIONS``: stage, dtypes, ...) are rejected here: the
+    backend only sees graphs, and the layout was fixed when the model was sharded."""
+    opts = Options.from_kwargs(options, **kwargs)
+    layout = opts.non_default_layout()
+    if layout:
+        raise ZeroFXError(
+            f"option {layout[0]} is decided when parameters are sharded, not by the backend: pass it to "
+            f"zerofx.shard(model, mesh, {layout[0]}=...) before torch.compile(..., backend='zerofx'), "
+            "or use zerofx.compile(model, mesh, **options)"
+        )
+    return make_backend(opts)(gm, example_inputs)
 
 
 def predict_step_peak(graph_ids: list[str]) -> int:

@@ -1,4 +1,5 @@
-"""``zerofx demo``: train a small GPT with ZeRO-3 on local gloo ranks and show what it costs.
+"""``zerofx demo``: train a small GPT with ZeRO (stage 3 by default) on local gloo ranks and
+show what it costs.
 
 The ranks are started with torchrun's own machinery (``torch.distributed.launcher``), exactly
 as ``torchrun --standalone --nproc-per-node N`` would, so nothing here is a home-made launcher.
@@ -28,6 +29,8 @@ class DemoConfig:
     lr: float = 1e-2
     dataset_size: int = 16
     dump_dir: str | None = None
+    stage: int = 3
+    param_dtype: str | None = None  # "bf16" for bf16 compute from fp32 master shards
 
 
 def _mb(n: float) -> str:
@@ -52,6 +55,7 @@ def _rank_main(cfg: DemoConfig) -> dict:
         # params + grads + AdamW's two moments, all fp32
         unsharded_state = psi * 4
         options = {"dump_dir": cfg.dump_dir} if cfg.dump_dir else {}
+        options.update(stage=cfg.stage, param_dtype=cfg.param_dtype)
         model = zerofx.compile(model, mesh, **options)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         # a fixed set of random token sequences: random data, yet learnable (memorized), so the
@@ -61,7 +65,8 @@ def _rank_main(cfg: DemoConfig) -> dict:
         gen = torch.Generator().manual_seed(2000 + rank)
         say = print if rank == 0 else (lambda *a, **k: None)
         say(f"zerofx demo: GPT {cfg.layers} layers, d_model {cfg.d_model}, {sum(p.numel() for p in unsharded):,} "
-            f"parameters ({_mb(psi)}), ZeRO-3 over {world} gloo ranks, {cfg.steps} AdamW steps")
+            f"parameters ({_mb(psi)}), ZeRO-{cfg.stage}{' with ' + cfg.param_dtype + ' compute' if cfg.param_dtype else ''} "
+            f"over {world} gloo ranks, {cfg.steps} AdamW steps")
         say(f"{'step':>9} {'loss':>8} {'time':>9} {'all-gather':>12} {'reduce-scatter':>15}")
         comm_per_step = {}
         started = time.perf_counter()
@@ -69,15 +74,15 @@ def _rank_main(cfg: DemoConfig) -> dict:
             rows = dataset[torch.randint(0, cfg.dataset_size, (cfg.batch,), generator=gen)]
             tokens, targets = rows[:, :-1], rows[:, 1:]
             t0 = time.perf_counter()
-            with zerofx.CollectiveCounter() as comm:
+            with zerofx.CollectiveCounter() as comm:  # stages 1-2 all-gather after the step
                 loss = model(tokens, targets)
                 loss.backward()
-            opt.step()
+                opt.step()
             if step == cfg.steps - 1:
                 state = zerofx.model_state_bytes(model, opt)  # grads still held: the step's peak
             opt.zero_grad()
             elapsed = time.perf_counter() - t0
-            mean_loss = loss.detach().clone()
+            mean_loss = loss.detach().float()
             dist.all_reduce(mean_loss)
             comm_per_step = dict(comm.bytes)
             say(f"{step + 1:>4}/{cfg.steps:<4} {mean_loss.item() / world:8.4f} {elapsed * 1e3:7.0f}ms "
@@ -92,9 +97,14 @@ def _rank_main(cfg: DemoConfig) -> dict:
                 print(f"  rank {r}: {_mb(s['total'])} = {s['total'] / unsharded_state:.1%} of unsharded "
                       f"(params {_mb(s['params'])}, grads {_mb(s['grads'])}, optimizer {_mb(s['optimizer'])})")
             moved = sum(comm_per_step.values())
-            print(f"collective bytes per step per rank: {_mb(moved)} "
-                  f"(ZeRO-3 bound 3·Ψ·(N-1)/N = {_mb(3 * psi * share)}; the backward re-gathers only the "
-                  f"parameters it reads)")
+            if cfg.stage == 3:
+                bound = f"ZeRO-3 bound 3·Ψ·(N-1)/N = {_mb(3 * psi * share)}; the backward re-gathers only the " \
+                        "parameters it reads"
+            else:
+                bound = f"ZeRO-{cfg.stage}: 2·Ψ·(N-1)/N = {_mb(2 * psi * share)}"
+            if cfg.param_dtype:
+                bound += f"; all-gathers move {cfg.param_dtype}"
+            print(f"collective bytes per step per rank: {_mb(moved)} ({bound})")
             print(f"{cfg.steps} steps in {total_time:.1f}s (first step includes compilation)")
         return {"state": per_rank[rank], "comm": comm_per_step, "psi": psi}
     finally:

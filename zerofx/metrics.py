@@ -5,7 +5,10 @@ Bytes are counted per rank, as the ZeRO paper and nccl-tests' "bus bandwidth" co
 ring algorithms: an all-gather of an ``S``-byte output moves ``S·(N-1)/N`` bytes into each rank,
 a reduce-scatter of an ``S``-byte input moves ``S·(N-1)/N`` out of each rank, an all-reduce
 (reduce-scatter + all-gather) ``2·S·(N-1)/N``. So ZeRO-3 moves ``3·Ψ·(N-1)/N`` per step (forward
-gather, backward re-gather, gradient reduce-scatter; Ψ = parameter bytes) and DDP ``2·Ψ·(N-1)/N``.
+gather, backward re-gather, gradient reduce-scatter; Ψ = parameter bytes), ZeRO-1/2 and DDP
+``2·Ψ·(N-1)/N`` (ZeRO-1/2: gradient reduce-scatter, then the all-gather of updated shards after
+the optimizer step). Collectives zerofx runs outside graphs (ZeRO-1's end-of-backward reduce,
+the post-step all-gather) go through the same marker ops and are counted the same way.
 The backend's actual traffic can differ (gloo runs reduce_scatter as an all-reduce of the whole
 input); these numbers describe the algorithm, comparable across backends.
 """
@@ -126,21 +129,40 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ModelStateBytes:
-    """Local bytes of parameters, gradients and per-element optimizer state.
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (local shards for DTensors).
 
-    Scalar optimizer state (e.g. Adam's ``step``) is not per-element state and is left out.
+    Counting storages, not numel, is what memory really holds: a stage-1/2 shard that is a view
+    of its rows of the whole copy costs nothing extra, and a gradient that is a view of a larger
+    (padded or whole) buffer keeps all of that buffer alive."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if t.numel() == 0 or 0 in t.stride():  # empty shards; stride-0 gradient sinks hold one element
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ModelStateBytes:
+    """Local bytes of parameters, gradients and per-element optimizer state, by storage.
+
+    Parameters include the whole copies stages 1 and 2 keep; gradients include the whole,
+    unreduced gradients pending reduction (stage 1 and ``zerofx.no_sync``). Scalar optimizer
+    state (e.g. Adam's ``step``) is not per-element state and is left out.
     """
     params = list(model.parameters())
-    param_bytes = sum(local_nbytes(p) for p in params)
-    grad_bytes = sum(local_nbytes(p.grad) for p in params if p.grad is not None)
-    opt_bytes = 0
+    states = [getattr(p, "_zerofx_state", None) for p in params]
+    param_tensors = params + [s.full for s in states if s is not None and s.full is not None]
+    grad_tensors = [p.grad for p in params if p.grad is not None]
+    grad_tensors += [s.sink.grad for s in states if s is not None and s.sink is not None and s.sink.grad is not None]
+    opt_tensors = []
     if optimizer is not None:
         for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    opt_bytes += local_nbytes(value)
-    return ModelStateBytes(param_bytes, grad_bytes, opt_bytes)
+            opt_tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return ModelStateBytes(_storage_bytes(param_tensors), _storage_bytes(grad_tensors), _storage_bytes(opt_tensors))
 
 
 class AllocationTrace:

@@ -7,9 +7,33 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from zerofx.errors import ZeroFXError
 
 EXECUTORS = ("aten",)
+STAGES = (1, 2, 3)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+# Options that decide how parameters are laid out: they take effect where the model is sharded
+# (zerofx.compile or zerofx.shard), not in the dynamo backend, which only sees graphs.
+LAYOUT_OPTIONS = ("stage", "persistence_threshold", "param_dtype", "reduce_dtype", "loss_scale",
+                  "initial_loss_scale", "loss_scale_window")
+
+
+def _dtype(name: str, value: Any) -> torch.dtype | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value in _DTYPES:
+        value = _DTYPES[value]
+    if value not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ZeroFXError(f"option {name}={value!r}: choose None, torch.float32, torch.bfloat16 or torch.float16 "
+                          f"(or one of {sorted(_DTYPES)})")
+    return value
 
 
 @dataclass(frozen=True)
@@ -17,6 +41,25 @@ class Options:
     """Options accepted by ``zerofx.compile(model, mesh, **options)`` and by the backend.
 
     Attributes:
+        stage: the ZeRO stage (docs/zero_stages.md). 3 (default): parameters, gradients and
+            optimizer state are 1/N per rank; parameters are all-gathered in forward and
+            backward. 2: every rank keeps whole parameters (refreshed by one all-gather after
+            each optimizer step); gradients and optimizer state are 1/N. 1: whole parameters and
+            a whole gradient buffer, reduced once per accumulation boundary; optimizer state 1/N.
+        persistence_threshold: stage 3 only: parameters with fewer elements than this stay
+            whole on every rank (gradients all-reduced), trading a little memory for fewer,
+            larger collectives (DeepSpeed's ``stage3_param_persistence_threshold``). 0: none.
+        param_dtype: compute dtype (``torch.bfloat16`` / ``torch.float16``, or "bf16"/"fp16").
+            Parameters are cast from their fp32 shards *before* the all-gather (half the
+            bytes move), forward inputs are cast too; the optimizer keeps fp32 master shards.
+            None: compute in the parameters' own dtype.
+        reduce_dtype: dtype gradients are reduced (and accumulated) in; None: the master
+            (parameter) dtype, fp32 for an fp32 model, whatever ``param_dtype`` is.
+        loss_scale: "dynamic" for dynamic loss scaling (skip the step and back off on inf/nan,
+            grow after ``loss_scale_window`` good steps), through torch's ``ShardedGradScaler``;
+            get it with ``zerofx.loss_scaler(model)``. Required with fp16 (param or reduce dtype).
+        initial_loss_scale: the first loss scale (2**16, as DeepSpeed and torch.amp).
+        loss_scale_window: good steps before the scale doubles.
         dump_dir: write every graph before and after every pass, a per-pass summary and a diff
             under this folder. Defaults to the ``ZEROFX_DUMP`` environment variable.
         disable_passes: names of pipeline passes to skip (see ``zerofx.passes.PASS_NAMES``).
@@ -35,8 +78,18 @@ class Options:
             (a short collective on every rank, cached on disk per backend and world size).
         cost_model: the ``zerofx.passes.cost_model.CostModel`` decisions read; filled by
             calibration, defaults otherwise.
+
+    The options in ``LAYOUT_OPTIONS`` shape the parameters, so they take effect where the model
+    is sharded (``zerofx.compile`` or ``zerofx.shard``); the backend rejects them.
     """
 
+    stage: int = 3
+    persistence_threshold: int = 0
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    loss_scale: str | None = None
+    initial_loss_scale: float = 2.0**16
+    loss_scale_window: int = 1000
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("ZEROFX_DUMP") or None)
     disable_passes: tuple[str, ...] = ()
     verify: bool = True
@@ -69,13 +122,48 @@ class Options:
             raise ZeroFXError(f"option keep_gathered_bytes={self.keep_gathered_bytes!r}: give a byte count >= 0")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ZeroFXError(f"option dump_dir must be a path, got {type(self.dump_dir).__name__}")
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in STAGES:
+            raise ZeroFXError(f"option stage={self.stage!r}: choose 1, 2 or 3")
+        threshold = self.persistence_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ZeroFXError(f"option persistence_threshold={threshold!r}: give a number of elements >= 0")
+        if threshold and self.stage != 3:
+            raise ZeroFXError(
+                f"option persistence_threshold={threshold} only applies to stage 3: stage {self.stage} keeps "
+                "every parameter whole already (drop persistence_threshold, or use stage=3)"
+            )
+        param_dtype = _dtype("param_dtype", self.param_dtype)
+        reduce_dtype = _dtype("reduce_dtype", self.reduce_dtype)
+        object.__setattr__(self, "param_dtype", None if param_dtype is torch.float32 else param_dtype)
+        object.__setattr__(self, "reduce_dtype", reduce_dtype)
+        if self.loss_scale not in (None, "dynamic"):
+            raise ZeroFXError(f"option loss_scale={self.loss_scale!r}: choose None or 'dynamic'")
+        half = [name for name in ("param_dtype", "reduce_dtype") if getattr(self, name) is torch.float16]
+        if half and self.loss_scale is None:
+            raise ZeroFXError(
+                f"option loss_scale is required with {half[0]}=torch.float16: fp16 gradients underflow "
+                "without loss scaling; pass loss_scale='dynamic' (or use bfloat16)"
+            )
+        if not (isinstance(self.initial_loss_scale, (int, float)) and self.initial_loss_scale > 0):
+            raise ZeroFXError(f"option initial_loss_scale={self.initial_loss_scale!r}: give a number > 0")
+        if isinstance(self.loss_scale_window, bool) or not isinstance(self.loss_scale_window, int) \
+                or self.loss_scale_window < 1:
+            raise ZeroFXError(f"option loss_scale_window={self.loss_scale_window!r}: give a number of steps >= 1")
+
+    def non_default_layout(self) -> list[str]:
+        """The layout options (``LAYOUT_OPTIONS``) set to something other than their default."""
+        default = Options(dump_dir=None)
+        return [n for n in LAYOUT_OPTIONS if getattr(self, n) != getattr(default, n)]
 
     @classmethod
     def from_kwargs(cls, options: Options | dict[str, Any] | None = None, **kwargs: Any) -> Options:
         """Build options from an Options, a dict and/or keyword arguments; unknown names raise."""
         merged: dict[str, Any] = {}
         if isinstance(options, Options):
-            merged.update({f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
+            merged.update({f.name: getattr(options, f.name) for f in dataclasses.fields(cls)})
         elif options:
             merged.update(options)
         merged.update(kwargs)

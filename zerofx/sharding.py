@@ -1,51 +1,51 @@
-"""Turn a module's parameters into dim-0 shards on a DeviceMesh (ZeRO-3's model-state layout).
+"""Give a module's parameters ZeRO's layout on a DeviceMesh, in place (``shard(model, mesh)``).
 
-After ``shard(model, mesh)``:
+After ``shard(model, mesh, **options)``:
 
-* every parameter is a ``DTensor`` with placement ``Shard(0)`` on the mesh, holding this rank's
-  rows (torch.chunk layout, see ``zerofx.ops`` NOTE: shard layout). So ``model.parameters()``
-  are the shards: any ``torch.optim`` optimizer keeps 1/N of the state, ``clip_grad_norm_``
-  computes the global norm, and ``state_dict()`` is ready for ``torch.distributed.checkpoint``;
-* reading ``module.weight`` inside ``forward`` returns the *full* weight through the
-  ``zerofx::unshard`` marker op. The module's class is swapped for a subclass whose parameter
-  names are properties, so parameter names, ``state_dict`` keys and the module tree are
-  unchanged (SimpleFSDP's parametrization idea, without ``torch.nn.utils.parametrize``'s
-  renamed ``parametrizations.*.original`` keys);
+* every parameter is a ``DTensor``: ``Shard(0)`` over the mesh (torch.chunk rows, see
+  ``zerofx.ops`` NOTE: shard layout), or ``Replicate()`` for parameters below the persistence
+  threshold. So ``model.parameters()`` are what the optimizer steps in every ZeRO stage: any
+  ``torch.optim`` optimizer keeps 1/N of the state, ``clip_grad_norm_`` computes the global
+  norm, and ``state_dict()`` is ready for ``torch.distributed.checkpoint``;
+* on a 2-D mesh ``(replicate, shard)`` (hybrid sharding) placements are
+  ``(Replicate(), Shard(0))``: sharded within the inner dimension, replicated across the outer;
+* reading ``module.weight`` inside ``forward`` returns the *full* weight through the stage's
+  marker ops (``zerofx.params`` NOTE: markers per stage). The module's class is swapped for a
+  subclass whose parameter names are properties, so parameter names, ``state_dict`` keys and
+  the module tree are unchanged (SimpleFSDP's parametrization idea, without
+  ``torch.nn.utils.parametrize``'s renamed ``parametrizations.*.original`` keys);
+* stages 1 and 2 also keep a whole copy of each sharded parameter in the compute dtype,
+  refreshed after every optimizer step and after ``load_state_dict``;
 * a parameter shared by several modules (tied embeddings) is sharded once; all users get the
   same DTensor, and autograd sums their gradient contributions into one shard;
 * buffers stay replicated and are not synchronized (like FSDP); frozen parameters are sharded
-  and gathered like the rest, and never reduced.
+  and gathered like the rest, and never reduced;
+* with ``param_dtype`` set, floating-point inputs of the model's forward are cast to it (as
+  FSDP's mixed precision does), so the whole forward computes in that dtype.
 
-Reading ``module.weight`` is a collective: every rank of the mesh must do it, as in a forward.
+Reading ``module.weight`` may be a collective: every rank of the mesh must do it, as in a forward.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils._pytree import tree_map
 
 from zerofx.errors import ZeroFXError
-from zerofx.ops import local_rows
+from zerofx.loss_scaling import make_loss_scaler
+from zerofx.ops import row_offset
+from zerofx.options import Options
+from zerofx.params import GroupInfo, ModelRuntime, ParamState, runtime_of, track
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ShardLayout", "shard", "resolve_mesh", "is_sharded", "mesh_of"]
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """How one parameter is split: the constants baked into its marker ops."""
-
-    group_size: int
-    group_name: str
-    full_rows: int
-    shard_rows: int
+__all__ = ["shard", "resolve_mesh", "is_sharded", "mesh_of", "runtime_of"]
 
 
 def _model_device_type(model: nn.Module) -> str | None:
@@ -67,10 +67,10 @@ def resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise ZeroFXError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
+    if mesh.ndim not in (1, 2):
         raise ZeroFXError(
-            f"zerofx shards over a 1-D mesh; got a {mesh.ndim}-D mesh {tuple(mesh.shape)} "
-            "(pass mesh[dim_name] to shard over one of its dimensions)"
+            f"mesh: zerofx shards over a 1-D mesh (shard) or a 2-D mesh (replicate, shard) for hybrid "
+            f"sharding; got a {mesh.ndim}-D mesh {tuple(mesh.shape)} (pass mesh[dim_names] to select dimensions)"
         )
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         if t.device.type == "meta":
@@ -97,12 +97,10 @@ _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 def _gathered_property(name: str) -> property:
     def gathered(self: nn.Module) -> torch.Tensor:
-        param = self._parameters[name]
-        layout = self._zerofx_layouts[name]
-        return torch.ops.zerofx.unshard(param.to_local(), layout.group_size, layout.group_name, layout.full_rows)
+        return self._zerofx_params[name].forward_value(self._parameters[name])
 
     gathered.__name__ = f"gathered_{name}"
-    return property(gathered, doc=f"The full '{name}', all-gathered from its shards (a collective).")
+    return property(gathered, doc=f"The full '{name}', through zerofx's marker ops (may be a collective).")
 
 
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
@@ -114,27 +112,84 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     return _SHARDED_CLASSES[key]
 
 
-def shard(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
-    """Shard every parameter of ``model`` along dim 0 over the 1-D ``mesh``, in place.
+def _group(mesh: DeviceMesh, dim: int) -> GroupInfo:
+    return GroupInfo(mesh.size(dim), mesh.get_group(dim).group_name, mesh.get_local_rank(dim))
 
-    Returns ``model``. With a mesh of one rank nothing is sharded: the model trains as is.
+
+def _make_state(qualname: str, param: nn.Parameter, mesh: DeviceMesh, opts: Options,
+                runtime: ModelRuntime) -> ParamState:
+    hybrid = mesh.ndim == 2
+    shard_group = _group(mesh, 1 if hybrid else 0)
+    replicate_group = _group(mesh, 0) if hybrid and mesh.size(0) > 1 else None
+    whole = opts.stage == 3 and param.numel() < opts.persistence_threshold
+    placements = [Replicate() if whole else Shard(0)]
+    if hybrid:
+        placements = [Replicate(), *placements]
+    dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=0)
+    master = param.dtype
+    compute = opts.param_dtype if opts.param_dtype not in (None, master) else None
+    full = None
+    if opts.stage in (1, 2) and not whole:
+        full = torch.empty(param.shape, dtype=compute or master, device=param.device)
+        if compute is None:
+            # the shard is a view of its own rows of the whole copy: no second copy of them
+            offset = row_offset(param.shape[0], shard_group.size, shard_group.rank)
+            view = full.detach()[offset: offset + dt.to_local().shape[0]]
+            view.copy_(dt.to_local())
+            dt = DTensor.from_local(view, mesh, placements, shape=dt.shape, stride=dt.stride())
+    new_param = nn.Parameter(dt, requires_grad=param.requires_grad)
+    # gradients are reduced (and accumulated) in reduce_dtype, by default the master dtype; the
+    # markers only carry it when it differs from the dtype the gradient is computed in
+    reduce = opts.reduce_dtype or master
+    sink = None
+    if param.requires_grad:
+        sink = torch.empty_strided(param.shape, (0,) * param.dim(), dtype=reduce, device=param.device)
+        sink.zero_().requires_grad_()
+        sink.register_post_accumulate_grad_hook(runtime.on_local_grad)
+    state = ParamState(qualname, new_param, whole, shard_group, replicate_group, param.shape[0], runtime,
+                       compute_dtype=compute, reduce_dtype=None if reduce == (compute or master) else reduce,
+                       full=full, sink=sink)
+    track(state)
+    return state
+
+
+def _cast_inputs_hook(dtype: torch.dtype):
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def hook(module, args, kwargs):
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    return hook
+
+
+def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | None = None,
+          **kwargs) -> nn.Module:
+    """Give every parameter of ``model`` ZeRO's layout over ``mesh``, in place.
+
+    ``options`` (or keyword arguments) are :class:`zerofx.Options`; the ones that shape the
+    layout are ``stage``, ``persistence_threshold``, ``param_dtype``, ``reduce_dtype`` and the
+    loss-scaling options. Returns ``model``. With a mesh of one rank and no mixed precision
+    nothing is sharded: the model trains as is.
     """
+    opts = Options.from_kwargs(options, **kwargs)
     if is_sharded(model):
         raise ZeroFXError("model is already sharded by zerofx; call zerofx.shard once per model")
     mesh = resolve_mesh(model, mesh)
     model._zerofx_mesh = mesh
-    if mesh.size() == 1:
+    model._zerofx_options = opts
+    runtime = ModelRuntime(stage=opts.stage)
+    model._zerofx_runtime = runtime
+    runtime.scaler = make_loss_scaler(opts, mesh)
+    if mesh.size() == 1 and opts.param_dtype is None:
         log.info("zerofx: mesh has one rank; parameters stay whole")
         return model
 
-    group_size, rank = mesh.size(), mesh.get_local_rank()
-    group_name = mesh.get_group().group_name
-    sharded: dict[int, nn.Parameter] = {}  # id(original param) -> its one sharded replacement
+    states: dict[int, ParamState] = {}  # id(original param) -> its one state
     for module_name, module in model.named_modules():
         names = tuple(n for n, p in module._parameters.items() if p is not None)
         if not names:
             continue
-        layouts = {}
         for name in names:
             param = module._parameters[name]
             qualname = f"{module_name}.{name}" if module_name else name
@@ -142,12 +197,16 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
                 raise ZeroFXError(f"{qualname} is already a DTensor; zerofx shards plain parameters")
             if param.dim() == 0:
                 raise ZeroFXError(f"{qualname} is a 0-dim parameter; zerofx shards along dim 0 (give it shape (1,))")
-            if id(param) not in sharded:
-                dt = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=0)
-                sharded[id(param)] = nn.Parameter(dt, requires_grad=param.requires_grad)
-            module._parameters[name] = sharded[id(param)]
-            full_rows = param.shape[0]
-            layouts[name] = ShardLayout(group_size, group_name, full_rows, local_rows(full_rows, group_size, rank))
-        module._zerofx_layouts = layouts
+            if id(param) not in states:
+                states[id(param)] = _make_state(qualname, param, mesh, opts, runtime)
+        module._zerofx_params = {name: states[id(module._parameters[name])] for name in names}
+        for name in names:
+            module._parameters[name] = module._zerofx_params[name].param
         module.__class__ = _sharded_class(type(module), names)
+    runtime.states = list(states.values())
+    runtime.refresh()
+    if any(s.full is not None for s in runtime.states):
+        model.register_load_state_dict_post_hook(lambda module, keys: runtime.refresh())
+    if opts.param_dtype is not None:
+        model.register_forward_pre_hook(_cast_inputs_hook(opts.param_dtype), with_kwargs=True)
     return model

@@ -1,0 +1,110 @@
+"""Crash safety of zerofx.checkpoint, in one process (DCP saves without a process group).
+
+Resume, resharding and export on real gloo ranks are in tests/test_zero_stages.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import zerofx.checkpoint
+from zerofx import ZeroFXError
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _equal(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_save_load_round_trip_with_optimizer_and_extra(tmp_path):
+    model = _model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    zerofx.checkpoint.save(tmp_path / "ck", model, opt, extra={"step": 7, "note": "x"})
+    assert (tmp_path / "ck" / zerofx.checkpoint.COMPLETE_MARKER).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temporary folder left behind
+
+    other = _model(1)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)
+    assert not _equal(model, other)
+    assert zerofx.checkpoint.load(tmp_path / "ck", other, other_opt) == {"step": 7, "note": "x"}
+    assert _equal(model, other)
+    state, other_state = opt.state_dict()["state"], other_opt.state_dict()["state"]
+    for k in state:
+        torch.testing.assert_close(state[k]["exp_avg_sq"], other_state[k]["exp_avg_sq"], rtol=0, atol=0)
+
+
+def test_a_crash_mid_write_leaves_no_checkpoint_and_the_partial_folder_is_refused(tmp_path, monkeypatch):
+    model = _model(0)
+
+    def crash(state_dict, checkpoint_id, **kwargs):  # write part of the data, then die
+        (torch.save(state_dict["model"]["0.weight"], f"{checkpoint_id}/__0_0.distcp"))
+        raise KeyboardInterrupt("killed during save")
+
+    monkeypatch.setattr(dcp, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        zerofx.checkpoint.save(tmp_path / "ck", model)
+    assert not (tmp_path / "ck").exists()  # the target name never held a partial checkpoint
+    (partial,) = tmp_path.iterdir()
+    assert partial.name.startswith(".ck.tmp-")
+    with pytest.raises(ZeroFXError, match=r"is incomplete: it has no ZEROFX_COMPLETE marker.*refusing to load"):
+        zerofx.checkpoint.load(partial, _model(1))
+    with pytest.raises(ZeroFXError, match="is incomplete"):
+        zerofx.checkpoint.export_full_state_dict(partial)
+
+
+def test_a_folder_without_the_completion_marker_is_refused(tmp_path):
+    model = _model(0)
+    zerofx.checkpoint.save(tmp_path / "ck", model)
+    (tmp_path / "ck" / zerofx.checkpoint.COMPLETE_MARKER).unlink()
+    other = _model(1)
+    with pytest.raises(ZeroFXError, match="incomplete"):
+        zerofx.checkpoint.load(tmp_path / "ck", other)
+    assert not _equal(model, other)  # nothing was loaded
+    with pytest.raises(ZeroFXError, match="does not exist"):
+        zerofx.checkpoint.load(tmp_path / "missing", other)
+
+
+def test_overwriting_replaces_the_old_checkpoint_only_when_the_new_one_is_complete(tmp_path, monkeypatch):
+    first, second = _model(0), _model(1)
+    zerofx.checkpoint.save(tmp_path / "ck", first)
+    real_save = dcp.save
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(dcp, "save", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        zerofx.checkpoint.save(tmp_path / "ck", second)
+    loaded = _model(2)
+    zerofx.checkpoint.load(tmp_path / "ck", loaded)
+    assert _equal(loaded, first)  # the old checkpoint is intact
+
+    monkeypatch.setattr(dcp, "save", real_save)
+    zerofx.checkpoint.save(tmp_path / "ck", second)
+    zerofx.checkpoint.load(tmp_path / "ck", loaded)
+    assert _equal(loaded, second)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".ck.tmp-")) == ["ck"]
+
+
+def test_extra_must_be_json(tmp_path):
+    with pytest.raises(ZeroFXError, match="JSON"):
+        zerofx.checkpoint.save(tmp_path / "ck", _model(0), extra={"t": torch.ones(1)})
+
+
+def test_export_gives_a_plain_state_dict(tmp_path):
+    model = _model(0)
+    zerofx.checkpoint.save(tmp_path / "ck", model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sd = zerofx.checkpoint.export_full_state_dict(tmp_path / "ck", tmp_path / "m.pt")
+    assert set(sd) == set(model.state_dict())  # model keys only, no optimizer state
+    plain = _model(1)
+    plain.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
+    assert _equal(plain, model)

@@ -1,0 +1,213 @@
+"""Per-parameter runtime state: which markers a parameter's forward goes through, and the few
+things that happen outside any graph (the accumulation-boundary reduce, the post-step refresh).
+
+``zerofx.sharding`` builds one :class:`ParamState` per unique parameter and one
+:class:`ModelRuntime` per model; a sharded module's parameter property returns
+``state.forward_value(param)``, which dynamo traces like any Python code (the stage, the sync
+mode and "gradients pending" are plain attributes it guards on, so each mode is its own
+compiled graph, compiled once).
+
+# NOTE: markers per stage
+One pipeline, one set of markers (``zerofx.ops``); a stage is a choice of markers per parameter::
+
+    stage 3       unshard(shard)           gather in forward (and backward); reduce-scatter grads
+    stage 2       read_full(shard, full)   forward reads the whole copy; reduce-scatter grads
+    stage 1       local_grad(full, sink)   forward reads the whole copy; gradients accumulate whole
+                                           and unreduced, one reduce-scatter at the boundary
+    small param   sync_grad(x)             (stage 3, below persistence_threshold) whole; all-reduce
+    no_sync       local_grad(value, sink)  any stage: accumulate whole, reduce at the boundary
+    2-D mesh      sync_grad(shard, replicate group) wraps the shard: all-reduce across replicas
+
+In every stage the optimizer's parameters are the same ``Shard(0)`` DTensors, so optimizer
+state is 1/N and ``state_dict()`` is the same in every stage (a checkpoint from one stage
+loads in another). Stages 1 and 2 add ``full``, a whole copy of each parameter in the compute
+dtype that forward reads without communication; an optimizer step post-hook all-gathers the
+updated shards into it (the second Ψ of ZeRO-1/2's 2Ψ traffic). Without mixed precision the
+shard *is* a view of its rows of ``full``, so the copy costs nothing extra.
+
+# NOTE: the accumulation boundary
+``local_grad`` keeps gradients out of the graph's collectives: autograd accumulates each
+micro-batch's whole, unreduced gradient in ``sink.grad`` (the reduce dtype). At the end of the
+first backward that runs outside ``zerofx.no_sync`` (an autograd end-of-backward callback),
+:meth:`ModelRuntime.reduce_pending` reduces every pending sum once — reduce-scatter into the
+shard's gradient (plus all-reduce across replicas on a 2-D mesh), or all-reduce for whole
+parameters. Once anything is pending, later micro-batches take the local route too, so a whole
+accumulation cycle costs exactly one reduction per parameter. This is ZeRO-1 by construction
+(DeepSpeed's stage 1 also reduces at the boundary) and gradient accumulation for every stage.
+The boundary reduce is issued in the same parameter order on every rank; as with DDP, every
+rank must have produced gradients for the same parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from zerofx.ops import local_rows, row_offset
+
+__all__ = ["GroupInfo", "ParamState", "ModelRuntime"]
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A process group as the markers name it, plus this rank's index in it."""
+
+    size: int
+    name: str
+    rank: int
+
+
+@dataclass(eq=False)
+class ParamState:
+    """What zerofx knows about one (unique) parameter; see NOTE: markers per stage."""
+
+    qualname: str
+    param: torch.nn.Parameter  # the DTensor the optimizer steps: Shard(0), or Replicate() if whole
+    whole: bool  # kept whole on every rank (persistence threshold)
+    shard_group: GroupInfo  # the dimension parameters are sharded over
+    replicate_group: GroupInfo | None  # outer dimension of a 2-D (hybrid) mesh
+    full_rows: int
+    runtime: ModelRuntime
+    compute_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    full: torch.Tensor | None = None  # stages 1 and 2: whole copy in the compute dtype
+    sink: torch.Tensor | None = None  # full-shape stride-0 leaf; .grad holds pending local gradients
+
+    @property
+    def shard_rows(self) -> int:
+        return local_rows(self.full_rows, self.shard_group.size, self.shard_group.rank)
+
+    @property
+    def first_row(self) -> int:
+        return row_offset(self.full_rows, self.shard_group.size, self.shard_group.rank)
+
+    def forward_value(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The whole parameter for forward, through the markers of this stage and mode."""
+        ops = torch.ops.zerofx
+        local = param.to_local()
+        run, rdt, cdt = self.runtime, self.reduce_dtype, self.compute_dtype
+        sg, rg = self.shard_group, self.replicate_group
+        if param.requires_grad and (run.stage == 1 or not run.sync or run.pending):
+            if self.full is not None:
+                value = self.full
+            elif self.whole:
+                value = local if cdt is None else local.to(cdt)
+            else:
+                value = ops.unshard(local.detach(), sg.size, sg.name, self.full_rows, cdt, rdt)
+            return ops.local_grad(value, self.sink)
+        if rg is not None:
+            local = ops.sync_grad(local, rg.size, rg.name, None, rdt)
+        if self.whole:
+            return ops.sync_grad(local, sg.size, sg.name, cdt, rdt)
+        if self.full is not None:
+            return ops.read_full(local, self.full, sg.size, sg.name, rdt)
+        return ops.unshard(local, sg.size, sg.name, self.full_rows, cdt, rdt)
+
+    def reduce_local(self, pending: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the average of every rank's ``pending`` whole gradient.
+
+        Uses the gradient markers' eager implementations: the same collectives the reduce
+        pass emits, counted the same way."""
+        ops = torch.ops.zerofx
+        master = self.param.dtype
+        sg, rg, rdt = self.shard_group, self.replicate_group, self.reduce_dtype
+        if self.whole:
+            out = ops.all_reduce_grad(pending, sg.size, sg.name, rdt, master)
+        else:
+            out = ops.reduce_grad(pending, sg.size, sg.name, self.shard_rows, rdt, master)
+        if rg is not None:
+            out = ops.all_reduce_grad(out, rg.size, rg.name, rdt, master)
+        return out
+
+    @torch.no_grad()
+    def land_pending(self) -> None:
+        """Reduce ``sink.grad`` into the parameter's gradient and clear it (a collective)."""
+        pending, self.sink.grad = self.sink.grad, None
+        reduced = self.reduce_local(pending)
+        grad = self.param.grad
+        if grad is not None:
+            grad.to_local().add_(reduced)
+            return
+        if self.runtime.stage == 1 and not self.whole and pending.dtype == reduced.dtype:
+            # ZeRO-1 keeps the whole gradient buffer: this rank's averaged rows land back in it
+            # and the optimizer's gradient shard is a view of them (see docs/zero_stages.md)
+            rows = pending[self.first_row: self.first_row + self.shard_rows]
+            rows.copy_(reduced)
+            reduced = rows
+        self.param.grad = DTensor.from_local(reduced, self.param.device_mesh, self.param.placements,
+                                             shape=self.param.shape, stride=self.param.stride())
+
+    @torch.no_grad()
+    def refresh_full(self) -> None:
+        """All-gather the (updated) shards into ``full`` (stages 1 and 2; a collective)."""
+        if self.full is None:
+            return
+        sg = self.shard_group
+        gathered = torch.ops.zerofx.unshard(self.param.to_local(), sg.size, sg.name, self.full_rows,
+                                            self.compute_dtype, None)
+        self.full.copy_(gathered)
+
+
+@dataclass(eq=False)
+class ModelRuntime:
+    """Per-model mode flags read by ``forward_value`` and the boundary reduce they trigger."""
+
+    stage: int
+    states: list[ParamState] = field(default_factory=list)
+    sync: bool = True  # False inside zerofx.no_sync
+    pending: bool = False  # some sink holds an unreduced gradient
+    _callback_queued: bool = False
+    scaler: object | None = None  # torch's ShardedGradScaler when loss scaling is on
+
+    def on_local_grad(self, sink: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of every sink: schedule the boundary reduce."""
+        self.pending = True
+        if self.sync and not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.reduce_pending)
+
+    def reduce_pending(self) -> None:
+        """Land every pending local gradient in its parameter's gradient (see NOTE: the
+        accumulation boundary). A collective: every rank calls it at the same point."""
+        self._callback_queued = False
+        for state in self.states:
+            if state.sink is not None and state.sink.grad is not None:
+                state.land_pending()
+        self.pending = False
+
+    def refresh(self) -> None:
+        """Bring every whole copy up to date with its shard (stages 1 and 2; a collective)."""
+        for state in self.states:
+            state.refresh_full()
+
+
+_REFRESH_HOOK = None
+
+
+def _refresh_after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Global optimizer step post-hook: refresh the whole copies of the parameters it stepped.
+
+    A global hook (torch.optim's ``register_optimizer_step_post_hook``) because the optimizer
+    is built by the user after ``zerofx.compile``; every rank steps the same parameters in
+    the same order, so the all-gathers match."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = getattr(p, "_zerofx_state", None)
+            if state is not None and state.full is not None:
+                state.refresh_full()
+
+
+def track(state: ParamState) -> None:
+    """Register ``state`` so optimizer steps over its parameter refresh its whole copy."""
+    global _REFRESH_HOOK
+    state.param._zerofx_state = state
+    if state.full is not None and _REFRESH_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _REFRESH_HOOK = register_optimizer_step_post_hook(_refresh_after_step)
+
+
+def runtime_of(model: torch.nn.Module) -> ModelRuntime | None:
+    return getattr(model, "_zerofx_runtime", None)
