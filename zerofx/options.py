@@ -9,7 +9,7 @@ from typing import Any
 
 from zerofx.errors import ZeroFXError
 
-EXECUTORS = ("aten",)
+EXECUTORS = ("aten", "triton", "inductor")
 
 
 @dataclass(frozen=True)
@@ -23,13 +23,22 @@ class Options:
             Every pass is an optimization over a correct baseline: the marker ops the passes
             lower have eager implementations, so disabling any pass keeps results correct.
         verify: lint the graph and check zerofx's invariants after every pass.
-        executor: what runs the final graphs; ``"aten"`` runs them op by op.
+        executor: what runs the final graphs. ``"aten"`` (default) runs them op by op.
+            ``"triton"`` replaces fusible regions (pointwise chains, last-dim reductions such
+            as softmax / LayerNorm / RMSNorm, with their neighbours) by generated Triton
+            kernels and runs the rest as ATen; it needs a CUDA GPU, or ``TRITON_INTERPRET=1``
+            on CPU (slow: for tests), and otherwise falls back to ATen with a warning.
+            ``"inductor"`` hands the final graph to Inductor, for comparison.
+            See docs/codegen.md.
+        autotune: with ``executor="triton"`` on a GPU, let Triton time a few block sizes per
+            kernel instead of using the heuristic's choice. Ignored by the interpreter.
     """
 
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("ZEROFX_DUMP") or None)
     disable_passes: tuple[str, ...] = ()
     verify: bool = True
     executor: str = "aten"
+    autotune: bool = False
 
     def __post_init__(self) -> None:
         from zerofx.passes.pipeline import PASS_NAMES
