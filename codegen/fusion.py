@@ -20,7 +20,8 @@ Rules a group keeps (checked every time it grows):
 * size: at most ``MAX_MEMBERS`` nodes, so compile time stays bounded.
 
 Groups are grown greedily in graph order: a node joins its producers' groups (all of them if
-that is legal, else the largest one that accepts it), or starts its own. A group left with a
+that is legal, else the largest one that accepts it), else a group that reads one of its inputs
+(a sibling: the input is loaded once for both), or starts its own. A group left with a
 single op is dropped: one ATen op is already one kernel.
 """
 
@@ -183,6 +184,14 @@ def find_groups(gm: fx.GraphModule) -> list[Group]:
                 producers.append(g)
         attempts = [producers] if len(producers) > 1 else []
         attempts += [[g] for g in sorted(producers, key=lambda g: -len(g.members))]
+        # siblings: a group that reads one of the same inputs (one load serves both)
+        siblings: list[Group] = []
+        for a in node.all_input_nodes:
+            for u in a.users:
+                g = group_of.get(u)
+                if g is not None and all(g is not p for p in producers + siblings):
+                    siblings.append(g)
+        attempts += [[g] for g in siblings]
         attempts.append([])
         for groups in attempts:
             merged = _try(groups, node, extra, segment, order)

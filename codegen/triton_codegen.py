@@ -26,7 +26,7 @@ from zerofx.codegen.decompose import decompose_for_codegen
 from zerofx.codegen.fusion import Claimed, find_groups, group_io, is_comm, replace_groups
 from zerofx.codegen.triton_emit import Unsupported, emit_group
 from zerofx.codegen.triton_ops import can_lower
-from zerofx.codegen.triton_runtime import FusedKernel, can_launch, group_module, interpreting
+from zerofx.codegen.triton_runtime import FusedKernel, group_module, interpreting, launch_problem
 from zerofx.passes.fx_nodes import is_view
 from zerofx.passes.pipeline import PassContext
 
@@ -63,10 +63,8 @@ def compile_triton(gm: fx.GraphModule, ctx: PassContext | None = None, recorder:
     start = time.perf_counter()
     autotune = bool(getattr(ctx.options, "autotune", False))
     device = graph_device(gm)
-    if device is None or not can_launch(device):
-        why = (f"Triton cannot run on {device} in this process"
-               + (" (set TRITON_INTERPRET=1 to run kernels on CPU)" if device is not None and device.type == "cpu"
-                  and not interpreting() else ""))
+    why = "the graph has no tensors" if device is None else launch_problem(device)
+    if why is not None:
         log.warning("zerofx: executor='triton': %s; %s_%s runs as ATen", why, ctx.graph_id, ctx.stage)
         if recorder is not None:
             recorder.note(ctx.graph_id, ctx.stage, f"codegen: {why}; the graph runs as ATen")

@@ -254,20 +254,20 @@ class _Writer:
         how = REDUCTIONS[node.target]
         src = self.operand(node, node.args[0], "full", self.shape)
         n = self.ncols
-        total = f"tl.sum(tl.where(mask, {src}, 0.0), axis=1)[:, None]"
+        total = f"tl.sum(tl.where(mask, {src}, 0.0), axis=1, keep_dims=True)"
         if how == "sum":
             self.assign(node, total)
         elif how == "mean":
             self.assign(node, f"{total} / {n}.0")
         elif how in ("max", "min"):
             fill = 'float("-inf")' if how == "max" else 'float("inf")'
-            self.assign(node, f"tl.{how}(tl.where(mask, {src}, {fill}), axis=1)[:, None]")
+            self.assign(node, f"tl.{how}(tl.where(mask, {src}, {fill}), axis=1, keep_dims=True)")
         elif how == "var_mean":
             correction = node.kwargs.get("correction", 1)
             mean, var, dev = self._fresh("mean"), self._fresh("var"), self._fresh("dev")
             self.lines.append(f"{mean} = {total} / {n}.0  # {_comment(node)}")
             self.lines.append(f"{dev} = tl.where(mask, {src} - {mean}, 0.0)")
-            self.lines.append(f"{var} = tl.sum({dev} * {dev}, axis=1)[:, None] / {float(n - correction)!r}")
+            self.lines.append(f"{var} = tl.sum({dev} * {dev}, axis=1, keep_dims=True) / {float(n - correction)!r}")
             self.values[(node, 0)] = var
             self.values[(node, 1)] = mean
         else:  # pragma: no cover - REDUCTIONS and this switch are kept in step

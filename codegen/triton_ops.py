@@ -146,7 +146,7 @@ POINTWISE: dict[Any, Pointwise] = {
     aten.erf.default: Pointwise(_args("tl.erf({0})")),
     aten.sigmoid.default: Pointwise(_args("tl.sigmoid({0})")),
     # tanh is not in triton.language outside libdevice (which the interpreter lacks)
-    aten.tanh.default: Pointwise(_args("(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)")),
+    aten.tanh.default: Pointwise(_args("(2.0 / (1.0 + tl.exp(-2.0 * {0})) - 1.0)")),
     aten.relu.default: Pointwise(lambda n, x: f"tl.maximum({x(n.args[0])}, 0.0, {_NAN_ALL})"),
     aten.pow.Tensor_Scalar: Pointwise(_pow),
     aten.maximum.default: Pointwise(lambda n, x: f"tl.maximum({x(n.args[0])}, {x(n.args[1])}, {_NAN_ALL})"),

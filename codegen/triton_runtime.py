@@ -54,13 +54,32 @@ def triton_available() -> bool:
     return True
 
 
-def can_launch(device: torch.device) -> bool:
-    """Whether a Triton kernel can run on tensors of ``device`` in this process."""
+def launch_problem(device: torch.device) -> str | None:
+    """Why Triton kernels cannot run on tensors of ``device`` in this process; None if they can.
+
+    # NOTE: interpreter mode is fixed at import
+    Triton decides GPU or interpreter when a function is decorated, and triton.language's own
+    helpers (tl.sum, tl.sigmoid, ...) are decorated when triton is imported. So
+    ``TRITON_INTERPRET=1`` only works if it was set before the first ``import triton``; set
+    later, our kernels would be interpreted but could not call those helpers.
+    """
     if not triton_available():
-        return False
+        return "triton is not installed"
     if interpreting():
-        return device.type == "cpu"
-    return device.type == "cuda" and torch.cuda.is_available()
+        from triton.runtime.interpreter import InterpretedFunction
+        import triton.language as tl
+
+        if not isinstance(tl.sum, InterpretedFunction):
+            return "TRITON_INTERPRET=1 was set after triton was imported (set it before)"
+        return None if device.type == "cpu" else f"the Triton interpreter runs on CPU tensors, not {device}"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        hint = " (set TRITON_INTERPRET=1 before importing triton to run kernels on CPU)" if device.type == "cpu" else ""
+        return f"Triton kernels need a CUDA device, the graph is on {device}{hint}"
+    return None
+
+
+def can_launch(device: torch.device) -> bool:
+    return launch_problem(device) is None
 
 
 def cache_dir() -> Path:
@@ -110,6 +129,13 @@ def group_module(members: Sequence[fx.Node], inputs: Sequence[fx.Node], outputs:
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
+def _quiet_masked_lanes():
+    """The interpreter computes masked-off lanes too (log(0), 0/0): numpy would warn about them."""
+    import numpy as np
+
+    return np.errstate(all="ignore")
+
+
 def _layout(val: torch.Tensor) -> tuple:
     """What a kernel was specialised to: shape, dtype, and the strides of non-trivial dims."""
     return tuple(val.shape), val.dtype, tuple(st for st, s in zip(val.stride(), val.shape) if s != 1)
@@ -148,7 +174,8 @@ class FusedKernel:
                     with torch.cuda.device(device):
                         launch(*args, *outs)
                 else:
-                    launch(*args, *outs)
+                    with _quiet_masked_lanes():
+                        launch(*args, *outs)
                 self.launches += 1
                 return outs
             except Exception as e:  # compile or launch failure: this kernel runs as ATen from now on
