@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _modules: dict[tuple[str, bool], ModuleType] = {}
-_stats = {"hits": 0, "misses": 0}
+_stats = {"hits": 0, "misses": 0, "launches": 0, "fallbacks": 0}
 _cache_dir: Path | None = None
 
 
@@ -92,7 +92,7 @@ def cache_dir() -> Path:
 
 
 def cache_info() -> dict[str, int]:
-    """Module cache hits and misses since the process started (tests read this)."""
+    """Module cache hits and misses, kernel launches and ATen fallbacks since the process started."""
     return dict(_stats, size=len(_modules))
 
 
@@ -177,6 +177,7 @@ class FusedKernel:
                     with _quiet_masked_lanes():
                         launch(*args, *outs)
                 self.launches += 1
+                _stats["launches"] += 1
                 return outs
             except Exception as e:  # compile or launch failure: this kernel runs as ATen from now on
                 self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -187,6 +188,7 @@ class FusedKernel:
         elif self.error is None:
             log.debug("zerofx: %s called with a layout it was not specialised for; running ATen", self.kernel.name)
         self.fallbacks += 1
+        _stats["fallbacks"] += 1
         return tuple(self.fallback(*args))
 
     def __repr__(self) -> str:

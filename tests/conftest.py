@@ -25,3 +25,25 @@ def triton_interpreter():
     problem = launch_problem(torch.device("cpu"))
     if problem is not None:
         pytest.fail(f"codegen tests run kernels in the Triton interpreter, but: {problem}")
+
+
+@pytest.fixture(scope="session")
+def codegen_runs(tmp_path_factory):
+    """``get(world_size) -> (per-rank results of tests/codegen_ranks.run, dump folder)``, run once."""
+    cache: dict = {}
+
+    def get(world_size: int):
+        if world_size not in cache:
+            from tests.codegen_ranks import run
+            from tests.multirank import run_ranks
+
+            import io
+
+            import torch
+
+            dump = tmp_path_factory.mktemp(f"codegen_dump_w{world_size}")
+            per_rank = [torch.load(io.BytesIO(b), weights_only=False) for b in run_ranks(run, world_size, str(dump))]
+            cache[world_size] = (per_rank, dump)
+        return cache[world_size]
+
+    return get
