@@ -188,3 +188,21 @@ def test_identical_groups_share_one_compiled_kernel():
     assert after["misses"] - before["misses"] <= 1 and after["hits"] - before["hits"] >= 1
     for r, o in zip(ref, got):
         torch.testing.assert_close(o, r, **TRANSCENDENTAL)
+
+
+def test_autotune_is_emitted_for_gpus_only(monkeypatch):
+    from zerofx.codegen.decompose import decompose_for_codegen
+    from zerofx.codegen.fusion import find_groups, group_io
+    from zerofx.codegen.triton_emit import emit_group
+    from zerofx.codegen.triton_ops import can_lower
+
+    gm = make_fx(lambda x: torch.softmax(x, -1) * 2, tracing_mode="fake")(torch.randn(6, 40))
+    decompose_for_codegen(gm, can_lower)
+    (group,) = find_groups(gm)
+    args = (group.members, group.shape, group.classes, *group_io(group))
+    assert "triton.autotune" not in emit_group(*args, autotune=True).source  # the interpreter cannot time kernels
+    monkeypatch.delenv("TRITON_INTERPRET")
+    tuned = emit_group(*args, autotune=True)
+    assert "@triton.autotune(configs=[" in tuned.source and "BLOCK_R=" not in tuned.source.split("def launch")[1]
+    assert tuned.signature != emit_group(*args).signature
+    compile(tuned.source, "<tuned>", "exec")  # valid Python; only a GPU can run it

@@ -87,3 +87,14 @@ def test_triton_codegen_keeps_collectives_in_place(codegen_runs):
 
 def test_inductor_executor_matches_aten(codegen_runs):
     _assert_same_training(_part(codegen_runs, 2, "mlp_inductor"), _part(codegen_runs, 2, "mlp_aten"))
+
+
+def test_every_executor_is_an_option():
+    from zerofx import Options, ZeroFXError
+    from zerofx.codegen import EXECUTOR_NAMES
+    from zerofx.options import EXECUTORS
+
+    assert EXECUTORS == EXECUTOR_NAMES == ("aten", "triton", "inductor")
+    assert Options(executor="triton").executor == "triton"
+    with pytest.raises(ZeroFXError, match="choose one of"):
+        Options(executor="cuda")
