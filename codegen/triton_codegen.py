@@ -56,20 +56,7 @@ def _log_unlowerable(gm: fx.GraphModule) -> None:
             log.debug("zerofx codegen: %s (%s) stays an ATen call: no Triton lowering for it here", n.name, n.target)
 
 
-def compile_triton(gm: fx.GraphModule, ctx: PassContext | None = None, recorder: Any = None) -> fx.GraphModule:
-    """``gm`` with its fusible regions replaced by Triton kernels (``gm`` itself is not modified)."""
-    ctx = ctx or PassContext("graph", "inference")
-    ctx.messages = []
-    start = time.perf_counter()
-    autotune = bool(getattr(ctx.options, "autotune", False))
-    device = graph_device(gm)
-    why = "the graph has no tensors" if device is None else launch_problem(device)
-    if why is not None:
-        log.warning("zerofx: executor='triton': %s; %s_%s runs as ATen", why, ctx.graph_id, ctx.stage)
-        if recorder is not None:
-            recorder.note(ctx.graph_id, ctx.stage, f"codegen: {why}; the graph runs as ATen")
-        return gm
-
+def _fuse(gm: fx.GraphModule, ctx: PassContext, recorder: Any, autotune: bool):
     work = _copy(gm)
     opened = decompose_for_codegen(work, can_lower)
     _log_unlowerable(work)
@@ -93,6 +80,31 @@ def compile_triton(gm: fx.GraphModule, ctx: PassContext | None = None, recorder:
         sources.append((source.name, source.source))
     result = replace_groups(work, claimed)
     result.recompile()
+    return result, claimed, sources, opened
+
+
+def compile_triton(gm: fx.GraphModule, ctx: PassContext | None = None, recorder: Any = None) -> fx.GraphModule:
+    """``gm`` with its fusible regions replaced by Triton kernels (``gm`` itself is not modified)."""
+    ctx = ctx or PassContext("graph", "inference")
+    ctx.messages = []
+    start = time.perf_counter()
+    autotune = bool(getattr(ctx.options, "autotune", False))
+    device = graph_device(gm)
+    why = "the graph has no tensors" if device is None else launch_problem(device)
+    if why is not None:
+        log.warning("zerofx: executor='triton': %s; %s_%s runs as ATen", why, ctx.graph_id, ctx.stage)
+        if recorder is not None:
+            recorder.note(ctx.graph_id, ctx.stage, f"codegen: {why}; the graph runs as ATen")
+        return gm
+
+    try:
+        result, claimed, sources, opened = _fuse(gm, ctx, recorder, autotune)
+    except Exception as e:  # a codegen bug must not cost the user their training step
+        log.warning("zerofx: Triton codegen failed on %s_%s (%s: %s); the graph runs as ATen",
+                    ctx.graph_id, ctx.stage, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+        if recorder is not None:
+            recorder.note(ctx.graph_id, ctx.stage, f"codegen failed ({type(e).__name__}: {e}); the graph runs as ATen")
+        return gm
 
     fused_ops = sum(c.group.compute_ops for c in claimed)
     if opened:

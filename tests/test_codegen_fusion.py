@@ -167,3 +167,16 @@ def test_var_mean_tuple_never_leaves_a_kernel():
     ref, got = gm(x), fused(x)
     for r, o in zip(ref, got):
         torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+
+
+def test_a_codegen_bug_means_the_graph_runs_as_aten(monkeypatch, tmp_path, caplog):
+    def broken(gm):
+        raise RuntimeError("bug in grouping")
+
+    monkeypatch.setattr(triton_codegen, "find_groups", broken)
+    gm = make_fx(lambda x: torch.exp(x) * 2, tracing_mode="fake")(torch.randn(3))
+    recorder = Recorder(dump_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="zerofx.codegen"):
+        assert triton_codegen.compile_triton(gm, PassContext("frame0", "forward"), recorder) is gm
+    assert "bug in grouping" in caplog.text
+    assert "codegen failed (RuntimeError: bug in grouping)" in (tmp_path / "rank0" / "summary.txt").read_text()
