@@ -31,7 +31,6 @@ import torch
 from zerofx.codegen.multi_tensor import BLOCK, addresses, blocks_for, int_table, jit, local, tl_dtype
 from zerofx.ops import local_rows, padded_rows
 
-import triton
 import triton.language as tl
 
 

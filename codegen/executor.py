@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-import torch
 from torch import fx
 from torch._functorch.aot_autograd import make_boxed_func
 

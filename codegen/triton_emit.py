@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -31,8 +30,7 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
-from zerofx.codegen.triton_ops import (FLOAT_DTYPES, POINTWISE, REDUCTIONS, TL_DTYPES, kind_of, literal,
-                                       reduction_keepdim)
+from zerofx.codegen.triton_ops import FLOAT_DTYPES, POINTWISE, REDUCTIONS, TL_DTYPES, kind_of, literal
 
 MAX_ROW = 16384  # longest row a row kernel keeps in one tile; longer reductions stay ATen
 INT32_LIMIT = 2**31 - 1
@@ -341,7 +339,9 @@ def emit_group(members: Sequence[fx.Node], shape: tuple[int, ...], classes: dict
         kind = "pointwise"
 
     body = "\n".join("    " + line for line in head + w.lines)
-    tuned = autotune and not os.environ.get("TRITON_INTERPRET") == "1"
+    from zerofx.codegen.triton_runtime import interpreting  # (triton_runtime imports this module)
+
+    tuned = autotune and not interpreting()  # the interpreter cannot time kernels
     block_kw = ", ".join(f"{k}={v}" for k, v in blocks.items() if k != "num_warps")
     if tuned:
         decorator = _autotune_decorator(kind, blocks)

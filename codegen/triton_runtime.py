@@ -43,7 +43,7 @@ _cache_dir: Path | None = None
 
 def interpreting() -> bool:
     """True when Triton kernels run in its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")  # as Triton reads it
 
 
 def triton_available() -> bool:
