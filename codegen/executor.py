@@ -18,6 +18,7 @@ what ``CollectiveCounter`` counts.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 from torch import fx
@@ -83,11 +84,12 @@ def _inductor_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None 
 
     inputs = list(example_inputs) if example_inputs is not None else _placeholder_values(gm)
     fake_mode = detect_fake_mode(inputs) or fake_mode_of(gm)
+    start = time.perf_counter()
     with fake_mode:
         retraced = make_fx(gm, decomposition_table=select_decomp_table())(*inputs)
     if recorder is not None and ctx is not None:
         ctx.messages = ["re-traced with Inductor's decompositions; Inductor compiles this graph"]
-        recorder(ctx, "inductor", gm, retraced, 0.0)
+        recorder(ctx, "inductor", gm, retraced, time.perf_counter() - start)
     compiled = compile_fx_inner(retraced, inputs)
     return _counting(compiled, gm)
 

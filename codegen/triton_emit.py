@@ -261,7 +261,8 @@ class _Writer:
             fill = 'float("-inf")' if how == "max" else 'float("inf")'
             self.assign(node, f"tl.{how}(tl.where(mask, {src}, {fill}), axis=1, keep_dims=True)")
         elif how == "var_mean":
-            correction = node.kwargs.get("correction", 1)
+            correction = node.kwargs.get("correction")
+            correction = 1 if correction is None else correction  # ATen's default: unbiased
             mean, var, dev = self._fresh("mean"), self._fresh("var"), self._fresh("dev")
             self.lines.append(f"{mean} = {total} / {n}.0  # {_comment(node)}")
             self.lines.append(f"{dev} = tl.where(mask, {src} - {mean}, 0.0)")

@@ -206,3 +206,14 @@ def test_autotune_is_emitted_for_gpus_only(monkeypatch):
     assert "@triton.autotune(configs=[" in tuned.source and "BLOCK_R=" not in tuned.source.split("def launch")[1]
     assert tuned.signature != emit_group(*args).signature
     compile(tuned.source, "<tuned>", "exec")  # valid Python; only a GPU can run it
+
+
+def test_var_mean_with_default_correction_is_unbiased():
+    x = torch.randn(9, 21)
+
+    def fn(x):
+        var, mean = aten.var_mean.correction(x, [-1], correction=None, keepdim=True)  # None means 1
+        return (x - mean) / (var + 1.0)
+
+    (ref,), (got,), _ = run_both(fn, x)
+    torch.testing.assert_close(got, ref, **REDUCTION)
