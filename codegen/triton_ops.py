@@ -215,6 +215,10 @@ def _static(val: Any) -> bool:
     return isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in (*val.shape, *val.stride()))
 
 
+def _tensors(val: Any) -> list[torch.Tensor]:
+    return list(val) if isinstance(val, (tuple, list)) else [val]
+
+
 def _value_ok(val: Any) -> bool:
     if isinstance(val, (tuple, list)):
         return all(_value_ok(v) for v in val)
@@ -249,6 +253,9 @@ def can_lower(node: fx.Node) -> bool:
     inputs = node.all_input_nodes
     if not inputs or not all(_value_ok(a.meta.get("val")) for a in inputs):
         return False
+    devices = {v.device for v in _tensors(node.meta["val"])} | {a.meta["val"].device for a in inputs}
+    if len(devices) != 1:
+        return False  # e.g. a CPU scalar tensor in a CUDA op: ATen allows it, a kernel cannot read it
     for a in (*node.args, *node.kwargs.values()):
         if not isinstance(a, (fx.Node, int, float, bool, type(None), torch.dtype, torch.device, torch.layout,
                               torch.memory_format, list, tuple, str)):

@@ -137,8 +137,9 @@ def _quiet_masked_lanes():
 
 
 def _layout(val: torch.Tensor) -> tuple:
-    """What a kernel was specialised to: shape, dtype, and the strides of non-trivial dims."""
-    return tuple(val.shape), val.dtype, tuple(st for st, s in zip(val.stride(), val.shape) if s != 1)
+    """What a kernel was specialised to: device type, shape, dtype, strides of non-trivial dims."""
+    return (val.device.type, tuple(val.shape), val.dtype,
+            tuple(st for st, s in zip(val.stride(), val.shape) if s != 1))
 
 
 class FusedKernel:

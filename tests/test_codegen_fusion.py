@@ -180,3 +180,19 @@ def test_a_codegen_bug_means_the_graph_runs_as_aten(monkeypatch, tmp_path, caplo
         assert triton_codegen.compile_triton(gm, PassContext("frame0", "forward"), recorder) is gm
     assert "bug in grouping" in caplog.text
     assert "codegen failed (RuntimeError: bug in grouping)" in (tmp_path / "rank0" / "summary.txt").read_text()
+
+
+def test_ops_mixing_devices_are_not_fused():
+    from zerofx.codegen.triton_ops import can_lower
+
+    mode = FakeTensorMode()
+    g = fx.Graph()
+    x, s = g.placeholder("x"), g.placeholder("s")
+    with mode:
+        x.meta["val"] = torch.empty(4, device="cuda")  # fake: no GPU needed
+        s.meta["val"] = torch.tensor(2.0)  # a CPU scalar tensor, which ATen lets CUDA ops read
+        same = g.call_function(aten.mul.Tensor, (x, x))
+        same.meta["val"] = x.meta["val"] * x.meta["val"]
+        mixed = g.call_function(aten.mul.Tensor, (x, s))
+        mixed.meta["val"] = x.meta["val"] * s.meta["val"]
+    assert can_lower(same) and not can_lower(mixed)
