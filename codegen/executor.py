@@ -1,18 +1,35 @@
-"""Executors: callables that run a final graph with AOTAutograd's boxed calling convention.
+"""Executors: turn a final graph into a callable with AOTAutograd's boxed calling convention.
 
-Every executor reports the graph's collectives to ``zerofx.metrics`` each time the graph runs
-(their sizes are static: they come from the graph's fake-tensor metadata), which is what
-``CollectiveCounter`` counts.
+    "aten"      the graph op by op (FX's generated Python, boxed: each value, inputs included,
+                is freed after its last use). The default, and the reference the others are
+                checked against.
+    "triton"    fusible regions become generated Triton kernels, the rest stays ATen
+                (codegen/triton_codegen.py). Needs a CUDA GPU, or TRITON_INTERPRET=1 on CPU;
+                where neither is there, the graph runs as ATen with a warning.
+    "inductor"  hands the final graph to Inductor, for comparison. Inductor expects graphs
+                traced with its own decomposition table, so the graph is re-traced with it
+                first (make_fx, in the same order, collectives included); Inductor then owns
+                the schedule of the whole graph, including where it puts collective waits.
+
+An executor is called as ``execute(gm, example_inputs, ctx, recorder)``; only ``gm`` is
+required. Every executor reports the graph's collectives to ``zerofx.metrics`` each time the
+graph runs (their sizes are static: they come from the graph's fake-tensor metadata), which is
+what ``CollectiveCounter`` counts.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import time
+from typing import Any, Callable, Sequence
 
 from torch import fx
+from torch._functorch.aot_autograd import make_boxed_func
 from torch.fx.graph import _BoxedCodeGen
 
 from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, record_collectives, wire_bytes
+from zerofx.passes.pipeline import PassContext
+
+Executor = Callable[..., Callable]
 
 
 def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int]]:
@@ -41,7 +58,8 @@ def _counting(fn: Callable, gm: fx.GraphModule) -> Callable:
     return run
 
 
-def _aten_executor(gm: fx.GraphModule) -> Callable:
+def _aten_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
+                   ctx: PassContext | None = None, recorder: Any = None) -> Callable:
     """Run the graph's FX-generated Python op by op, with the boxed calling convention.
 
     ``make_boxed_func`` would only wrap the graph, leaving AOTAutograd's argument list holding
@@ -55,9 +73,43 @@ def _aten_executor(gm: fx.GraphModule) -> Callable:
     return _counting(gm, gm)
 
 
-_EXECUTORS = {"aten": _aten_executor}
+def _triton_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
+                     ctx: PassContext | None = None, recorder: Any = None) -> Callable:
+    from zerofx.codegen.triton_codegen import compile_triton
+
+    fused = compile_triton(gm, ctx, recorder)
+    return _counting(make_boxed_func(fused), gm)
 
 
-def make_executor(name: str) -> Callable[[fx.GraphModule], Callable]:
+def _placeholder_values(gm: fx.GraphModule) -> list[Any]:
+    return [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _inductor_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
+                       ctx: PassContext | None = None, recorder: Any = None) -> Callable:
+    from torch._guards import detect_fake_mode
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from zerofx.passes.fx_nodes import fake_mode_of
+
+    inputs = list(example_inputs) if example_inputs is not None else _placeholder_values(gm)
+    fake_mode = detect_fake_mode(inputs) or fake_mode_of(gm)
+    start = time.perf_counter()
+    with fake_mode:
+        retraced = make_fx(gm, decomposition_table=select_decomp_table())(*inputs)
+    if recorder is not None and ctx is not None:
+        ctx.messages = ["re-traced with Inductor's decompositions; Inductor compiles this graph"]
+        recorder(ctx, "inductor", gm, retraced, time.perf_counter() - start)
+    compiled = compile_fx_inner(retraced, inputs)
+    return _counting(compiled, gm)
+
+
+_EXECUTORS: dict[str, Executor] = {"aten": _aten_executor, "triton": _triton_executor, "inductor": _inductor_executor}
+EXECUTOR_NAMES = tuple(_EXECUTORS)
+
+
+def make_executor(name: str) -> Executor:
     """The executor called ``name`` (validated earlier by ``zerofx.options.Options``)."""
     return _EXECUTORS[name]

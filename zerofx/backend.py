@@ -8,7 +8,7 @@ One call of the backend per dynamo frame (a model with a graph break produces tw
       -> min-cut partitioner         -> forward graph, backward graph; invariant checked:
                                         no gathered parameter is saved for backward
       -> pipeline stage "forward" / "backward" / "inference"  (gather, reduce: lower markers)
-      -> codegen executor
+      -> codegen executor             ("aten", "triton" or "inductor"; see zerofx.codegen.executor)
 
 Registered as ``torch.compile(model, backend="zerofx")`` through the ``torch_dynamo_backends``
 entry point; options may be given as ``torch.compile(..., options={...})``.
@@ -66,10 +66,21 @@ class _FrameCompiler:
         self.graph_id = f"frame{next(_frame_ids)}"
         self.execute = make_executor(options.executor)
 
-    def _run(self, gm: fx.GraphModule, stage: str) -> fx.GraphModule:
-        ctx = PassContext(self.graph_id, stage, self.options)
+    def _run(self, gm: fx.GraphModule, stage: str, ctx: PassContext | None = None) -> fx.GraphModule:
+        ctx = ctx or PassContext(self.graph_id, stage, self.options)
         return run_pipeline(gm, ctx, disabled=self.options.disable_passes, verify=self.options.verify,
                             observer=self.recorder)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: Any, stage: str) -> Callable:
+        ctx = PassContext(self.graph_id, stage, self.options)
+        gm = self._run(gm, stage, ctx)
+        # the aten executor frees a backward's saved inputs at their last use
+        estimate = estimate_memory(gm, inputs_freed_at_last_use=(stage == "backward"))
+        memory_estimates[(self.graph_id, stage)] = estimate
+        if self.recorder is not None:
+            self.recorder.note(self.graph_id, stage, f"estimated peak {estimate.peak_bytes} B at "
+                                                     f"{estimate.peak_node}; outputs {estimate.output_bytes} B")
+        return self.execute(gm, example_inputs, ctx, self.recorder)
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
         joint = self._run(joint, "joint")
@@ -84,24 +95,14 @@ class _FrameCompiler:
             check_no_gathered_saved(fw, num_fwd_outputs, self.graph_id)
         return fw, bw
 
-    def _finish(self, gm: fx.GraphModule, stage: str) -> Callable:
-        gm = self._run(gm, stage)
-        # the executor frees a backward's saved inputs at their last use
-        estimate = estimate_memory(gm, inputs_freed_at_last_use=(stage == "backward"))
-        memory_estimates[(self.graph_id, stage)] = estimate
-        if self.recorder is not None:
-            self.recorder.note(self.graph_id, stage, f"estimated peak {estimate.peak_bytes} B at "
-                                                     f"{estimate.peak_node}; outputs {estimate.output_bytes} B")
-        return self.execute(gm)
-
     def forward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
-        return self._finish(gm, "forward")
+        return self._compile(gm, example_inputs, "forward")
 
     def backward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
-        return self._finish(gm, "backward")
+        return self._compile(gm, example_inputs, "backward")
 
     def inference(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
-        return self._finish(gm, "inference")
+        return self._compile(gm, example_inputs, "inference")
 
 
 def make_backend(options: Options | None = None, recorder: Recorder | None = None) -> Callable:

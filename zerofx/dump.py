@@ -8,6 +8,9 @@ shards are uneven)::
     frame0_joint/01_free.py         ... after each pass, readable with shapes
     frame0_joint/01_free.diff       unified diff against the previous file
     frame0_forward/...
+    frame0_forward/NN_codegen.py    with executor="triton": the graph with its fused-kernel calls
+    frame0_forward/kernels/NN_<kernel>.py   the generated Triton source of each kernel
+    frame0_forward/kernels/<kernel>.FAILED.txt  a kernel that failed and ran as ATen instead
     frame0_backward/...
 
 ``frame<K>`` is the K-th graph zerofx compiled in this process (one per dynamo frame; a graph
@@ -80,6 +83,7 @@ class Recorder:
     dump_dir: str | os.PathLike | None = None
     records: list[PassRecord] = field(default_factory=list)
     notes: dict[str, list[str]] = field(default_factory=dict)
+    kernel_sources: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
 
     def __call__(self, ctx: PassContext, pass_name: str, before: fx.GraphModule | None,
                  after: fx.GraphModule, seconds: float) -> None:
@@ -102,6 +106,24 @@ class Recorder:
         self.notes.setdefault(f"{graph_id}_{stage}", []).append(text)
         if self.dump_dir is not None:
             self._write_summary()
+
+    def kernels(self, graph_id: str, stage: str, sources: list[tuple[str, str]]) -> None:
+        """Keep the generated kernel sources of a graph (written as ``kernels/NN_<name>.py``)."""
+        self.kernel_sources[f"{graph_id}_{stage}"] = list(sources)
+        if self.dump_dir is None:
+            return
+        folder = self._rank_dir() / f"{graph_id}_{stage}" / "kernels"
+        folder.mkdir(parents=True, exist_ok=True)
+        for i, (name, source) in enumerate(sources):
+            (folder / f"{i:02d}_{name}.py").write_text(source)
+
+    def kernel_failed(self, graph_id: str, stage: str, name: str, error: str) -> None:
+        """A kernel fell back to ATen at run time: say so next to its source."""
+        if self.dump_dir is None:
+            return
+        folder = self._rank_dir() / f"{graph_id}_{stage}" / "kernels"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.FAILED.txt").write_text(error + "\n")
 
     def summary(self) -> str:
         out: list[str] = []

@@ -11,7 +11,7 @@ import torch
 
 from zerofx.errors import ZeroFXError
 
-EXECUTORS = ("aten",)
+EXECUTORS = ("aten", "triton", "inductor")
 STAGES = (1, 2, 3)
 
 _DTYPES = {
@@ -66,7 +66,15 @@ class Options:
             Every pass is an optimization over a correct baseline: the marker ops the passes
             lower have eager implementations, so disabling any pass keeps results correct.
         verify: lint the graph and check zerofx's invariants after every pass.
-        executor: what runs the final graphs; ``"aten"`` runs them op by op.
+        executor: what runs the final graphs. ``"aten"`` (default) runs them op by op.
+            ``"triton"`` replaces fusible regions (pointwise chains, last-dim reductions such
+            as softmax / LayerNorm / RMSNorm, with their neighbours) by generated Triton
+            kernels and runs the rest as ATen; it needs a CUDA GPU, or ``TRITON_INTERPRET=1``
+            on CPU (slow: for tests), and otherwise falls back to ATen with a warning.
+            ``"inductor"`` hands the final graph to Inductor, for comparison.
+            See docs/codegen.md.
+        autotune: with ``executor="triton"`` on a GPU, let Triton time a few block sizes per
+            kernel instead of using the heuristic's choice. Ignored by the interpreter.
         bucket_bytes: cap of a collective bucket in bytes (gathered size for all-gathers, input
             size for reduce-scatters); ``"auto"`` takes the cost model's bandwidth-saturating
             size; 0 disables bucketing.
@@ -99,6 +107,7 @@ class Options:
     keep_gathered_bytes: int = 0
     calibrate: bool = False
     cost_model: object = None
+    autotune: bool = False
 
     def __post_init__(self) -> None:
         from zerofx.passes.pipeline import PASS_NAMES

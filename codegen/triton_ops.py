@@ -1,0 +1,274 @@
+"""How each ATen op is written in Triton: the emitter's vocabulary, and the test of what it can claim.
+
+Values live in registers as fp32 (any float dtype) or int1 (bool); loads upcast and stores
+downcast, as Inductor does. So a chain of bf16 ops is rounded once, at the store, instead of
+after every op as in eager: results are closer to fp32 than eager's. An explicit cast to a
+lower precision in the graph (a decomposition's ``_to_copy(x, bf16)``) is emulated with a round
+trip through that dtype, because the graph asked for the rounding.
+
+Three kinds of op:
+
+    pointwise  one expression per element                       add, exp, where, casts, ...
+    reduction  over the last dim only, whole row in one tile      sum, mean, amax, amin, var_mean
+    identity   no arithmetic: the value passes through            clone, detach, alias, expand
+
+``can_lower(node)`` says whether a node may join a fused kernel at all: a known op, static
+shapes, float or bool tensors. Anything else stays an ATen call; that is never an error.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+VALUE_DTYPES = FLOAT_DTYPES + (torch.bool,)
+TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
+             torch.bool: "tl.int1"}
+
+
+def literal(x: Any) -> str:
+    """A Python scalar as Triton source (infinities and NaN spelled out)."""
+    if isinstance(x, bool):
+        return "1" if x else "0"
+    if isinstance(x, int):
+        return f"{float(x)!r}"
+    if isinstance(x, float):
+        if math.isinf(x):
+            return 'float("inf")' if x > 0 else 'float("-inf")'
+        if math.isnan(x):
+            return 'float("nan")'
+        return repr(x)
+    raise TypeError(f"not a scalar: {x!r}")
+
+
+@dataclass(frozen=True)
+class Pointwise:
+    """``emit(node, operand)``: ``operand(arg)`` turns a node argument into an expression."""
+
+    emit: Callable[[fx.Node, Callable[[Any], str]], str]
+
+
+def _args(fmt: str) -> Callable[[fx.Node, Callable[[Any], str]], str]:
+    """Positional operands into a format string: ``_args("{0} * {1}")``."""
+    return lambda n, x: fmt.format(*(x(a) for a in n.args))
+
+
+def _with_alpha(fmt: str) -> Callable[[fx.Node, Callable[[Any], str]], str]:
+    def emit(n: fx.Node, x: Callable[[Any], str]) -> str:
+        a, b = x(n.args[0]), x(n.args[1])
+        alpha = n.kwargs.get("alpha", 1)
+        if alpha != 1:
+            b = f"({b} * {literal(alpha)})"
+        return fmt.format(a, b)
+
+    return emit
+
+
+_NAN_ALL = "propagate_nan=tl.PropagateNan.ALL"  # torch propagates NaN through max/min/relu
+
+
+def _pow(n: fx.Node, x: Callable[[Any], str]) -> str:
+    base, exp = x(n.args[0]), n.args[1]
+    small = {0: "({0} * 0.0 + 1.0)", 1: "{0}", 2: "({0} * {0})", 3: "({0} * {0} * {0})", 4: "({0} * {0} * ({0} * {0}))",
+             0.5: "tl.sqrt({0})", -0.5: "tl.rsqrt({0})", -1: "(1.0 / {0})", -2: "(1.0 / ({0} * {0}))"}
+    return small[exp].format(base)
+
+
+def _pow_supported(n: fx.Node) -> bool:
+    return n.args[1] in (0, 1, 2, 3, 4, 0.5, -0.5, -1, -2)
+
+
+def _clamp(n: fx.Node, x: Callable[[Any], str]) -> str:
+    lo = n.args[1] if len(n.args) > 1 else n.kwargs.get("min")
+    hi = n.args[2] if len(n.args) > 2 else n.kwargs.get("max")
+    out = x(n.args[0])
+    if lo is not None:
+        out = f"tl.maximum({out}, {literal(lo)}, {_NAN_ALL})"
+    if hi is not None:
+        out = f"tl.minimum({out}, {literal(hi)}, {_NAN_ALL})"
+    return out
+
+
+def _cast(n: fx.Node, x: Callable[[Any], str]) -> str:
+    src = n.args[0].meta["val"].dtype
+    dst = n.meta["val"].dtype
+    a = x(n.args[0])
+    if dst == torch.bool:
+        return a if src == torch.bool else f"({a} != 0)"
+    if src == torch.bool:
+        return f"{a}.to(tl.float32)"
+    if dst == torch.float32:
+        return a  # the fp32 register already holds the value exactly
+    return f"{a}.to({TL_DTYPES[dst]}).to(tl.float32)"  # the graph asked for this rounding
+
+
+def _cast_supported(n: fx.Node) -> bool:
+    kw = dict(n.kwargs)
+    kw.pop("dtype", None)
+    device = kw.pop("device", None)
+    kw.pop("memory_format", None)  # the output's strides come from its metadata anyway
+    kw.pop("non_blocking", None)
+    layout = kw.pop("layout", None)
+    return (not kw and len(n.args) <= (2 if n.target is prims.convert_element_type.default else 1)
+            and (device is None or device == n.args[0].meta["val"].device)
+            and layout in (None, torch.strided))
+
+
+POINTWISE: dict[Any, Pointwise] = {
+    aten.add.Tensor: Pointwise(_with_alpha("({0} + {1})")),
+    aten.add.Scalar: Pointwise(_with_alpha("({0} + {1})")),
+    aten.sub.Tensor: Pointwise(_with_alpha("({0} - {1})")),
+    aten.sub.Scalar: Pointwise(_with_alpha("({0} - {1})")),
+    aten.rsub.Scalar: Pointwise(_with_alpha("({1} - {0})")),
+    aten.rsub.Tensor: Pointwise(_with_alpha("({1} - {0})")),
+    aten.mul.Tensor: Pointwise(_args("({0} * {1})")),
+    aten.mul.Scalar: Pointwise(_args("({0} * {1})")),
+    aten.div.Tensor: Pointwise(_args("({0} / {1})")),
+    aten.div.Scalar: Pointwise(_args("({0} / {1})")),
+    aten.neg.default: Pointwise(_args("(-{0})")),
+    aten.reciprocal.default: Pointwise(_args("(1.0 / {0})")),
+    aten.abs.default: Pointwise(_args("tl.abs({0})")),
+    aten.exp.default: Pointwise(_args("tl.exp({0})")),
+    aten.log.default: Pointwise(_args("tl.log({0})")),
+    aten.sqrt.default: Pointwise(_args("tl.sqrt({0})")),
+    aten.rsqrt.default: Pointwise(_args("tl.rsqrt({0})")),
+    aten.sin.default: Pointwise(_args("tl.sin({0})")),
+    aten.cos.default: Pointwise(_args("tl.cos({0})")),
+    aten.erf.default: Pointwise(_args("tl.erf({0})")),
+    aten.sigmoid.default: Pointwise(_args("tl.sigmoid({0})")),
+    # tanh is not in triton.language outside libdevice (which the interpreter lacks)
+    aten.tanh.default: Pointwise(_args("(2.0 / (1.0 + tl.exp(-2.0 * {0})) - 1.0)")),
+    aten.relu.default: Pointwise(lambda n, x: f"tl.maximum({x(n.args[0])}, 0.0, {_NAN_ALL})"),
+    aten.pow.Tensor_Scalar: Pointwise(_pow),
+    aten.maximum.default: Pointwise(lambda n, x: f"tl.maximum({x(n.args[0])}, {x(n.args[1])}, {_NAN_ALL})"),
+    aten.minimum.default: Pointwise(lambda n, x: f"tl.minimum({x(n.args[0])}, {x(n.args[1])}, {_NAN_ALL})"),
+    aten.clamp_min.default: Pointwise(lambda n, x: f"tl.maximum({x(n.args[0])}, {x(n.args[1])}, {_NAN_ALL})"),
+    aten.clamp_max.default: Pointwise(lambda n, x: f"tl.minimum({x(n.args[0])}, {x(n.args[1])}, {_NAN_ALL})"),
+    aten.clamp.default: Pointwise(_clamp),
+    aten.where.self: Pointwise(_args("tl.where({0}, {1}, {2})")),
+    aten.masked_fill.Scalar: Pointwise(_args("tl.where({1}, {2}, {0})")),
+    aten.gt.Tensor: Pointwise(_args("({0} > {1})")),
+    aten.gt.Scalar: Pointwise(_args("({0} > {1})")),
+    aten.ge.Tensor: Pointwise(_args("({0} >= {1})")),
+    aten.ge.Scalar: Pointwise(_args("({0} >= {1})")),
+    aten.lt.Tensor: Pointwise(_args("({0} < {1})")),
+    aten.lt.Scalar: Pointwise(_args("({0} < {1})")),
+    aten.le.Tensor: Pointwise(_args("({0} <= {1})")),
+    aten.le.Scalar: Pointwise(_args("({0} <= {1})")),
+    aten.eq.Tensor: Pointwise(_args("({0} == {1})")),
+    aten.eq.Scalar: Pointwise(_args("({0} == {1})")),
+    aten.ne.Tensor: Pointwise(_args("({0} != {1})")),
+    aten.ne.Scalar: Pointwise(_args("({0} != {1})")),
+    aten.logical_not.default: Pointwise(_args("({0} == 0)")),
+    aten.logical_and.default: Pointwise(_args("({0} & {1})")),
+    aten.logical_or.default: Pointwise(_args("({0} | {1})")),
+    aten._to_copy.default: Pointwise(_cast),
+    prims.convert_element_type.default: Pointwise(_cast),
+}
+
+IDENTITY = (aten.clone.default, aten.alias.default, aten.detach.default)
+EXPAND = aten.expand.default
+
+# reduction op -> (combine, neutral element); mean and var_mean are built from sums
+REDUCTIONS = {
+    aten.sum.dim_IntList: "sum",
+    aten.mean.dim: "mean",
+    aten.amax.default: "max",
+    aten.amin.default: "min",
+    aten.var_mean.correction: "var_mean",
+}
+
+_EXTRA_CHECKS: dict[Any, Callable[[fx.Node], bool]] = {
+    aten.pow.Tensor_Scalar: _pow_supported,
+    aten._to_copy.default: _cast_supported,
+    prims.convert_element_type.default: _cast_supported,
+    aten.clone.default: lambda n: set(n.kwargs) <= {"memory_format"},
+}
+
+
+def reduced_dim(node: fx.Node) -> int | None:
+    """The single dim a reduction node reduces over (normalised), or None if it is not one."""
+    args = list(node.args[1:]) + [None, None]
+    dims = node.kwargs.get("dim", args[0])
+    ndim = node.args[0].meta["val"].dim()
+    if dims is None or len(dims) != 1 or ndim == 0:
+        return None
+    return dims[0] % ndim
+
+
+def reduction_keepdim(node: fx.Node) -> bool:
+    if node.target is aten.var_mean.correction:
+        return bool(node.kwargs.get("keepdim", False))
+    return bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
+
+
+def _static(val: Any) -> bool:
+    return isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in (*val.shape, *val.stride()))
+
+
+def _tensors(val: Any) -> list[torch.Tensor]:
+    return list(val) if isinstance(val, (tuple, list)) else [val]
+
+
+def _value_ok(val: Any) -> bool:
+    if isinstance(val, (tuple, list)):
+        return all(_value_ok(v) for v in val)
+    return _static(val) and val.dtype in VALUE_DTYPES
+
+
+def kind_of(node: fx.Node) -> str | None:
+    """"pointwise", "reduction", "identity", "expand" or "getitem"; None when not lowerable."""
+    target = node.target
+    if target is operator.getitem:
+        return "getitem"
+    if target in POINTWISE:
+        return "pointwise"
+    if target in REDUCTIONS:
+        return "reduction"
+    if target in IDENTITY:
+        return "identity"
+    if target is EXPAND:
+        return "expand"
+    return None
+
+
+def can_lower(node: fx.Node) -> bool:
+    """Whether ``node`` could be part of a fused kernel (its neighbours decide whether it is)."""
+    if node.op != "call_function":
+        return False
+    kind = kind_of(node)
+    if kind is None or kind == "getitem":
+        return False
+    if not _value_ok(node.meta.get("val")):
+        return False
+    inputs = node.all_input_nodes
+    if not inputs or not all(_value_ok(a.meta.get("val")) for a in inputs):
+        return False
+    devices = {v.device for v in _tensors(node.meta["val"])} | {a.meta["val"].device for a in inputs}
+    if len(devices) != 1:
+        return False  # e.g. a CPU scalar tensor in a CUDA op: ATen allows it, a kernel cannot read it
+    for a in (*node.args, *node.kwargs.values()):
+        if not isinstance(a, (fx.Node, int, float, bool, type(None), torch.dtype, torch.device, torch.layout,
+                              torch.memory_format, list, tuple, str)):
+            return False
+    if node.target is aten.div.Tensor or node.target is aten.div.Scalar:
+        if node.kwargs.get("rounding_mode") is not None:
+            return False
+    if kind == "reduction":
+        if reduced_dim(node) != node.args[0].meta["val"].dim() - 1:
+            return False
+        if node.args[0].meta["val"].dtype not in FLOAT_DTYPES:
+            return False
+        if node.target is aten.sum.dim_IntList and node.kwargs.get("dtype") not in (None, torch.float32):
+            return False
+    check = _EXTRA_CHECKS.get(node.target)
+    return check is None or check(node)
