@@ -240,9 +240,13 @@ def calibrate_comm(group: torch.distributed.ProcessGroup | None = None, *, devic
     have = torch.tensor([1 if (use_cache and path.exists()) else 0])
     dist.all_reduce(have, op=dist.ReduceOp.MIN, group=group)
     if have.item():
-        loaded = [json.loads(path.read_text()) if dist.get_rank(group) == 0 else None]
-        dist.broadcast_object_list(loaded, group_src=0, group=group)
-        return CommModel(**loaded[0])
+        # rank 0's file for everyone (tensors: object collectives need NumPy)
+        values = torch.zeros(2, dtype=torch.float64)
+        if dist.get_rank(group) == 0:
+            cached = json.loads(path.read_text())
+            values = torch.tensor([cached["latency_s"], cached["seconds_per_byte"]], dtype=torch.float64)
+        dist.broadcast(values, group_src=0, group=group)
+        return CommModel(latency_s=values[0].item(), seconds_per_byte=values[1].item())
 
     def measure(numel: int) -> float:
         x = torch.ones(numel, device=device)

@@ -60,9 +60,13 @@ def _barrier() -> None:
 def _same_on_every_rank(value: str) -> str:
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    # tensors, not broadcast_object_list: object collectives need NumPy, which zerofx does not
+    data = torch.tensor(list(value.encode()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    buf = data if dist.get_rank() == 0 else torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    return bytes(buf.tolist()).decode()
 
 
 def _fsync_dir(path: Path) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -87,8 +87,11 @@ def _rank_main(cfg: DemoConfig) -> dict:
             comm_per_step = dict(comm.bytes)
             say(f"{step + 1:>4}/{cfg.steps:<4} {mean_loss.item() / world:8.4f} {elapsed * 1e3:7.0f}ms "
                 f"{_mb(comm.bytes['all_gather']):>12} {_mb(comm.bytes['reduce_scatter']):>15}", flush=True)
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, asdict(state) | {"total": state.total})
+        # tensors, not all_gather_object: object collectives need NumPy, which zerofx does not
+        mine = torch.tensor([state.params, state.grads, state.optimizer, state.total], dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        per_rank = [dict(zip(("params", "grads", "optimizer", "total"), t.tolist())) for t in gathered]
         total_time = time.perf_counter() - started
         share = (world - 1) / world
         if rank == 0:
