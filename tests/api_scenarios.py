@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -13,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import zerofx
+from tests.multirank import attempt as run_scenario
 from tests.models import CASES, GPT_CFG
 from tests.parity import reference_shard
 from zerofx.backend import make_backend
@@ -56,11 +56,7 @@ def scenarios(rank: int, world: int) -> dict:
     out: dict = {}
 
     def attempt(name, fn):
-        try:
-            out[name] = fn()
-        except Exception:
-            out[name] = {"error": traceback.format_exc()}
-        torch._dynamo.reset()
+        run_scenario(out, name, fn)
 
     def explain():
         model, _ = _fresh_gpt()

@@ -81,3 +81,15 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 420) -
             report += f"\nranks {missing} sent no result within {timeout:.0f}s (hung or crashed)"
         raise AssertionError(f"multi-rank run of {fn.__name__} failed:\n{report}")
     return [got[r][1] for r in range(world_size)]
+
+
+def attempt(results: dict, name: str, fn: Callable[[], Any]) -> None:
+    """Run one rank-side scenario: its result, or its traceback, lands in ``results[name]``, so
+    one failing scenario does not hide the others; dynamo's caches are reset after each."""
+    import torch
+
+    try:
+        results[name] = fn()
+    except Exception:
+        results[name] = {"error": traceback.format_exc()}
+    torch._dynamo.reset()

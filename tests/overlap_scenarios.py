@@ -4,13 +4,13 @@ and the cost model's memory prediction against the allocator."""
 from __future__ import annotations
 
 import copy
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerofx
+from tests.multirank import attempt as run_scenario
 from tests.models import CASES, MLP
 from zerofx.backend import predict_step_peak
 from zerofx.metrics import AllocationTrace
@@ -40,11 +40,7 @@ def scenarios(rank: int, world: int, dump_root: str) -> dict:
     out: dict = {}
 
     def attempt(name, fn):
-        try:
-            out[name] = fn()
-        except Exception:
-            out[name] = {"error": traceback.format_exc()}
-        torch._dynamo.reset()
+        run_scenario(out, name, fn)
 
     def exact_parity():
         plain_losses, plain_params = _train_gpt(mesh, rank, world, 4, disable_passes=("bucket", "schedule"))
