@@ -2,7 +2,13 @@
 
 Every executor reports the graph's collectives to ``zerofx.metrics`` each time the graph runs
 (their sizes are static: they come from the graph's fake-tensor metadata), which is what
-``CollectiveCounter`` counts.
+``CollectiveCounter`` counts, and runs the graph under ``zerofx.memory.MemoryTracker``'s
+dispatch mode when one is active (torch.compile would not run compiled code under a mode
+entered outside it).
+
+The generated code takes its inputs as one list and clears it (FX's boxed codegen, as torch's
+own ``boxed_nop`` does), so each input is released after its last use in the graph rather than
+when the graph returns: a backward graph frees each saved activation as soon as it has used it.
 """
 
 from __future__ import annotations
@@ -10,8 +16,9 @@ from __future__ import annotations
 from typing import Callable
 
 from torch import fx
-from torch._functorch.aot_autograd import make_boxed_func
+from torch.fx.graph import _BoxedCodeGen
 
+from zerofx.memory import active_tracker
 from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, record_collectives, wire_bytes
 
 
@@ -28,26 +35,31 @@ def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int]]:
     return out
 
 
-def _counting(fn: Callable, gm: fx.GraphModule) -> Callable:
+def _instrumented(fn: Callable, gm: fx.GraphModule, stage: str, num_user_outputs: int | None) -> Callable:
+    """``fn`` plus collective counting and, when a MemoryTracker is active, memory tracking."""
     collectives = graph_collectives(gm)
-    if not collectives:
-        return fn
 
     def run(args: list) -> object:
-        record_collectives(collectives)
+        if collectives:
+            record_collectives(collectives)
+        tracker = active_tracker()
+        if tracker is not None:
+            return tracker.run_graph(fn, args, stage, num_user_outputs)
         return fn(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
 
 
-def _aten_executor(gm: fx.GraphModule) -> Callable:
-    return _counting(make_boxed_func(gm), gm)
+def _aten_executor(gm: fx.GraphModule, stage: str = "forward", num_user_outputs: int | None = None) -> Callable:
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+    return _instrumented(gm.forward, gm, stage, num_user_outputs)
 
 
 _EXECUTORS = {"aten": _aten_executor}
 
 
-def make_executor(name: str) -> Callable[[fx.GraphModule], Callable]:
+def make_executor(name: str) -> Callable[..., Callable]:
     """The executor called ``name`` (validated earlier by ``zerofx.options.Options``)."""
     return _EXECUTORS[name]

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from zerofx.errors import ZeroFXError
 from zerofx.ops import UNSHARD
+from zerofx.passes.cost_model import saved_values
 from zerofx.passes.fx_nodes import is_view
 from zerofx.passes.pipeline import PassContext
 
@@ -46,12 +47,6 @@ def free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         markers = sum(1 for n in chain if n.target is UNSHARD)
         ctx.report(f"tagged MUST_RECOMPUTE: {markers} unshard markers and {len(chain) - markers} views of them")
     return gm
-
-
-def saved_values(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
-    """The forward graph's outputs that exist only to be saved for the backward."""
-    (outputs,) = [n.args[0] for n in fw_gm.graph.nodes if n.op == "output"]
-    return [o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node)]
 
 
 def check_no_gathered_saved(fw_gm: fx.GraphModule, num_fwd_outputs: int, graph_id: str) -> None:
