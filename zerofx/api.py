@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zerofx.backend import make_backend
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError
+from zerofx.offload import place_model_state
 from zerofx.options import Options
 from zerofx.sharding import is_sharded, mesh_of, shard
 
@@ -33,7 +34,11 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) ->
 
     Returns ``model`` itself: parameter names, ``state_dict`` keys and the module tree are
     unchanged; ``model.parameters()`` are now this rank's shards, so build the optimizer after
-    this call. ``options`` are the fields of :class:`zerofx.Options`.
+    this call. ``options`` are the fields of :class:`zerofx.Options`; bad options (an unknown
+    name, a budget out of range, an ``offload_dir`` that cannot be written) raise here.
+
+    With ``offload_optimizer`` set, the parameter shards move to their tier now; wrap the
+    optimizer with :func:`zerofx.offload_optimizer` so its state follows and it steps in windows.
     """
     opts = Options.from_kwargs(**options)
     if not isinstance(model, nn.Module):
@@ -43,6 +48,7 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) ->
             raise ZeroFXError("model was sharded on a different mesh; pass the same mesh or none")
     else:
         shard(model, mesh)
+    place_model_state(model, opts)
     model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=make_backend(opts))
     return model
 
