@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import config as functorch_config
+from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import classify_nodes, min_cut_rematerialization_partition
 
 import zerofx
@@ -71,7 +72,7 @@ def capture_joint(model: torch.nn.Module, batch) -> tuple[fx.GraphModule, int, d
         captured.append((clone(joint), num_fwd_outputs, kwargs))
         return min_cut_rematerialization_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
 
-    noop = lambda gm, _: gm  # noqa: E731
+    noop = lambda gm, _: make_boxed_func(gm)  # noqa: E731
     fn = torch.compile(model, backend=aot_autograd(fw_compiler=noop, bw_compiler=noop, partition_fn=partition))
     fn(*batch).backward()
     torch._dynamo.reset()

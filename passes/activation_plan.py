@@ -55,6 +55,8 @@ from networkx.algorithms.flow import boykov_kolmogorov
 import torch
 from torch import fx
 from torch._functorch.partitioners import _must_be_in_forward, classify_nodes, is_sym_node
+from torch._library.fake_class_registry import FakeScriptObject
+from torch.fx.experimental._backward_state import BackwardState
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerofx.errors import ZeroFXError
@@ -114,7 +116,10 @@ def _cannot_save(node: fx.Node) -> str | None:
         return None if isinstance(node.meta.get("val"), torch.SymInt) else "symbolic float/bool"
     if is_alias(node):
         return "view (its base is saved instead)"
-    if not isinstance(node.meta.get("val"), torch.Tensor):
+    val = node.meta.get("val")
+    if isinstance(val, (FakeScriptObject, torch.ScriptObject, BackwardState)):
+        return None  # opaque objects (e.g. a process group) are handed over as they are, for free
+    if not isinstance(val, torch.Tensor):
         return "not a tensor"
     return None
 
@@ -146,7 +151,8 @@ class PlanProblem:
         self.joint = joint
         self.info = classify_nodes(joint, [], num_fwd_outputs)
         self.must_recompute = set(must_recompute)
-        self.must_save = set(must_save) - self.must_recompute
+        reasons = must_save if isinstance(must_save, dict) else {}
+        self.must_save = {n: reasons.get(n, "policy: always saved") for n in must_save if n not in self.must_recompute}
         self.offload_tier = offload_tier
         self.device = device or DeviceModel()
         self.nodes = [n for n in joint.graph.nodes if n.op != "output"]
@@ -156,18 +162,38 @@ class PlanProblem:
         self.bytes = {n: node_bytes(n) for n in self.nodes}
         self.ban = {}
         for n in self.nodes:
-            reason = "policy: always saved" if n in self.must_save else cannot_recompute(n)
+            reason = self.must_save[n] if n in self.must_save else cannot_recompute(n)
             if n in self.must_recompute:
                 reason = None
             if reason is not None:
                 self.ban[n] = reason
         self.no_save = {n: r for n in self.nodes if (r := _cannot_save(n)) is not None}
+        self.keys = {n: storage_key(n) for n in self.nodes}
+        self._save_bytes = {n: self._compute_save_bytes(n) for n in self.nodes}
+        self.inputs = {n: n.all_input_nodes for n in self.nodes}
+        # the forward values the backward reads directly (walks in _account start here)
+        closure = self.info.tangents_closure
+        reads = {a: None for n in self.nodes if n in closure for a in n.all_input_nodes if a not in closure}
+        reads.update((n, None) for n in self.nodes if n in self.info.required_bw_nodes and n not in closure)
+        self.backward_reads = list(reads)
         self.offload_cost = self._offload_costs() if offload_tier else {}
+
+    def why_kept(self, node: fx.Node) -> str | None:
+        """Why ``node`` cannot be recomputed (a getitem answers for the op it unpacks), or None."""
+        if node in self.ban:
+            return self.ban[node]
+        parent = node.args[0] if node.target is operator.getitem and node.args else None
+        if isinstance(parent, fx.Node) and parent in self.ban:
+            return f"{self.ban[parent]}: output of {parent.name}"
+        return None
 
     # -- costs ---------------------------------------------------------------------------------
     def save_bytes(self, node: fx.Node) -> int:
         """Resident bytes of saving ``node``: nothing when it lives in an input's buffer."""
-        if node.op == "placeholder" or storage_key(node) in self.input_keys:
+        return self._save_bytes[node]
+
+    def _compute_save_bytes(self, node: fx.Node) -> int:
+        if node.op == "placeholder" or self.keys[node] in self.input_keys:
             return 0
         if is_sym_node(node):
             return 8
@@ -244,27 +270,26 @@ class PlanProblem:
         on_backward_side = {n for n in self.nodes if n.name + "_in" in sink_side}
         return self._account(on_backward_side, price)
 
-    def _account(self, on_backward_side: set[fx.Node], price: float) -> ActivationPlan:
+    def _account(self, on_backward_side: set[fx.Node], price: float,
+                 offload: set[fx.Node] | None = None) -> ActivationPlan:
         """Exactly what a partition recomputing ``on_backward_side`` saves and recomputes.
 
         The backward graph is the backward nodes plus every forward node they need that is not
         saved: walk from the backward's inputs; a node on the backward side is recomputed (and
-        its inputs needed in turn), any other is saved."""
-        info = self.info
+        its inputs needed in turn), any other is saved. Saved values are offloaded where the
+        price makes it pay, or, when ``offload`` is given, exactly those in it."""
         recomputed, saved = [], []
         seen: set[fx.Node] = set()
-        stack = [n for n in self.nodes if n in info.tangents_closure]
-        stack += [n for n in self.nodes if n in info.required_bw_nodes and n not in info.tangents_closure]
+        stack = list(self.backward_reads)
+        inputs = self.inputs
         while stack:
             n = stack.pop()
             if n in seen:
                 continue
             seen.add(n)
-            if n in info.tangents_closure:
-                stack.extend(n.all_input_nodes)
-            elif n.op != "placeholder" and n in on_backward_side:
+            if n.op != "placeholder" and n in on_backward_side:
                 recomputed.append(n)
-                stack.extend(n.all_input_nodes)
+                stack.extend(inputs[n])
             else:
                 saved.append(n)
         saved.sort(key=self.order.__getitem__)
@@ -273,13 +298,13 @@ class PlanProblem:
         resident = off_bytes = 0
         keys: set = set()
         for n in saved:
-            nbytes = self.save_bytes(n)
-            key = storage_key(n)
+            key = self.keys[n]
             if key in keys:
                 continue
             keys.add(key)
+            nbytes = self.save_bytes(n)
             cost = self.offload_cost.get(n)
-            if cost is not None and price * cost < nbytes:
+            if (n in offload) if offload is not None else (cost is not None and price * cost < nbytes):
                 offloaded[n] = self.offload_tier
                 off_bytes += nbytes
             else:
@@ -315,7 +340,7 @@ def plan_activations(problem: PlanProblem, budget_bytes: int | None) -> tuple[Ac
     feasible, infeasible = low, high
     tried = [lean, rich]
     for _ in range(64):
-        if infeasible / feasible < 1.0 + 1e-3:
+        if infeasible / feasible < 1.01:  # the fill below closes what is left of the gap
             break
         mid = math.sqrt(feasible * infeasible)
         plan = problem.solve(mid)
@@ -327,12 +352,12 @@ def plan_activations(problem: PlanProblem, budget_bytes: int | None) -> tuple[Ac
     over = min((p for p in tried if p.resident_bytes > budget_bytes), key=lambda p: p.resident_bytes)
     starts, seen = [], set()  # the feasible plans nearest the budget (ties at a breakpoint differ)
     for plan in sorted((p for p in tried if p.resident_bytes <= budget_bytes), key=lambda p: p.recompute_flops):
-        if plan.backward_side not in seen and len(starts) < 3:
+        if plan.backward_side not in seen and len(starts) < 2:
             seen.add(plan.backward_side)
             starts.append(plan)
     filled = []
     for start in starts:
-        gap = start.backward_side - over.backward_side
+        gap = sorted(start.backward_side - over.backward_side, key=problem.order.__getitem__)
         moves = _pieces(gap) + [{n} for n in start.recomputed if n not in problem.must_recompute
                                 and n not in problem.no_save and n.op == "call_function" and problem.flops[n] > 0]
         filled += [_fill(problem, start, moves, budget_bytes, by_ratio) for by_ratio in (True, False)]
@@ -374,35 +399,43 @@ def _fill(problem: PlanProblem, start: ActivationPlan, moves: list[set], budget:
     log-softmax makes recomputing the logits unnecessary too) and taken greedily while the
     plan fits, either by FLOPs saved per byte added or by FLOPs saved alone (ties in ratio
     make the first blind to which moves fit together; the caller keeps the better result)."""
+    import heapq
+
     current = start
-    remaining = list(moves)
-    while remaining:
-        best, best_key, best_i = None, 0.0, -1
+
+    def evaluate(piece: set) -> tuple[float, ActivationPlan | None]:
         side = set(current.backward_side)
-        for i, piece in enumerate(remaining):
-            if not piece & side:
-                continue
-            candidate = problem._account(side - piece, current.price)
-            saved = current.recompute_flops - candidate.recompute_flops
-            if candidate.resident_bytes > budget or saved <= 0:
-                continue
-            key = saved / max(1, candidate.resident_bytes - current.resident_bytes) if by_ratio else saved
-            if key > best_key:
-                best, best_key, best_i = candidate, key, i
-        if best is None:
-            return current
-        current = best
-        remaining.pop(best_i)
+        if not piece & side:
+            return 0.0, None
+        candidate = problem._account(side - piece, current.price)
+        saved = current.recompute_flops - candidate.recompute_flops
+        if candidate.resident_bytes > budget or saved <= 0:
+            return 0.0, None
+        key = saved / max(1, candidate.resident_bytes - current.resident_bytes) if by_ratio else float(saved)
+        return key, candidate
+
+    heap = [(-k, i) for i, piece in enumerate(moves) if (k := evaluate(piece)[0]) > 0]
+    heapq.heapify(heap)
+    while heap:  # lazy greedy: re-check the best move against the current plan before taking it
+        _, i = heapq.heappop(heap)
+        key, candidate = evaluate(moves[i])
+        if candidate is None:
+            continue
+        if heap and key < -heap[0][0]:
+            heapq.heappush(heap, (-key, i))
+            continue
+        current = candidate
     return current
 
 
-def _pieces(nodes: frozenset) -> list[set]:
+def _pieces(nodes: list[fx.Node]) -> list[set]:
     """Connected pieces of ``nodes`` under data edges (a tuple-valued op and its getitems stay
     together, so moving a piece never leaves a tuple to be saved)."""
     graph = nx.Graph()
-    graph.add_nodes_from(nodes)
+    graph.add_nodes_from(nodes)  # in graph order (checkpoint.py, NOTE: ranks agree)
+    members = set(nodes)
     for n in nodes:
-        graph.add_edges_from((n, u) for u in n.users if u in nodes)
+        graph.add_edges_from((n, u) for u in n.users if u in members)
     return [set(c) for c in nx.connected_components(graph)]
 
 

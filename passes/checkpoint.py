@@ -30,6 +30,17 @@ Policies (``zerofx.Options``), combinable with a budget:
                                    then everything else is recomputed, torch's selective AC)
     offload_activations="disk"     park saved values in host memory / on disk where it pays
 
+# NOTE: ranks agree
+Every rank compiles its own graphs, and a plan decides which parameters the backward re-gathers
+(a recomputed matmul needs its weight again): two ranks with different plans would issue
+different all-gathers and hang. So the planner is deterministic (it iterates in graph order,
+never over sets of nodes), and on more than one rank the checkpoint pass also compares plans:
+every rank sends a hash of its graph's structure and its decision (names of the recomputed and
+offloaded nodes) with ``all_gather_object`` over the parameters' process group, and adopts rank
+0's decision when they differ (they can, legitimately: uneven shards make slightly different
+byte counts). Graphs that differ in structure across ranks are an error, as the collectives
+would not match either. torch's partitioner does the same (``_sync_decision_cross_ranks``).
+
 # NOTE: blocks
 A "block" is the outermost module whose qualified name ends in an index (``blocks.0``,
 ``layers.11``: the children of a ModuleList or Sequential, i.e. transformer layers). A model
@@ -52,6 +63,7 @@ from torch._functorch.partitioners import classify_nodes
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerofx.errors import ZeroFXError
+from zerofx.ops import UNSHARD
 from zerofx.passes.activation_plan import ActivationPlan, PlanProblem, cannot_recompute, is_alias, plan_activations
 from zerofx.passes.cost_model import DeviceModel, node_bytes
 from zerofx.passes.pipeline import PassContext
@@ -198,8 +210,10 @@ def _report(ctx: PassContext, problem: PlanProblem, plan: ActivationPlan, uncons
         nbytes = problem.save_bytes(n)
         if n.op == "placeholder":
             why = "graph input: its owner keeps it alive (0 B extra)"
-        elif n in problem.ban:
-            why = f"cannot recompute: {problem.ban[n]}"
+        elif n in problem.must_save:
+            why = problem.must_save[n]
+        elif problem.why_kept(n) is not None:
+            why = f"cannot recompute: {problem.why_kept(n)}"
         else:
             why = reasons.get(n, f"keeping it is cheaper than recomputing ({format_flops(problem.flops[n])} for "
                                  f"this node alone)")
@@ -213,6 +227,41 @@ def _report(ctx: PassContext, problem: PlanProblem, plan: ActivationPlan, uncons
     for n in plan.recomputed:
         why = reasons.get(n) or f"frees memory; recompute costs {format_flops(problem.flops[n])}"
         ctx.report(f"  recomputed  {n.name:<32} {_describe(n):<24} {format_bytes(node_bytes(n)):>10}  {why}")
+
+
+def _agree_across_ranks(gm: fx.GraphModule, problem: PlanProblem, plan: ActivationPlan) -> ActivationPlan:
+    """Rank 0's decision on every rank (see NOTE: ranks agree)."""
+    marker = next((n for n in gm.graph.nodes if n.target is UNSHARD), None)
+    if marker is None:
+        return plan  # no parameter collectives in this graph: plans cannot make ranks diverge
+    import hashlib
+
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.utils._mode_utils import no_dispatch
+
+    group = _resolve_process_group(marker.args[2])
+    if group.size() == 1:
+        return plan
+    structure = hashlib.sha256("/".join(f"{n.name}:{n.op}:{n.target}" for n in gm.graph.nodes).encode()).hexdigest()
+    order = problem.order
+    mine = (structure, [n.name for n in sorted(plan.backward_side, key=order.__getitem__)],
+            [n.name for n in plan.offloaded])
+    decisions: list = [None] * group.size()
+    # compile runs with torch's Python dispatcher on, which would route this blocking collective
+    # through Python while holding the GIL; gloo's worker thread needs the GIL to release the
+    # previous work's tensors: a deadlock. Plain dispatch releases the GIL as usual.
+    with no_dispatch(), unset_fake_temporarily(), torch._C._DisablePythonDispatcher():
+        dist.all_gather_object(decisions, mine, group=group)
+    if any(d[0] != structure for d in decisions):
+        raise ZeroFXError("ranks traced structurally different joint graphs; their checkpoint plans (and "
+                          "collectives) cannot match. Compile the same model on every rank.")
+    first = decisions[0]
+    if first[1:] == mine[1:]:
+        return plan
+    by_name = {n.name: n for n in gm.graph.nodes}
+    return problem._account({by_name[x] for x in first[1]}, plan.price, {by_name[x] for x in first[2]})
 
 
 def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -249,14 +298,15 @@ def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             f"({lean.resident_bytes / u:.1%} of the unconstrained {unconstrained.resident_bytes} B"
             + (", with the checkpoint policies given" if recompute.keys() - base.must_recompute or save else "")
             + "). Values that must stay resident: "
-            + ", ".join(f"{n.name} ({problem.ban.get(n, 'cheapest to keep')})" for n in lean.saved
+            + ", ".join(f"{n.name} ({problem.why_kept(n) or 'cheapest to keep'})" for n in lean.saved
                         if problem.save_bytes(n) > 0)[:600]) from None
 
+    plan = _agree_across_ranks(gm, problem, plan)
     recomputed = set(plan.recomputed)
     info = problem.info
     for n in gm.graph.nodes:
-        if not info.is_required_fw(n) or n.op != "call_function" or n.meta.get("zerofx_role") == "gather":
-            continue
+        if n in info.tangents_closure or n.op != "call_function" or n.meta.get("zerofx_role") == "gather":
+            continue  # backward nodes, and gathers (always re-gathered) keep their tags
         if n in recomputed:
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         elif not isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):

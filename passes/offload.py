@@ -18,9 +18,10 @@ wait sits at the first use. Values with symbolic shapes are left resident (the r
 static sizes).
 
 When model state is offloaded (``offload_optimizer`` "disk" / "auto"), every graph also gets a
-``zerofx.page_out(p)`` after the last use of each input: a parameter shard living in a
-memory-mapped file is read by its all-gather and dropped from resident memory right after (a
-no-op for any tensor not in a file).
+``zerofx.page_out(p)`` after the last read of each input (or of a view of it): a parameter
+shard living in a memory-mapped file is read by its all-gather and dropped from resident memory
+right after, even when it is also saved for the backward, which pages it in again to re-gather
+(ZeRO-Infinity's parameter fetch). For any tensor not in a file the op does nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch import fx
 
 from zerofx.offload import OFFLOAD, PAGE_OUT, RELOAD, RELOAD_WAIT
 from zerofx.passes.cost_model import DeviceModel, node_bytes, node_flops, storage_key
-from zerofx.passes.fx_nodes import insert_call
+from zerofx.passes.fx_nodes import COLLECTIVE_OPS, WAIT, insert_call
 from zerofx.passes.pipeline import PassContext
 
 __all__ = ["offload_pass"]
@@ -120,21 +121,30 @@ def _parked_fake(val: torch.Tensor) -> torch.Tensor:
 
 
 def _page_out_inputs(gm: fx.GraphModule) -> int:
+    """``page_out(x)`` after the last read of each input ``x`` or of any view of it."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    count = 0
+    by_storage: dict = {}
+    for n in gm.graph.nodes:
+        if n.op != "output":
+            by_storage.setdefault(storage_key(n), []).append(n)
+    after: dict[fx.Node, fx.Node] = {}  # input -> the node after which it is paged out
+    done: set = set()
     for ph in [n for n in gm.graph.nodes if n.op == "placeholder"]:
-        if not isinstance(ph.meta.get("val"), torch.Tensor) or ph.meta.get("zerofx_offload"):
+        key = storage_key(ph)
+        if not isinstance(ph.meta.get("val"), torch.Tensor) or ph.meta.get("zerofx_offload") or key in done:
             continue
-        readers = [u for u in ph.users if u.op != "output"]
-        if not readers or len(readers) != len(ph.users):
-            continue  # returned values (or unused inputs) are not paged out here
-        last = max(readers, key=order.__getitem__)
+        done.add(key)
+        readers = [u for a in by_storage[key] for u in a.users if u.op != "output"]
+        # an asynchronous collective reads its input until its wait, not just when it is issued
+        readers += [w for r in readers if r.target in COLLECTIVE_OPS for w in r.users if w.target is WAIT]
+        if readers:  # a shard saved for the backward too: paged in again when the backward reads it
+            after[ph] = max(readers, key=order.__getitem__)
+    for ph, last in after.items():
         with gm.graph.inserting_after(last):
             node = gm.graph.call_function(PAGE_OUT, (ph,))
             node.meta["val"] = None
             node.meta["zerofx_role"] = "offload"
-        count += 1
-    return count
+    return len(after)
 
 
 def offload_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

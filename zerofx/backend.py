@@ -93,13 +93,16 @@ class _FrameCompiler:
                                f"predicted peak of forward temporaries {format_bytes(estimate_peak(fw).peak)}, "
                                f"of backward {format_bytes(predicted_bw.peak)}")
         if plan is not None:
-            self._check_plan(plan, saved, activation_bytes)
+            resident = self._check_plan(plan, saved, activation_bytes)
+            if self.recorder is not None:
+                self.recorder.plans[self.graph_id] = {**plan, "partitioned_resident_bytes": resident}
         if self.options.verify and "free" not in self.options.disable_passes:
             check_no_gathered_saved(fw, num_fwd_outputs, self.graph_id)
         return fw, bw
 
-    def _check_plan(self, plan: dict, saved: list[fx.Node], activation_bytes: int) -> None:
-        """The partitioner must cut where the checkpoint plan says (every forward node is tagged)."""
+    def _check_plan(self, plan: dict, saved: list[fx.Node], activation_bytes: int) -> int:
+        """Note whether the partition saves what the checkpoint plan decided; returns the resident
+        (not offloaded) saved-activation bytes of the partition."""
         planned = set(plan["saved"]) | set(plan["offloaded"])
         actual = {n.name for n in saved}
         resident = activation_bytes - sum(tensor_bytes(n) for n in saved if n.name in plan["offloaded"])
@@ -111,6 +114,7 @@ class _FrameCompiler:
             log.warning("zerofx %s: %s", self.graph_id, line)
         if self.recorder is not None:
             self.recorder.note(self.graph_id, "forward", line)
+        return resident
 
     def forward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
         return self.execute(self._run(gm, "forward"), "forward", self.num_fwd_outputs)

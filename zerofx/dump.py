@@ -80,6 +80,7 @@ class Recorder:
     dump_dir: str | os.PathLike | None = None
     records: list[PassRecord] = field(default_factory=list)
     notes: dict[str, list[str]] = field(default_factory=dict)
+    plans: dict[str, dict] = field(default_factory=dict)  # graph id -> its checkpoint plan's numbers
 
     def __call__(self, ctx: PassContext, pass_name: str, before: fx.GraphModule | None,
                  after: fx.GraphModule, seconds: float) -> None:

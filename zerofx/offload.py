@@ -34,17 +34,18 @@ updates the current one.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import tempfile
 import threading
 import types
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zerofx.errors import ZeroFXError
 
@@ -88,8 +89,12 @@ def _pwrite_all(fd: int, data: memoryview, offset: int = 0) -> None:
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    """The bytes of a contiguous CPU tensor, without a copy (and without needing numpy); the
+    caller keeps ``t`` alive while the view is used."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
 # -- activation offload: ops ---------------------------------------------------------------------
@@ -295,7 +300,7 @@ class DiskStore:
             entry[0].madvise(mmap.MADV_WILLNEED)
 
 
-_param_store: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # parameter -> (tier, store, window)
+_param_store = WeakIdKeyDictionary()  # parameter -> (tier, store, window)
 
 
 def state_store(param: torch.Tensor) -> tuple[str, DiskStore | None, int] | None:
@@ -315,7 +320,7 @@ def place_model_state(model: torch.nn.Module, options) -> str:
     param_bytes = sum(_local(p).numel() * _local(p).element_size() for p in params)
     if tier == "auto":
         tier = "disk" if 3 * param_bytes > options.host_memory_cap else "host"
-    window = options.host_memory_cap // 4 if options.host_memory_cap else 64 * 2**20
+    window = options.host_memory_cap // 8 if options.host_memory_cap else 64 * 2**20
     store = None
     if tier == "disk":
         store = DiskStore(options.offload_dir)
