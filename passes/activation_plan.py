@@ -101,6 +101,11 @@ def cannot_recompute(node: fx.Node) -> str | None:
     return None
 
 
+def _static_shape(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in (*val.shape, *val.stride()))
+
+
 def _dropout_free(node: fx.Node) -> bool:
     """Ops tagged random only for an optional dropout (attention) are deterministic at p = 0."""
     schema = node.target._schema
@@ -138,8 +143,11 @@ class ActivationPlan:
     backward_side: frozenset = frozenset()  # the cut's backward side (what the plan would recompute)
 
     def names(self) -> dict[str, list[str]]:
-        return {"saved": [n.name for n in self.saved], "offloaded": [n.name for n in self.offloaded],
-                "recomputed": [n.name for n in self.recomputed]}
+        """Node names per decision; saved sizes (SymInts) and opaque objects are listed apart."""
+        tensor = lambda n: isinstance(n.meta.get("val"), torch.Tensor)  # noqa: E731
+        return {"saved": [n.name for n in self.saved if tensor(n)], "offloaded": [n.name for n in self.offloaded],
+                "recomputed": [n.name for n in self.recomputed],
+                "saved_other": [n.name for n in self.saved if not tensor(n)]}
 
 
 class PlanProblem:
@@ -217,8 +225,8 @@ class PlanProblem:
         device, tier = self.device, self.offload_tier
         costs = {}
         for n in fw:
-            if n in self.no_save or self.save_bytes(n) == 0 or is_sym_node(n):
-                continue
+            if n in self.no_save or self.save_bytes(n) == 0 or is_sym_node(n) or not _static_shape(n):
+                continue  # the reload needs static sizes: values with symbolic shapes stay resident
             fw_users = [u for u in n.users if u in fw_after]
             bw_users = [u for u in n.users if u in bw_before]
             window_out = device.compute_s(min((fw_after[u] for u in fw_users), default=fw_after[n]))

@@ -348,7 +348,8 @@ def partition_by_plan(joint: fx.GraphModule, num_fwd_outputs: int,
     info = classify_nodes(joint, static_lifetime_input_indices or [], num_fwd_outputs)
     by_name = {n.name: n for n in joint.graph.nodes}
     order = {n: i for i, n in enumerate(joint.graph.nodes)}
-    saved = sorted((by_name[name] for name in (*plan["saved"], *plan["offloaded"])), key=order.__getitem__)
+    names = (*plan["saved"], *plan["offloaded"], *plan["saved_other"])
+    saved = sorted((by_name[name] for name in names), key=order.__getitem__)
     sym = [n for n in saved if is_sym_node(n) and not _is_assert_only_symbool(n)]
     opaque = [n for n in saved if is_opaque_node(n)]
     tensors = [n for n in saved if n not in sym and n not in opaque and not is_sym_node(n)]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from zerofx.backend import make_backend
+from zerofx.backend import make_backend, recorder_for
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError
 from zerofx.offload import place_model_state
@@ -48,7 +48,10 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) ->
             raise ZeroFXError("model was sharded on a different mesh; pass the same mesh or none")
     else:
         shard(model, mesh)
-    place_model_state(model, opts)
+    if place_model_state(model, opts) != "none":
+        recorder = recorder_for(opts)
+        if recorder is not None:
+            recorder.note("model", "state", model._zerofx_state_report)
     model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=make_backend(opts))
     return model
 
@@ -63,6 +66,8 @@ def explain(model: nn.Module, *example_inputs: Any, backward: bool = True, **opt
     """
     opts = Options.from_kwargs(**options)
     recorder = Recorder(dump_dir=opts.dump_dir)
+    if getattr(model, "_zerofx_state_report", None):
+        recorder.note("model", "state", model._zerofx_state_report)
 
     def run(*args: Any) -> Any:
         return model(*args)

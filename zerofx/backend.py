@@ -32,7 +32,7 @@ from zerofx.codegen.executor import make_executor
 from zerofx.dump import Recorder
 from zerofx.options import Options
 from zerofx.passes.checkpoint import format_bytes, partition_by_plan
-from zerofx.passes.cost_model import estimate_peak, saved_activation_bytes, saved_values
+from zerofx.passes.cost_model import estimate_peak, node_bytes, saved_activation_bytes, saved_values
 from zerofx.passes.free import check_no_gathered_saved
 from zerofx.passes.fx_nodes import tensor_bytes
 from zerofx.passes.pipeline import PassContext, run_pipeline
@@ -46,7 +46,7 @@ _recorders: dict[str, Recorder] = {}
 _lock = threading.Lock()
 
 
-def _recorder_for(options: Options) -> Recorder | None:
+def recorder_for(options: Options) -> Recorder | None:
     """One recorder per dump folder per process, so every frame lands in one summary."""
     if options.dump_dir is None:
         return None
@@ -104,8 +104,8 @@ class _FrameCompiler:
         """Note whether the partition saves what the checkpoint plan decided; returns the resident
         (not offloaded) saved-activation bytes of the partition."""
         planned = set(plan["saved"]) | set(plan["offloaded"])
-        actual = {n.name for n in saved}
-        resident = activation_bytes - sum(tensor_bytes(n) for n in saved if n.name in plan["offloaded"])
+        actual = {n.name for n in saved if isinstance(n.meta.get("val"), torch.Tensor)}  # sizes (SymInts) aside
+        resident = activation_bytes - sum(node_bytes(n) for n in saved if n.name in plan["offloaded"])
         line = (f"checkpoint plan: resident {format_bytes(plan['resident_bytes'])} planned, "
                 f"{format_bytes(resident)} partitioned")
         if planned != actual:
@@ -131,7 +131,7 @@ def make_backend(options: Options | None = None, recorder: Recorder | None = Non
     options = options or Options()
 
     def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
-        frame = _FrameCompiler(options, recorder if recorder is not None else _recorder_for(options))
+        frame = _FrameCompiler(options, recorder if recorder is not None else recorder_for(options))
         compile_with_aot = aot_autograd(
             fw_compiler=frame.forward,
             bw_compiler=frame.backward,

@@ -333,6 +333,14 @@ def place_model_state(model: torch.nn.Module, options) -> str:
     for p in params:
         _param_store[p] = (tier, store, window)
     model._zerofx_state_tier = tier
+    where = (f"{len(store.files)} memory-mapped files under {store.directory} ({store.nbytes} B)" if store
+             else "host memory" + (" (this CPU's own memory: nothing moves)" if params and
+                                   _local(params[0]).device.type == "cpu" else ""))
+    model._zerofx_state_report = (
+        f"model state: offload_optimizer={options.offload_optimizer!r} -> {tier}: {len(params)} parameter shards "
+        f"({param_bytes} B; with Adam's two moments {3 * param_bytes} B"
+        + (f", host_memory_cap {options.host_memory_cap} B" if options.host_memory_cap else "")
+        + f") in {where}; the optimizer steps {window} B windows (call zerofx.offload_optimizer(opt))")
     return tier
 
 
