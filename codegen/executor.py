@@ -26,6 +26,7 @@ from torch import fx
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.fx.graph import _BoxedCodeGen
 
+from zerofx.memory import active_tracker
 from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, record_collectives, wire_bytes
 from zerofx.passes.pipeline import PassContext
 
@@ -45,13 +46,19 @@ def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int]]:
     return out
 
 
-def _counting(fn: Callable, gm: fx.GraphModule) -> Callable:
+def _counting(fn: Callable, gm: fx.GraphModule, ctx: PassContext | None = None) -> Callable:
+    """``fn`` plus collective counting and, when a ``zerofx.memory.MemoryTracker`` is active,
+    memory tracking (torch.compile would not run compiled code under a mode entered outside)."""
     collectives = graph_collectives(gm)
-    if not collectives:
-        return fn
+    stage = ctx.stage if ctx is not None else "forward"
+    num_user_outputs = getattr(ctx, "num_fwd_outputs", None) if stage == "forward" else None
 
     def run(args: list) -> object:
-        record_collectives(collectives)
+        if collectives:
+            record_collectives(collectives)
+        tracker = active_tracker()
+        if tracker is not None:
+            return tracker.run_graph(fn, args, stage, num_user_outputs)
         return fn(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
@@ -70,7 +77,7 @@ def _aten_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = No
     """
     gm.graph.set_codegen(_BoxedCodeGen())
     gm.recompile()
-    return _counting(gm, gm)
+    return _counting(gm, gm, ctx)
 
 
 def _triton_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
@@ -78,7 +85,7 @@ def _triton_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = 
     from zerofx.codegen.triton_codegen import compile_triton
 
     fused = compile_triton(gm, ctx, recorder)
-    return _counting(make_boxed_func(fused), gm)
+    return _counting(make_boxed_func(fused), gm, ctx)
 
 
 def _placeholder_values(gm: fx.GraphModule) -> list[Any]:
@@ -103,7 +110,7 @@ def _inductor_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None 
         ctx.messages = ["re-traced with Inductor's decompositions; Inductor compiles this graph"]
         recorder(ctx, "inductor", gm, retraced, time.perf_counter() - start)
     compiled = compile_fx_inner(retraced, inputs)
-    return _counting(compiled, gm)
+    return _counting(compiled, gm, ctx)
 
 
 _EXECUTORS: dict[str, Executor] = {"aten": _aten_executor, "triton": _triton_executor, "inductor": _inductor_executor}

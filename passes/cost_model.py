@@ -1,19 +1,46 @@
-"""One cost model for every decision zerofx makes: memory, compute and communication.
+"""One home for memory/compute/communication estimates.
 
-Bucketing, prefetch scheduling and selective unsharding all read this module, so a decision
-can be explained ("this all-gather moves 96 KiB, estimated 0.31 ms; the compute it hides
-behind is estimated 0.45 ms") and predicted before anything runs.
+Every decision that trades memory for time (what to save, recompute or offload; later, what to
+prefetch or bucket) reads its numbers from here, so decisions can be explained before anything
+runs and checked against what was measured afterwards. The estimates come from the graphs'
+fake-tensor metadata (``node.meta["val"]``) only; nothing is executed.
 
-Memory comes from fake-tensor metadata (``node.meta["val"]``). Sizes are symbolic where the
-graph is: ``node_bytes(node, symbolic=True)`` returns a sympy expression over the graph's size
-symbols; every decision uses the concrete hint.
+The API is small on purpose (the scheduling/communication model extends it):
+
+    node_bytes(node)                      bytes of the value a node produces
+    node_flops(node)                      floating-point operations to compute it
+    op_flops(func, args, kwargs, out)     the same for one call of an op on real tensors
+    storage_key(node)                     which buffer the value lives in (views share one)
+    storage_bytes(node)                   bytes of that whole buffer
+    estimate_peak(gm, owned_inputs)       liveness-based peak of the bytes a graph allocates
+    saved_activation_bytes(fw_gm, n)      bytes a forward graph keeps alive for the backward
+    DeviceModel                           rates that turn bytes and FLOPs into seconds
+
+# NOTE: symbolic sizes
+With dynamic shapes, sizes are SymInts. ``node_bytes``/``node_flops`` accept ``symbolic=True``
+and then return a sympy expression in the graph's size symbols (``s0``, ``s1``...), which is what
+a report or a later symbolic peak analysis wants. Decisions need numbers: by default both
+return plain ints, evaluated at the size hints of the example inputs that were traced (the same
+convention as torch's partitioner), with a fallback for unbacked sizes.
+
+# NOTE: FLOP counting
+Matmul-like ops (mm, addmm, bmm, convolutions, attention) use the formulas torch registers for
+``torch.utils.flop_counter`` (2 FLOPs per multiply-add), applied to metadata shapes. Every other
+op that computes values counts one FLOP per output element (pointwise ops), or one per input
+element when the output is smaller (reductions such as sum or layer-norm statistics). Views,
+``getitem``, collectives and zerofx's marker ops cost nothing here: they move or alias data,
+which the communication model prices, not this one.
+
+# NOTE: two memory estimators
+``estimate_peak`` (storage identity from fake storages) serves the activation planner;
+``estimate_memory`` (alias annotations of op schemas, collective buffers allocated at issue,
+inputs freed at last use for boxed backwards) serves scheduling and ``predict_step_peak`` and is
+tested against the allocator. They should become one; until then each says what it models.
 
 Communication is ``latency + wire_bytes * seconds_per_byte`` per collective (wire bytes per
 rank, see zerofx.metrics NOTE: counting collective bytes), with constants measured on the
-actual process group by ``calibrate_comm`` and cached per (backend, world size).
-
-Compute is a roofline: ``max(flops / flops_per_s, bytes / bytes_per_s) + per-op overhead``.
-The defaults fit one CPU core; ``calibrate_compute`` measures them.
+actual process group by ``calibrate_comm`` and cached per (backend, world size). Compute for
+scheduling is a roofline (``ComputeModel``).
 """
 
 from __future__ import annotations
@@ -23,14 +50,244 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
+
+from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, wire_bytes
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 import sympy
 import torch
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import flop_registry
 
-from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, wire_bytes
+from zerofx.passes.fx_nodes import is_view
+
+__all__ = ["DeviceModel", "PeakEstimate", "node_bytes", "node_flops", "storage_key", "estimate_peak",
+           "saved_activation_bytes", "saved_values", "hint", "op_flops", "storage_bytes", "ALIAS_OPS",
+           "tensor_bytes", "allocated_bytes", "is_alias", "MemoryEstimate", "estimate_memory", "ComputeModel",
+           "CommModel", "CostModel", "calibrate_comm"]
+
+UNBACKED_FALLBACK = 4096
+# ops whose output shares its input's buffer although their schema does not say so
+ALIAS_OPS = frozenset({torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default})  # size assumed for a data-dependent dimension with no hint (as torch does)
+
+
+def hint(x: Any) -> int:
+    """A concrete int for ``x`` (an int, a SymInt or a sympy expression), from the trace's hints."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        node = x.node
+        if node.hint is not None:
+            return int(node.hint)
+        try:
+            return int(node.shape_env.size_hint(node.expr, allow_none=False))
+        except Exception:  # unbacked (data-dependent): no hint exists
+            return UNBACKED_FALLBACK
+    if isinstance(x, sympy.Expr):
+        if x.is_number:
+            return int(x)
+        return int(x.subs({s: UNBACKED_FALLBACK for s in x.free_symbols}))
+    return int(x)
+
+
+def _expr(x: Any) -> sympy.Expr:
+    """``x`` as a sympy expression in the graph's size symbols."""
+    if isinstance(x, torch.SymInt):
+        return x.node.expr
+    return sympy.Integer(int(x))
+
+
+def _tensor_vals(val: Any) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _numel(val: torch.Tensor, symbolic: bool) -> Any:
+    n = val.numel()
+    return _expr(n) if symbolic else hint(n)
+
+
+def node_bytes(node: fx.Node, *, symbolic: bool = False) -> Any:
+    """Bytes of the tensor(s) ``node`` produces (0 for non-tensors; a tuple sums its tensors)."""
+    total: Any = sympy.Integer(0) if symbolic else 0
+    for val in _tensor_vals(node.meta.get("val")):
+        total = total + _numel(val, symbolic) * val.element_size()
+    return total
+
+
+def op_flops(func: Any, args: tuple, kwargs: dict, out: Any, *, symbolic: bool = False) -> Any:
+    """FLOPs of one call ``func(*args, **kwargs) -> out`` (see NOTE: FLOP counting).
+
+    Works on real and fake tensors alike, so the cost model (on metadata) and the memory tracker
+    (on the running program) count the same way and their numbers can be compared exactly."""
+    zero: Any = sympy.Integer(0) if symbolic else 0
+    if not isinstance(func, torch._ops.OpOverload) or func.is_view or func in ALIAS_OPS:
+        return zero
+    if func.namespace in ("_c10d_functional", "c10d_functional", "zerofx", "ao"):
+        return zero
+    if any(r.alias_info is not None for r in func._schema.returns):
+        return zero  # in-place and out= variants alias their input: counted as copies, not compute
+    formula = flop_registry.get(func.overloadpacket)
+    if formula is not None:
+        try:
+            flops = formula(*args, **kwargs, out_val=out)
+        except Exception:  # a formula that cannot read these args: fall back to elementwise
+            flops = None
+        if flops is not None:
+            return _expr(flops) if symbolic else hint(flops)
+    out_n = sum((_numel(v, symbolic) for v in _tensor_vals(out)), zero)
+    in_vals = [a for a in args if isinstance(a, torch.Tensor)]
+    in_vals += [x for a in args if isinstance(a, (list, tuple)) for x in a if isinstance(x, torch.Tensor)]
+    in_n = sum((_numel(a, symbolic) for a in in_vals), zero)
+    if symbolic:
+        return sympy.Max(out_n, in_n) if in_n != 0 else out_n
+    return max(out_n, in_n)
+
+
+def node_flops(node: fx.Node, *, symbolic: bool = False) -> Any:
+    """Floating-point operations to compute ``node`` (see NOTE: FLOP counting)."""
+    if node.op != "call_function" or node.target is operator.getitem or is_view(node):
+        return sympy.Integer(0) if symbolic else 0
+    args, kwargs = fx.node.map_aggregate((node.args, node.kwargs),
+                                         lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
+    return op_flops(node.target, args, kwargs, node.meta.get("val"), symbolic=symbolic)
+
+
+def storage_key(node: fx.Node) -> Any:
+    """Identity of the buffer ``node``'s tensor lives in: views and aliases of one buffer share it.
+
+    Fake tensors keep real aliasing (a view's fake storage is its base's), which is what makes
+    this exact for views, ``_unsafe_view`` and ops whose output aliases an input."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        try:
+            return StorageWeakRef(val.untyped_storage()).cdata
+        except Exception:  # tensors without storage (e.g. some subclasses): treat as their own
+            pass
+    return ("node", node)
+
+
+def storage_bytes(node: fx.Node) -> int:
+    """Bytes of the whole buffer ``node``'s value lives in (a view of a big buffer keeps all of it)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        try:
+            return hint(val.untyped_storage().nbytes())
+        except Exception:
+            pass
+    return node_bytes(node)
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """Rates that turn FLOPs and bytes into seconds (defaults: a modern accelerator host).
+
+    These are deliberately round numbers: the decisions they feed (does a copy hide behind
+    compute? is recompute cheaper than a transfer?) only need the right order of magnitude."""
+
+    flops_per_s: float = 100e12
+    host_link_bytes_per_s: float = 20e9   # device <-> pinned host memory (PCIe-class)
+    disk_bytes_per_s: float = 2e9         # host <-> NVMe
+
+    @classmethod
+    def for_device(cls, device_type: str) -> DeviceModel:
+        if device_type == "cpu":
+            # one CPU core's worth of matmul throughput; host "transfers" are memcpys; disk as NVMe
+            return cls(flops_per_s=50e9, host_link_bytes_per_s=10e9, disk_bytes_per_s=2e9)
+        return cls()
+
+    def compute_s(self, flops: float) -> float:
+        return flops / self.flops_per_s
+
+    def transfer_s(self, nbytes: float, tier: str) -> float:
+        rate = self.disk_bytes_per_s if tier == "disk" else self.host_link_bytes_per_s
+        return nbytes / rate
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """Liveness-based memory estimate of one graph (bytes at the size hints)."""
+
+    peak: int           # most bytes live at once: owned inputs + values the graph allocated
+    peak_node: str      # the node after which the peak is reached
+    allocated: int      # bytes of all buffers the graph allocates, live or not at the same time
+
+
+def estimate_peak(gm: fx.GraphModule, owned_inputs: Iterable[str] = ()) -> PeakEstimate:
+    """Peak bytes while ``gm`` runs, if every buffer is freed after its last use.
+
+    That is how FX's generated code (and zerofx's executor) runs a graph: each value is dropped
+    after its last reader. Inputs named in ``owned_inputs`` (e.g. saved activations handed to a
+    backward graph) count as live from the start until their last use; other inputs belong to
+    the caller (parameters, user inputs) and are not counted. Buffers are identified by
+    ``storage_key``: a view keeps its base alive and costs nothing itself."""
+    owned = set(owned_inputs)
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    size: dict[Any, int] = {}       # buffer -> bytes, for buffers this estimate counts
+    born: dict[Any, int] = {}       # buffer -> position of the node that creates it
+    last_use: dict[Any, int] = {}   # buffer -> position of its last reader
+    ignored: set[Any] = set()       # buffers of inputs the caller owns
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            continue
+        key = storage_key(n)
+        if n.op == "placeholder" and n.name not in owned:
+            ignored.add(key)
+        if key in ignored:
+            continue
+        if key not in size:
+            size[key] = node_bytes(n) if n.op == "placeholder" else storage_bytes(n)
+            born[key] = i
+        last_use[key] = max([last_use.get(key, i), *(order[u] for u in n.users)])
+    events: dict[int, int] = {}
+    for key, nbytes in size.items():
+        events[born[key]] = events.get(born[key], 0) + nbytes
+        end = last_use[key]
+        if nodes[end].op != "output":  # values the graph returns stay live past its end
+            events[end + 1] = events.get(end + 1, 0) - nbytes
+    live = peak = 0
+    peak_node = ""
+    for i, n in enumerate(nodes):
+        live += events.get(i, 0)
+        if live > peak:
+            peak, peak_node = live, n.name
+    allocated = sum(nbytes for key, nbytes in size.items() if nodes[born[key]].op != "placeholder")
+    return PeakEstimate(peak, peak_node, allocated)
+
+
+def saved_values(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
+    """The forward graph's outputs that exist only to be saved for the backward."""
+    (outputs,) = [n.args[0] for n in fw_gm.graph.nodes if n.op == "output"]
+    return [o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node)]
+
+
+def saved_activation_bytes(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> int:
+    """Bytes of the buffers a forward graph keeps alive for its backward ("activation memory").
+
+    Counted per buffer, so two saved views of one tensor cost it once; buffers of the graph's
+    inputs (parameter shards, user inputs) cost nothing: their owner keeps them alive anyway."""
+    input_keys = {storage_key(n) for n in fw_gm.graph.nodes if n.op == "placeholder"}
+    total, seen = 0, set(input_keys)
+    for node in saved_values(fw_gm, num_fwd_outputs):
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        key = storage_key(node)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage_bytes(node)
+    return total
+
 
 aten = torch.ops.aten
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -67,8 +324,8 @@ def is_alias(node: fx.Node) -> bool:
     return node.target.is_view or (len(returns) == 1 and returns[0].alias_info is not None)
 
 
-def node_bytes(node: fx.Node, symbolic: bool = False):
-    """Bytes newly allocated by ``node`` (0 for views and waits)."""
+def allocated_bytes(node: fx.Node, symbolic: bool = False):
+    """Bytes newly allocated by ``node`` (0 for views, waits and in-place ops)."""
     if is_alias(node) or node.op != "call_function":
         return sympy.Integer(0) if symbolic else 0
     return tensor_bytes(node.meta.get("val"), symbolic)
@@ -127,43 +384,16 @@ def estimate_memory(gm: fx.GraphModule, inputs_freed_at_last_use: bool = False) 
             frees.setdefault(idx, []).append(root)
     baseline = live
     for node in nodes:
-        live += node_bytes(node)
+        live += allocated_bytes(node)
         if live - baseline > peak:
             peak, peak_node = live - baseline, node.name
         for dead in frees.get(order[node], ()):
-            live -= tensor_bytes(dead.meta.get("val")) if dead.op == "placeholder" else node_bytes(dead)
-    out_bytes = sum(node_bytes(r) for r in outputs if r.op == "call_function")
+            live -= tensor_bytes(dead.meta.get("val")) if dead.op == "placeholder" else allocated_bytes(dead)
+    out_bytes = sum(allocated_bytes(r) for r in outputs if r.op == "call_function")
     return MemoryEstimate(int(peak), peak_node, int(out_bytes))
 
 
 # --------------------------------------------------------------------------------- compute --
-
-def node_flops(node: fx.Node) -> int:
-    """Floating-point operations of one ATen node (matmuls and attention exactly, others ~numel)."""
-    if node.op != "call_function" or is_alias(node) or node.target in COLLECTIVE_OPS:
-        return 0
-    t = node.target
-    vals = [a.meta.get("val") for a in node.args if isinstance(a, fx.Node)]
-    shape = lambda v: [int(_size(s, False)) for s in v.shape]  # noqa: E731
-    if t is aten.mm.default:
-        (m, k), (_, n) = shape(vals[0]), shape(vals[1])
-        return 2 * m * n * k
-    if t is aten.addmm.default:
-        (m, k), (_, n) = shape(vals[1]), shape(vals[2])
-        return 2 * m * n * k
-    if t in (aten.bmm.default, aten.baddbmm.default):
-        a, b = (vals[0], vals[1]) if t is aten.bmm.default else (vals[1], vals[2])
-        (bs, m, k), (_, _, n) = shape(a), shape(b)
-        return 2 * bs * m * n * k
-    name = str(t)
-    if "scaled_dot_product" in name:
-        q, k = shape(vals[0]), shape(vals[1])
-        batch = math.prod(q[:-2])
-        flops = 4 * batch * q[-2] * k[-2] * q[-1]
-        return flops * 2 if "backward" in name else flops
-    val = node.meta.get("val")
-    return tensor_bytes(val) // val.element_size() if isinstance(val, torch.Tensor) else 0
-
 
 @dataclass(frozen=True)
 class ComputeModel:
@@ -176,7 +406,7 @@ class ComputeModel:
     def node_time(self, node: fx.Node) -> float:
         if node.op != "call_function" or is_alias(node) or node.target in COLLECTIVE_OPS:
             return 0.0
-        moved = node_bytes(node) + sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+        moved = allocated_bytes(node) + sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
         return max(node_flops(node) / self.flops_per_s, moved / self.bytes_per_s) + self.op_overhead_s
 
 

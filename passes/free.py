@@ -29,7 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from zerofx.errors import ZeroFXError
 from zerofx.metrics import wire_bytes
 from zerofx.ops import FORWARD_MARKERS, UNSHARD
-from zerofx.passes.cost_model import CostModel, tensor_bytes
+from zerofx.passes.cost_model import CostModel, saved_values, tensor_bytes
 from zerofx.passes.fx_nodes import is_view
 from zerofx.passes.pipeline import PassContext
 
@@ -114,12 +114,6 @@ def free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.report(f"selective unsharding: kept {len(kept)} gathered parameters for backward, {held} B "
                    f"(budget {budget} B): {', '.join(m.name for m in kept)}")
     return gm
-
-
-def saved_values(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
-    """The forward graph's outputs that exist only to be saved for the backward."""
-    (outputs,) = [n.args[0] for n in fw_gm.graph.nodes if n.op == "output"]
-    return [o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node)]
 
 
 def check_no_gathered_saved(fw_gm: fx.GraphModule, num_fwd_outputs: int, graph_id: str) -> None:

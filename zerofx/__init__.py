@@ -8,6 +8,11 @@ stage or mixed precision (see ``zerofx.Options``); a 2-D mesh ``(replicate, shar
 hybridly; ``zerofx.no_sync`` accumulates gradients; ``zerofx.checkpoint`` saves and loads.
 
 or, in two steps, ``zerofx.shard(model, mesh)`` then ``torch.compile(model, backend="zerofx")``.
+
+Memory below the sum of its parts (docs/memory.md): ``activation_budget`` and the
+``checkpoint*`` options recompute activations, ``offload_activations`` parks them in host memory
+or on disk, ``offload_optimizer`` (with ``zerofx.offload_optimizer(opt)``) keeps master shards
+and optimizer state there; ``zerofx.MemoryTracker`` measures what the compiled graphs allocate.
 """
 
 from zerofx import ops as _ops  # noqa: F401  (registers the zerofx:: marker ops)
@@ -16,11 +21,13 @@ from zerofx.accumulation import no_sync
 from zerofx.api import compile, explain
 from zerofx.errors import ZeroFXError
 from zerofx.loss_scaling import loss_scaler
+from zerofx.memory import MemoryTracker
 from zerofx.metrics import CollectiveCounter, model_state_bytes
+from zerofx.offload import offload_optimizer
 from zerofx.options import Options
 from zerofx.sharding import shard
 
 __version__ = "0.1.0"
 
 __all__ = ["compile", "explain", "shard", "no_sync", "loss_scaler", "checkpoint", "Options", "ZeroFXError",
-           "CollectiveCounter", "model_state_bytes"]
+           "CollectiveCounter", "model_state_bytes", "MemoryTracker", "offload_optimizer"]

@@ -8,9 +8,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from zerofx.backend import make_backend
+from zerofx.backend import make_backend, recorder_for
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError
+from zerofx.offload import place_model_state
 from zerofx.options import LAYOUT_OPTIONS, Options
 from zerofx.sharding import is_sharded, mesh_of, shard
 
@@ -34,7 +35,11 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) ->
 
     Returns ``model`` itself: parameter names, ``state_dict`` keys and the module tree are
     unchanged; ``model.parameters()`` are now this rank's shards, so build the optimizer after
-    this call. ``options`` are the fields of :class:`zerofx.Options`.
+    this call. ``options`` are the fields of :class:`zerofx.Options`; bad options (an unknown
+    name, a budget out of range, an ``offload_dir`` that cannot be written) raise here.
+
+    With ``offload_optimizer`` set, the parameter shards move to their tier now; wrap the
+    optimizer with :func:`zerofx.offload_optimizer` so its state follows and it steps in windows.
     """
     opts = Options.from_kwargs(**options)
     if not isinstance(model, nn.Module):
@@ -55,6 +60,10 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) ->
 
         opts = Options.from_kwargs(opts, cost_model=CostModel(comm=calibrate_comm(mesh.get_group(),
                                                                                   device=mesh.device_type)))
+    if place_model_state(model, opts) != "none":
+        recorder = recorder_for(opts)
+        if recorder is not None:
+            recorder.note("model", "state", model._zerofx_state_report)
     model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=make_backend(opts))
     return model
 
@@ -69,6 +78,8 @@ def explain(model: nn.Module, *example_inputs: Any, backward: bool = True, **opt
     """
     opts = Options.from_kwargs(**options)
     recorder = Recorder(dump_dir=opts.dump_dir)
+    if getattr(model, "_zerofx_state_report", None):
+        recorder.note("model", "state", model._zerofx_state_report)
 
     def run(*args: Any) -> Any:
         return model(*args)

@@ -4,9 +4,11 @@ One call of the backend per dynamo frame (a model with a graph break produces tw
 
     dynamo FX graph
       -> AOTAutograd traces the joint forward+backward graph     (markers from zerofx.ops inside)
-      -> pipeline stage "joint"     (free: what the backward must recompute)
-      -> min-cut partitioner         -> forward graph, backward graph; invariant checked:
-                                        no gathered parameter is saved for backward
+      -> pipeline stage "joint"     (free: what the backward must recompute; checkpoint: what it
+                                     gets saved, recomputed or reloaded, under the budget)
+      -> min-cut partitioner         -> forward graph, backward graph; invariants checked:
+                                        no gathered parameter is saved for backward, and the
+                                        partition saves what the checkpoint plan decided
       -> pipeline stage "forward" / "backward" / "inference"  (gather, reduce: lower markers)
       -> codegen executor             ("aten", "triton" or "inductor"; see zerofx.codegen.executor)
 
@@ -30,8 +32,10 @@ from zerofx.codegen.executor import make_executor
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError
 from zerofx.options import Options
-from zerofx.passes.cost_model import MemoryEstimate, estimate_memory, tensor_bytes
-from zerofx.passes.free import check_no_gathered_saved, saved_values
+from zerofx.passes.checkpoint import format_bytes, partition_by_plan
+from zerofx.passes.cost_model import (MemoryEstimate, estimate_memory, estimate_peak, node_bytes,
+                                      saved_activation_bytes, saved_values, tensor_bytes)
+from zerofx.passes.free import check_no_gathered_saved
 from zerofx.passes.pipeline import PassContext, run_pipeline
 
 log = logging.getLogger(__name__)
@@ -46,7 +50,7 @@ _recorders: dict[str, Recorder] = {}
 _lock = threading.Lock()
 
 
-def _recorder_for(options: Options) -> Recorder | None:
+def recorder_for(options: Options) -> Recorder | None:
     """One recorder per dump folder per process, so every frame lands in one summary."""
     if options.dump_dir is None:
         return None
@@ -65,14 +69,15 @@ class _FrameCompiler:
         self.recorder = recorder
         self.graph_id = f"frame{next(_frame_ids)}"
         self.execute = make_executor(options.executor)
+        self.num_fwd_outputs: int | None = None
 
     def _run(self, gm: fx.GraphModule, stage: str, ctx: PassContext | None = None) -> fx.GraphModule:
-        ctx = ctx or PassContext(self.graph_id, stage, self.options)
+        ctx = ctx or PassContext(self.graph_id, stage, self.options, num_fwd_outputs=self.num_fwd_outputs)
         return run_pipeline(gm, ctx, disabled=self.options.disable_passes, verify=self.options.verify,
                             observer=self.recorder)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Any, stage: str) -> Callable:
-        ctx = PassContext(self.graph_id, stage, self.options)
+        ctx = PassContext(self.graph_id, stage, self.options, num_fwd_outputs=self.num_fwd_outputs)
         gm = self._run(gm, stage, ctx)
         # the aten executor frees a backward's saved inputs at their last use
         estimate = estimate_memory(gm, inputs_freed_at_last_use=(stage == "backward"))
@@ -83,17 +88,48 @@ class _FrameCompiler:
         return self.execute(gm, example_inputs, ctx, self.recorder)
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
+        self.num_fwd_outputs = num_fwd_outputs
         joint = self._run(joint, "joint")
-        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                                     **kwargs)
+        plan = joint.meta.get("zerofx_activation_plan")
+        cut = partition_by_plan(joint, num_fwd_outputs, kwargs.get("static_lifetime_input_indices"))
+        if cut is None:
+            cut = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        fw, bw = cut
         saved = saved_values(fw, num_fwd_outputs)
+        activation_bytes = saved_activation_bytes(fw, num_fwd_outputs)
         if self.recorder is not None:
             self.recorder.note(self.graph_id, "forward",
                                f"saved for backward: {len(saved)} tensors, "
                                f"{sum(tensor_bytes(n.meta.get('val')) for n in saved)} B ({', '.join(n.name for n in saved)})")
+            saved_names = {n.name for n in saved}
+            predicted_bw = estimate_peak(bw, owned_inputs=saved_names)
+            self.recorder.note(self.graph_id, "forward",
+                               f"activation memory (saved, not inputs): {format_bytes(activation_bytes)}; "
+                               f"predicted peak of forward temporaries {format_bytes(estimate_peak(fw).peak)}, "
+                               f"of backward {format_bytes(predicted_bw.peak)}")
+        if plan is not None:
+            resident = self._check_plan(plan, saved, activation_bytes)
+            if self.recorder is not None:
+                self.recorder.plans[self.graph_id] = {**plan, "partitioned_resident_bytes": resident}
         if self.options.verify and "free" not in self.options.disable_passes:
             check_no_gathered_saved(fw, num_fwd_outputs, self.graph_id)
         return fw, bw
+
+    def _check_plan(self, plan: dict, saved: list[fx.Node], activation_bytes: int) -> int:
+        """Note whether the partition saves what the checkpoint plan decided; returns the resident
+        (not offloaded) saved-activation bytes of the partition."""
+        planned = set(plan["saved"]) | set(plan["offloaded"])
+        actual = {n.name for n in saved if isinstance(n.meta.get("val"), torch.Tensor)}  # sizes (SymInts) aside
+        resident = activation_bytes - sum(node_bytes(n) for n in saved if n.name in plan["offloaded"])
+        line = (f"checkpoint plan: resident {format_bytes(plan['resident_bytes'])} planned, "
+                f"{format_bytes(resident)} partitioned")
+        if planned != actual:
+            line += (f"; partition differs from plan (extra {sorted(actual - planned)[:8]}, "
+                     f"missing {sorted(planned - actual)[:8]})")
+            log.warning("zerofx %s: %s", self.graph_id, line)
+        if self.recorder is not None:
+            self.recorder.note(self.graph_id, "forward", line)
+        return resident
 
     def forward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
         return self._compile(gm, example_inputs, "forward")
@@ -110,7 +146,7 @@ def make_backend(options: Options | None = None, recorder: Recorder | None = Non
     options = options or Options()
 
     def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
-        frame = _FrameCompiler(options, recorder if recorder is not None else _recorder_for(options))
+        frame = _FrameCompiler(options, recorder if recorder is not None else recorder_for(options))
         compile_with_aot = aot_autograd(
             fw_compiler=frame.forward,
             bw_compiler=frame.backward,

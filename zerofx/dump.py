@@ -84,6 +84,7 @@ class Recorder:
     records: list[PassRecord] = field(default_factory=list)
     notes: dict[str, list[str]] = field(default_factory=dict)
     kernel_sources: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    plans: dict[str, dict] = field(default_factory=dict)  # graph id -> its checkpoint plan's numbers
 
     def __call__(self, ctx: PassContext, pass_name: str, before: fx.GraphModule | None,
                  after: fx.GraphModule, seconds: float) -> None:

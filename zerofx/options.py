@@ -34,6 +34,9 @@ def _dtype(name: str, value: Any) -> torch.dtype | None:
         raise ZeroFXError(f"option {name}={value!r}: choose None, torch.float32, torch.bfloat16 or torch.float16 "
                           f"(or one of {sorted(_DTYPES)})")
     return value
+CHECKPOINT_POLICIES = ("auto", "full")
+ACTIVATION_TIERS = ("none", "host", "disk")
+OPTIMIZER_TIERS = ("none", "host", "disk", "auto")
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,34 @@ class Options:
         cost_model: the ``zerofx.passes.cost_model.CostModel`` decisions read; filled by
             calibration, defaults otherwise.
 
+        activation_budget: most bytes of activations the forward may keep resident for the
+            backward, per compiled graph: a float in (0, 1] is a fraction of the unconstrained
+            amount (what the forward saves when nothing that costs FLOPs is recomputed), an int
+            is bytes. The checkpoint pass then recomputes (or offloads) the cheapest values
+            until the plan fits; a budget below what any plan can meet is an error that names
+            the minimum. None: torch's min-cut partitioner decides, as without zerofx.
+        checkpoint: ``"auto"`` (decide by budget and the options below) or ``"full"``: recompute
+            everything inside each block (transformer layer) and save only block boundaries.
+        checkpoint_modules: fnmatch patterns of module names (``"blocks.1"``, ``"blocks.*.attn"``)
+            to checkpoint: everything computed inside is recomputed, their boundaries saved.
+        checkpoint_save_ops: ops whose outputs are always saved (``"aten.mm"`` or ``"mm"``). Alone
+            (no budget, no checkpointed modules) everything else is recomputed: selective AC.
+        offload_activations: ``"none"``, ``"host"`` (pinned host memory; on a CPU-only machine
+            host memory is device memory, so this only exercises the mechanism) or ``"disk"``
+            (files under ``offload_dir``): saved activations whose copies hide behind compute,
+            or that the budget needs gone, are parked there between forward and backward.
+        offload_optimizer: where fp32 parameter shards (the master weights) and optimizer state
+            live between steps: ``"none"`` (device memory), ``"host"`` (host memory, streamed to
+            the device for the step), ``"disk"`` (memory-mapped files under ``offload_dir``,
+            streamed in a window at a time; ZeRO-Infinity's NVMe tier) or ``"auto"`` (disk when
+            parameters plus Adam's state would exceed ``host_memory_cap``, else host). Call
+            ``zerofx.offload_optimizer(optimizer)`` on the optimizer built over the model.
+        offload_dir: folder for disk offload files; checked (created, written) when the options
+            are built, so a bad path fails at ``zerofx.compile``, not mid-step. Defaults to a
+            ``zerofx-offload`` folder in the system temp folder.
+        host_memory_cap: bytes of host memory model state may use; sizes the optimizer's
+            streaming window (a quarter of the cap) and decides ``offload_optimizer="auto"``.
+
     The options in ``LAYOUT_OPTIONS`` shape the parameters, so they take effect where the model
     is sharded (``zerofx.compile`` or ``zerofx.shard``); the backend rejects them.
     """
@@ -108,6 +139,14 @@ class Options:
     calibrate: bool = False
     cost_model: object = None
     autotune: bool = False
+    activation_budget: float | int | None = None
+    checkpoint: str = "auto"
+    checkpoint_modules: tuple[str, ...] = ()
+    checkpoint_save_ops: tuple[str, ...] = ()
+    offload_activations: str = "none"
+    offload_optimizer: str = "none"
+    offload_dir: str | None = None
+    host_memory_cap: int | None = None
 
     def __post_init__(self) -> None:
         from zerofx.passes.pipeline import PASS_NAMES
@@ -132,6 +171,7 @@ class Options:
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ZeroFXError(f"option dump_dir must be a path, got {type(self.dump_dir).__name__}")
         self._check_layout()
+        self._check_memory_options()
 
     def _check_layout(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -166,6 +206,54 @@ class Options:
         """The layout options (``LAYOUT_OPTIONS``) set to something other than their default."""
         default = Options(dump_dir=None)
         return [n for n in LAYOUT_OPTIONS if getattr(self, n) != getattr(default, n)]
+
+    def _check_memory_options(self) -> None:
+        budget = self.activation_budget
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+                raise ZeroFXError(f"option activation_budget must be a fraction (float in (0, 1]) or bytes (int), "
+                                  f"got {budget!r}")
+            if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+                raise ZeroFXError(f"option activation_budget={budget}: a float budget is a fraction of the "
+                                  "unconstrained activation memory and must be in (0, 1]; give bytes as an int")
+            if isinstance(budget, int) and budget < 0:
+                raise ZeroFXError(f"option activation_budget={budget}: bytes cannot be negative")
+        if self.checkpoint not in CHECKPOINT_POLICIES:
+            raise ZeroFXError(f"option checkpoint={self.checkpoint!r}: choose one of {list(CHECKPOINT_POLICIES)}")
+        for name in ("checkpoint_modules", "checkpoint_save_ops"):
+            value = getattr(self, name)
+            value = (value,) if isinstance(value, str) else tuple(value)
+            if not all(isinstance(v, str) and v for v in value):
+                raise ZeroFXError(f"option {name} must be a tuple of non-empty strings, got {value!r}")
+            object.__setattr__(self, name, value)
+        for op in self.checkpoint_save_ops:
+            parts = op.split(".")
+            namespace, name = (parts[0], parts[1]) if len(parts) >= 2 else ("aten", parts[0])
+            try:
+                getattr(getattr(torch.ops, namespace), name)
+            except (AttributeError, RuntimeError):
+                raise ZeroFXError(f"option checkpoint_save_ops: no op named {op!r} "
+                                  "(write 'aten.mm', 'mm' or 'aten.mm.default')") from None
+        if self.offload_activations not in ACTIVATION_TIERS:
+            raise ZeroFXError(f"option offload_activations={self.offload_activations!r}: "
+                              f"choose one of {list(ACTIVATION_TIERS)}")
+        if self.offload_optimizer not in OPTIMIZER_TIERS:
+            raise ZeroFXError(f"option offload_optimizer={self.offload_optimizer!r}: "
+                              f"choose one of {list(OPTIMIZER_TIERS)}")
+        cap = self.host_memory_cap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
+            raise ZeroFXError(f"option host_memory_cap must be a positive number of bytes, got {cap!r}")
+        if self.offload_optimizer == "auto" and cap is None:
+            raise ZeroFXError("option offload_optimizer='auto' decides between host and disk by "
+                              "host_memory_cap: set host_memory_cap (bytes)")
+        if self.offload_dir is not None and not isinstance(self.offload_dir, (str, os.PathLike)):
+            raise ZeroFXError(f"option offload_dir must be a path, got {type(self.offload_dir).__name__}")
+        if "disk" in (self.offload_activations, self.offload_optimizer) or self.offload_optimizer == "auto":
+            from zerofx.offload import check_offload_dir, default_offload_dir
+
+            if self.offload_dir is None:
+                object.__setattr__(self, "offload_dir", default_offload_dir())
+            check_offload_dir(self.offload_dir)
 
     @classmethod
     def from_kwargs(cls, options: Options | dict[str, Any] | None = None, **kwargs: Any) -> Options:

@@ -1,0 +1,371 @@
+"""checkpoint: choose what the backward gets saved, recomputed or reloaded, under one budget.
+
+Runs on the joint graph, after ``free`` (which marks every gathered parameter MUST_RECOMPUTE).
+It turns the user's options into constraints, asks ``activation_plan`` for the cheapest plan
+that fits the activation budget, and writes the plan into the graph as the partitioner's own
+vocabulary: every forward node the backward re-runs is tagged MUST_RECOMPUTE, every other
+forward node MUST_SAVE (a ban on recomputing it), and saved values chosen for offload carry
+``meta["zerofx_offload"] = "host" | "disk"`` (read by the offload pass on the partitioned
+graphs; node meta travels with the partitioner's copies). With every forward node tagged the
+min-cut partitioner has no choice left: it would cut exactly where the plan says.
+
+The backend does not even ask it to: ``partition_by_plan`` hands the plan's saved values to
+torch's own graph extraction (``_extract_fwd_bwd_modules``, the second half of
+``min_cut_rematerialization_partition``), then checks the result against the plan. Going
+around the min-cut half matters for one case: ops that are tagged random only because they
+*could* apply dropout (CPU flash attention with ``dropout_p=0``) are deterministic, yet the
+partitioner would wrap their recompute in RNG-state save/restore, saving a 5 KiB CPU generator
+state per op the plan did not budget for. If torch's private helpers move, the tags alone still
+make the stock partitioner produce the plan (with that RNG-state caveat).
+
+Policies (``zerofx.Options``), combinable with a budget:
+
+    activation_budget=0.5          fraction of the unconstrained saved-activation bytes, or bytes
+    checkpoint="full"              recompute everything inside each block; save block boundaries
+    checkpoint_modules=("blocks.1", "blocks.*.attn")
+                                   the same for the modules these patterns name
+    checkpoint_save_ops=("aten.mm",)
+                                   always save these ops' outputs (inside checkpointed modules, or
+                                   everywhere when no module is checkpointed and no budget is set:
+                                   then everything else is recomputed, torch's selective AC)
+    offload_activations="disk"     park saved values in host memory / on disk where it pays
+
+# NOTE: ranks agree
+Every rank compiles its own graphs, and a plan decides which parameters the backward re-gathers
+(a recomputed matmul needs its weight again): two ranks with different plans would issue
+different all-gathers and hang. So the planner is deterministic (it iterates in graph order,
+never over sets of nodes), and on more than one rank the checkpoint pass also compares plans:
+every rank sends a hash of its graph's structure and its decision (names of the recomputed and
+offloaded nodes) with an all-gather of the pickled plans over the parameters' process group, and adopts rank
+0's decision when they differ (they can, legitimately: uneven shards make slightly different
+byte counts). Graphs that differ in structure across ranks are an error, as the collectives
+would not match either. torch's partitioner does the same (``_sync_decision_cross_ranks``).
+
+# NOTE: blocks
+A "block" is the outermost module whose qualified name ends in an index (``blocks.0``,
+``layers.11``: the children of a ModuleList or Sequential, i.e. transformer layers). A model
+without such modules uses the root's direct children. A node belongs to the block (or to the
+checkpointed module) in its ``nn_module_stack``; a value produced in one region and read in
+another (or outside all regions) is a boundary and is saved, like the output of a
+``torch.utils.checkpoint`` region. Code outside every region is left to the plan.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+
+import torch
+from torch import fx
+from torch._functorch import config as functorch_config
+from torch._functorch.compile_utils import fx_graph_cse
+from torch._functorch.partitioners import classify_nodes
+from torch.utils.checkpoint import CheckpointPolicy
+
+from zerofx.errors import ZeroFXError
+from zerofx.ops import UNSHARD
+from zerofx.passes.activation_plan import ActivationPlan, PlanProblem, cannot_recompute, is_alias, plan_activations
+from zerofx.passes.cost_model import DeviceModel, node_bytes
+from zerofx.passes.pipeline import PassContext
+
+__all__ = ["checkpoint_pass", "partition_by_plan", "module_path", "wants_plan", "format_bytes", "format_flops"]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def format_flops(n: float) -> str:
+    for unit in ("", "k", "M", "G", "T"):
+        if abs(n) < 1000 or unit == "T":
+            return f"{n:.0f} FLOP" if unit == "" else f"{n:.1f} {unit}FLOP"
+        n /= 1000
+    return f"{n} FLOP"
+
+
+def wants_plan(options) -> bool:
+    """True when some option asks for a save/recompute/offload decision beyond the default."""
+    return options is not None and (
+        options.activation_budget is not None or options.checkpoint == "full" or bool(options.checkpoint_modules)
+        or bool(options.checkpoint_save_ops) or options.offload_activations != "none")
+
+
+def module_path(stack_entry: str) -> str:
+    """``"L['fn'].__self__.blocks.0.attn"`` (dynamo's spelling) -> ``"blocks.0.attn"``."""
+    s = re.sub(r"^L\['[^']*'\]", "", stack_entry)
+    s = s.replace(".__self__", "")
+    s = re.sub(r"\._modules\['([^']*)'\]", r".\1", s)
+    s = re.sub(r"\[(\d+)\]", r".\1", s)
+    s = re.sub(r"\['([^']*)'\]", r".\1", s)
+    return s.strip(".")
+
+
+def _paths(node: fx.Node) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    return [module_path(path) for path, _ in stack.values()]
+
+
+def _op_matches(node: fx.Node, names: tuple[str, ...]) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    packet = f"{target.namespace}.{target._schema.name.split('::')[-1]}"
+    spelled = {str(target), packet, packet.split(".", 1)[1]}
+    return any(name in spelled for name in names)
+
+
+def _regions(fw_nodes: list[fx.Node], options) -> dict[fx.Node, str]:
+    """Node -> the checkpointed region (module path) it belongs to (see NOTE: blocks)."""
+    patterns = list(options.checkpoint_modules)
+    if options.checkpoint == "full":
+        all_paths = {p for n in fw_nodes for p in _paths(n)}
+        blocks = {p for p in all_paths if p.split(".")[-1].isdigit()}
+        blocks = {p for p in blocks if not any(p.startswith(b + ".") for b in blocks)}
+        if not blocks:
+            blocks = {p for p in all_paths if "." not in p}
+        patterns += sorted(blocks)
+    regions = {}
+    for n in fw_nodes:
+        for p in _paths(n):  # outermost first
+            if any(fnmatch.fnmatchcase(p, pat) for pat in patterns):
+                regions[n] = p
+                break
+    return regions
+
+
+def _alias_base(node: fx.Node) -> fx.Node:
+    while is_alias(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _policy_constraints(gm: fx.GraphModule, problem: PlanProblem, options, budgeted: bool
+                        ) -> tuple[dict[fx.Node, str], dict[fx.Node, str]]:
+    """(must recompute, must save), each node with the reason the report gives."""
+    info = problem.info
+    fw = [n for n in gm.graph.nodes if info.is_required_fw(n) and n.op == "call_function"]
+    recompute: dict[fx.Node, str] = {}
+    save: dict[fx.Node, str] = {}
+    for n in gm.graph.nodes:
+        if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
+            recompute[n] = ("gathered parameter: re-gathered in backward (free pass)"
+                            if n.meta.get("zerofx_role") == "gather" else "tagged MUST_RECOMPUTE in the model")
+        elif n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE:
+            save[n] = "tagged MUST_SAVE in the model"
+    regions = _regions(fw, options)
+    save_ops = tuple(options.checkpoint_save_ops)
+    free_to_choose = lambda n: n not in recompute and n not in save and cannot_recompute(n) is None  # noqa: E731
+    for n in fw:
+        if not free_to_choose(n):
+            continue
+        region = regions.get(n)
+        if region is not None:
+            outside = [u for u in n.users if info.is_required_fw(u) and regions.get(u) != region]
+            if outside:
+                base = _alias_base(n)
+                if base is n or (base in regions and regions[base] == region and free_to_choose(base)):
+                    save[base] = f"boundary of checkpointed {region} (read by {outside[0].name})"
+            elif save_ops and _op_matches(n, save_ops):
+                save[n] = "policy: op in checkpoint_save_ops"
+            elif not is_alias(n):
+                recompute[n] = f"policy: inside checkpointed {region}"
+        elif save_ops and _op_matches(n, save_ops):
+            save[n] = "policy: op in checkpoint_save_ops"
+        elif save_ops and not regions and not budgeted and not is_alias(n):
+            recompute[n] = "policy: not in checkpoint_save_ops"
+    return recompute, save
+
+
+def _budget_bytes(budget, unconstrained: int) -> int | None:
+    if budget is None:
+        return None
+    if isinstance(budget, float):
+        return int(budget * unconstrained)
+    return int(budget)
+
+
+def _describe(node: fx.Node) -> str:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return f"{tuple(val.shape)} {str(val.dtype).replace('torch.', '')}"
+    return type(val).__name__
+
+
+def _report(ctx: PassContext, problem: PlanProblem, plan: ActivationPlan, unconstrained: ActivationPlan,
+            lean: ActivationPlan, budget: int | None, reasons: dict[fx.Node, str]) -> None:
+    u = unconstrained.resident_bytes or 1
+    pct = lambda b: f"{100 * b / u:.0f}%"  # noqa: E731
+    head = (f"budget {format_bytes(budget)} ({pct(budget)} of unconstrained)" if budget is not None
+            else "no budget")
+    ctx.report(f"activation plan: {head}; resident {format_bytes(plan.resident_bytes)} ({pct(plan.resident_bytes)}), "
+               f"offloaded {format_bytes(plan.offloaded_bytes)}, recompute {format_flops(plan.recompute_flops)}; "
+               f"minimum feasible budget {format_bytes(lean.resident_bytes)} ({pct(lean.resident_bytes)})")
+    ctx.report(f"predicted activation peak (saved for backward, resident): before "
+               f"{format_bytes(unconstrained.resident_bytes)}, after {format_bytes(plan.resident_bytes)}")
+    for n in plan.saved:
+        nbytes = problem.save_bytes(n)
+        if n.op == "placeholder":
+            why = "graph input: its owner keeps it alive (0 B extra)"
+        elif n in problem.must_save:
+            why = problem.must_save[n]
+        elif problem.why_kept(n) is not None:
+            why = f"cannot recompute: {problem.why_kept(n)}"
+        else:
+            why = reasons.get(n, f"keeping it is cheaper than recomputing ({format_flops(problem.flops[n])} for "
+                                 f"this node alone)")
+        ctx.report(f"  saved       {n.name:<32} {_describe(n):<24} {format_bytes(nbytes):>10}  {why}")
+    for n, tier in plan.offloaded.items():
+        cost = problem.offload_cost.get(n, 1.0)
+        why = ("copies hide behind compute" if cost <= 1.0 else
+               f"exposed transfer ~{(cost - 1) / problem.device.flops_per_s * 1e6:.0f} us is worth its bytes")
+        ctx.report(f"  offloaded   {n.name:<32} {_describe(n):<24} {format_bytes(problem.save_bytes(n)):>10}  "
+                   f"to {tier}: {why}")
+    for n in plan.recomputed:
+        why = reasons.get(n) or f"frees memory; recompute costs {format_flops(problem.flops[n])}"
+        ctx.report(f"  recomputed  {n.name:<32} {_describe(n):<24} {format_bytes(node_bytes(n)):>10}  {why}")
+
+
+def _agree_across_ranks(gm: fx.GraphModule, problem: PlanProblem, plan: ActivationPlan) -> ActivationPlan:
+    """Rank 0's decision on every rank (see NOTE: ranks agree)."""
+    marker = next((n for n in gm.graph.nodes if n.target is UNSHARD), None)
+    if marker is None:
+        return plan  # no parameter collectives in this graph: plans cannot make ranks diverge
+    import hashlib
+
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.utils._mode_utils import no_dispatch
+
+    group = _resolve_process_group(marker.args[2])
+    if group.size() == 1:
+        return plan
+    structure = hashlib.sha256("/".join(f"{n.name}:{n.op}:{n.target}" for n in gm.graph.nodes).encode()).hexdigest()
+    order = problem.order
+    mine = (structure, [n.name for n in sorted(plan.backward_side, key=order.__getitem__)],
+            [n.name for n in plan.offloaded])
+    # compile runs with torch's Python dispatcher on, which would route this blocking collective
+    # through Python while holding the GIL; gloo's worker thread needs the GIL to release the
+    # previous work's tensors: a deadlock. Plain dispatch releases the GIL as usual.
+    with no_dispatch(), unset_fake_temporarily(), torch._C._DisablePythonDispatcher():
+        # pickled bytes in uint8 tensors, not all_gather_object: object collectives need NumPy
+        import pickle
+
+        data = torch.tensor(list(pickle.dumps(mine)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size())]
+        dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+        longest = max(int(t.item()) for t in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        chunks = [torch.empty(longest, dtype=torch.uint8) for _ in range(group.size())]
+        dist.all_gather(chunks, padded, group=group)
+        decisions = [pickle.loads(bytes(c[: int(n.item())].tolist())) for c, n in zip(chunks, sizes)]
+    if any(d[0] != structure for d in decisions):
+        raise ZeroFXError("ranks traced structurally different joint graphs; their checkpoint plans (and "
+                          "collectives) cannot match. Compile the same model on every rank.")
+    first = decisions[0]
+    if first[1:] == mine[1:]:
+        return plan
+    by_name = {n.name: n for n in gm.graph.nodes}
+    return problem._account({by_name[x] for x in first[1]}, plan.price, {by_name[x] for x in first[2]})
+
+
+def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Decide save / recompute / offload for every value the backward reads, under the budget."""
+    options = ctx.options
+    if not wants_plan(options) or ctx.num_fwd_outputs is None:
+        return gm
+    if functorch_config.cse:  # plan on the graph the partitioner will cut (it runs CSE first)
+        gm.graph = fx_graph_cse(gm.graph)
+    gm.graph.eliminate_dead_code()
+    device_type = next((n.meta["val"].device.type for n in gm.graph.nodes
+                        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)), "cpu")
+    device = DeviceModel.for_device(device_type)
+    tier = None if options.offload_activations == "none" else options.offload_activations
+
+    base = PlanProblem(gm, ctx.num_fwd_outputs, device=device,
+                       must_recompute=[n for n in gm.graph.nodes if n.meta.get("zerofx_role") == "gather"])
+    if not base.info.required_bw_nodes:
+        return gm  # inference-only joint: nothing to save
+    low, high = base.price_bounds()
+    unconstrained = base.solve(high)
+    budget = _budget_bytes(options.activation_budget, unconstrained.resident_bytes)
+    recompute, save = _policy_constraints(gm, base, options, budget is not None)
+    problem = PlanProblem(gm, ctx.num_fwd_outputs, must_recompute=recompute, must_save=save,
+                          offload_tier=tier, device=device)
+    try:
+        plan, lean = plan_activations(problem, budget)
+    except ZeroFXError:
+        lean = problem.solve(problem.price_bounds()[0])
+        u = unconstrained.resident_bytes or 1
+        raise ZeroFXError(
+            f"{ctx.graph_id}: activation_budget={options.activation_budget!r} ({budget} B) is below what any "
+            f"schedule can meet: the minimum feasible budget for this graph is {lean.resident_bytes} B "
+            f"({lean.resident_bytes / u:.1%} of the unconstrained {unconstrained.resident_bytes} B"
+            + (", with the checkpoint policies given" if recompute.keys() - base.must_recompute or save else "")
+            + "). Values that must stay resident: "
+            + ", ".join(f"{n.name} ({problem.why_kept(n) or 'cheapest to keep'})" for n in lean.saved
+                        if problem.save_bytes(n) > 0)[:600]) from None
+
+    plan = _agree_across_ranks(gm, problem, plan)
+    recomputed = set(plan.recomputed)
+    info = problem.info
+    for n in gm.graph.nodes:
+        if n in info.tangents_closure or n.op != "call_function" or n.meta.get("zerofx_role") == "gather":
+            continue  # backward nodes, and gathers (always re-gathered) keep their tags
+        if n in recomputed:
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        elif not isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        n.meta.pop("zerofx_offload", None)
+    for n, t in plan.offloaded.items():
+        n.meta["zerofx_offload"] = t
+    gm.meta["zerofx_activation_plan"] = {
+        "unconstrained_bytes": unconstrained.resident_bytes, "resident_bytes": plan.resident_bytes,
+        "offloaded_bytes": plan.offloaded_bytes, "recompute_flops": plan.recompute_flops,
+        "min_feasible_bytes": lean.resident_bytes, "budget_bytes": budget, **plan.names()}
+    _report(ctx, problem, plan, unconstrained, lean, budget, {**recompute, **save})
+    return gm
+
+
+def partition_by_plan(joint: fx.GraphModule, num_fwd_outputs: int,
+                      static_lifetime_input_indices: list[int] | None = None
+                      ) -> tuple[fx.GraphModule, fx.GraphModule] | None:
+    """Forward and backward graphs that save exactly the checkpoint plan's values, built with
+    torch's partitioner machinery; None when ``joint`` carries no plan (or torch lacks the
+    helpers), in which case the caller uses ``min_cut_rematerialization_partition``."""
+    plan = joint.meta.get("zerofx_activation_plan")
+    if plan is None:
+        return None
+    try:
+        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+        from torch._functorch.compile_utils import raise_getitems
+        from torch._functorch.partitioners import (
+            _extract_fwd_bwd_modules,
+            _is_assert_only_symbool,
+            is_sym_node,
+            reordering_to_mimic_autograd_engine,
+            thread_graphsafe_rng_from_hops,
+        )
+    except ImportError:
+        return None
+    joint.graph.eliminate_dead_code()
+    joint.recompile()
+    info = classify_nodes(joint, static_lifetime_input_indices or [], num_fwd_outputs)
+    by_name = {n.name: n for n in joint.graph.nodes}
+    order = {n: i for i, n in enumerate(joint.graph.nodes)}
+    names = (*plan["saved"], *plan["offloaded"], *plan["saved_other"])
+    saved = sorted((by_name[name] for name in names), key=order.__getitem__)
+    sym = [n for n in saved if is_sym_node(n) and not _is_assert_only_symbool(n)]
+    opaque = [n for n in saved if is_opaque_node(n)]
+    tensors = [n for n in saved if n not in sym and n not in opaque and not is_sym_node(n)]
+    fw, bw = _extract_fwd_bwd_modules(joint, tensors, saved_sym_nodes=sym, saved_opaque_nodes=opaque,
+                                      num_fwd_outputs=num_fwd_outputs,
+                                      static_lifetime_input_nodes=info.static_lifetime_input_nodes)
+    bw = reordering_to_mimic_autograd_engine(bw)
+    fw, bw = raise_getitems(fw), raise_getitems(bw)
+    return thread_graphsafe_rng_from_hops(fw, is_backward=False), thread_graphsafe_rng_from_hops(bw, is_backward=True)

@@ -1,0 +1,251 @@
+"""The checkpoint pass, its plan and its explanations, the offload ops, and bad input, in one process.
+
+Joint graphs are captured from real models (one gloo rank) with the benchmark's capture helper,
+so the pass sees exactly what the backend gives it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import CheckpointPolicy
+
+import zerofx
+from benchmarks.checkpoint_vs_torch import capture_joint, clone
+from tests.models import GPT_CFG, GraphBreakNet
+from zerofx import ZeroFXError
+from zerofx.memory import rss_bytes
+from zerofx.models import GPT, random_batch
+from zerofx.offload import DiskStore
+from zerofx.passes.checkpoint import checkpoint_pass, partition_by_plan
+from zerofx.passes.cost_model import saved_activation_bytes, saved_values
+from zerofx.passes.pipeline import PassContext
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    store = tmp_path_factory.mktemp("store")
+    dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def gpt_joint(one_rank):
+    torch.manual_seed(0)
+    model = zerofx.shard(GPT(GPT_CFG), one_rank)
+    return capture_joint(model, random_batch(GPT_CFG, 2, torch.Generator().manual_seed(0)))
+
+
+def plan(joint_and_n, **options):
+    """Run the checkpoint pass on a copy of the joint graph; return (graph, messages, plan dict)."""
+    joint, n, kwargs = joint_and_n
+    gm = clone(joint)
+    ctx = PassContext("test", "joint", zerofx.Options(**options), num_fwd_outputs=n)
+    gm = checkpoint_pass(gm, ctx)
+    return gm, ctx.messages, gm.meta.get("zerofx_activation_plan")
+
+
+class DropoutNet(nn.Module):
+    """A random op: its output (the mask) can never be recomputed, so some bytes must stay."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 64)
+        self.b = nn.Linear(64, 4)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.b(F.dropout(torch.relu(self.a(x)), p=0.5, training=True)), y)
+
+
+# -- the plan ------------------------------------------------------------------------------------
+
+def test_budgets_bound_the_plan_and_recompute_grows_as_they_shrink(gpt_joint):
+    _, _, full = plan(gpt_joint, activation_budget=1.0)
+    unconstrained = full["unconstrained_bytes"]
+    assert full["resident_bytes"] == unconstrained and full["recompute_flops"] == 0
+    previous = 0
+    for fraction in (0.75, 0.5, 0.25, 0.1):
+        _, _, p = plan(gpt_joint, activation_budget=fraction)
+        assert p["resident_bytes"] <= fraction * unconstrained
+        assert p["recompute_flops"] >= previous
+        previous = p["recompute_flops"]
+    _, _, in_bytes = plan(gpt_joint, activation_budget=20_000)  # an int budget is bytes
+    assert in_bytes["resident_bytes"] <= 20_000 and in_bytes["budget_bytes"] == 20_000
+
+
+def test_partition_saves_exactly_the_plan(gpt_joint):
+    gm, _, p = plan(gpt_joint, activation_budget=0.4)
+    fw, bw = partition_by_plan(gm, gpt_joint[1])
+    assert {n.name for n in saved_values(fw, gpt_joint[1])} == set(p["saved"])
+    assert saved_activation_bytes(fw, gpt_joint[1]) == p["resident_bytes"]
+    # the forward nodes the backward runs are the plan's recomputed ones (views included)
+    forward_in_backward = {n.name for n in bw.graph.nodes if n.name in {m.name for m in fw.graph.nodes}
+                           and n.op == "call_function"}
+    assert forward_in_backward <= set(p["recomputed"])
+    tags = {n.name: n.meta.get("recompute") for n in gm.graph.nodes}
+    untagged = [(name, tags[name]) for name in p["recomputed"] if tags[name] != CheckpointPolicy.MUST_RECOMPUTE]
+    assert not untagged
+
+
+def test_report_lists_every_value_with_bytes_and_reason(gpt_joint):
+    _, messages, p = plan(gpt_joint, activation_budget=0.5)
+    text = "\n".join(messages)
+    assert re.search(r"predicted activation peak .*: before [\d.]+ KiB, after [\d.]+ KiB", text)
+    assert re.search(r"minimum feasible budget", text)
+    for kind in ("saved", "recomputed"):
+        for name in p[kind]:
+            line = next(m for m in messages if re.match(rf"\s+{kind}\s+{name}\s", m))
+            assert re.search(r"\d+(\.\d)? (B|KiB|MiB)\s+\S", line), line  # bytes, then a reason
+
+
+def test_budget_below_any_schedule_names_the_minimum(one_rank):
+    torch.manual_seed(0)
+    model = zerofx.shard(DropoutNet(), one_rank)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    joint = capture_joint(model, (x, y))
+    with pytest.raises(ZeroFXError, match=r"below what any schedule can meet: the minimum feasible budget for "
+                                          r"this graph is (\d+) B") as info:
+        plan(joint, activation_budget=1)
+    minimum = int(re.search(r"budget for this graph is (\d+) B", str(info.value)).group(1))
+    assert minimum > 0 and "random op" in str(info.value)
+    _, _, p = plan(joint, activation_budget=minimum)  # exactly the minimum is feasible
+    assert p["resident_bytes"] == minimum
+
+
+def test_full_policy_saves_block_boundaries_and_recomputes_inside(gpt_joint):
+    gm, messages, p = plan(gpt_joint, checkpoint="full")
+    text = "\n".join(messages)
+    assert "boundary of checkpointed blocks.0" in text
+    boundaries = [m.split()[1] for m in messages if "boundary of checkpointed" in m and m.strip().startswith("saved")]
+    assert boundaries, text
+    recomputed_mm = [m for m in messages if m.strip().startswith("recomputed") and "inside checkpointed blocks." in m]
+    assert recomputed_mm  # everything inside a block that the backward needs is recomputed
+    # the two blocks' internal matmuls are not saved
+    stacks = {n.name: str(n.meta.get("nn_module_stack", "")) for n in gm.graph.nodes}
+    assert not [s for s in p["saved"] if "blocks.1.fc" in stacks.get(s, "") and s.startswith("addmm")]
+
+
+def test_module_and_op_policies(gpt_joint):
+    _, messages, p = plan(gpt_joint, checkpoint_modules=("blocks.1",))
+    assert any("inside checkpointed blocks.1" in m for m in messages)
+    assert not any("inside checkpointed blocks.0" in m for m in messages)
+    gm, messages, p = plan(gpt_joint, checkpoint_save_ops=("aten.mm", "addmm"))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    saved_ops = {str(nodes[s].target) for s in p["saved"] if nodes[s].op == "call_function"}
+    assert saved_ops <= {"aten.mm.default", "aten.addmm.default"}, saved_ops
+    assert any(str(nodes[r].target) == "aten.gelu.default" for r in p["recomputed"])
+
+
+def test_offload_marks_travel_to_both_graphs(gpt_joint):
+    gm, messages, p = plan(gpt_joint, activation_budget=0.3, offload_activations="disk",
+                           offload_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "zerofx-test-offload"))
+    assert p["offloaded"] and p["resident_bytes"] <= 0.3 * p["unconstrained_bytes"]
+    assert any(m.strip().startswith("offloaded") and "to disk" in m for m in messages)
+    fw, bw = partition_by_plan(gm, gpt_joint[1])
+    marked_fw = {n.name for n in saved_values(fw, gpt_joint[1]) if n.meta.get("zerofx_offload") == "disk"}
+    marked_bw = {n.name for n in bw.graph.nodes if n.op == "placeholder" and n.meta.get("zerofx_offload")}
+    assert marked_fw == set(p["offloaded"]) == marked_bw
+
+
+# -- the offload tiers ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_offload_round_trip(tmp_path, tier):
+    x = torch.randn(64, 33).t()  # non-contiguous: the layout must come back too
+    parked = torch.ops.zerofx.offload(x, tier, str(tmp_path))
+    assert parked.device.type == "cpu" and parked.is_contiguous()
+    started = torch.ops.zerofx.reload(parked, tier, x.device, list(x.shape), list(x.stride()))
+    back = torch.ops.zerofx.reload_wait(started)
+    assert back.stride() == x.stride() and torch.equal(back, x)
+    if tier == "disk":
+        assert os.listdir(tmp_path) == []  # the file is unlinked at once; it lives while mapped
+
+
+def test_disk_store_pages_out(tmp_path):
+    store = DiskStore(str(tmp_path))
+    t = torch.randn(8 * 2**20 // 4)  # 8 MiB
+    expected = t.clone()
+    store.adopt(t)
+    before = rss_bytes()
+    assert torch.equal(t, expected)  # reading pages the file back in
+    assert rss_bytes() - before > 6 * 2**20
+    store.page_out(t)
+    assert rss_bytes() - before < 2 * 2**20
+    t.mul_(2)  # writes go to the file
+    store.page_out(t)
+    assert torch.equal(t, expected * 2)
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options, message", [
+    ({"activation_budget": 1.5}, "must be in \\(0, 1\\]"),
+    ({"activation_budget": "half"}, "fraction .* or bytes"),
+    ({"activation_budget": True}, "fraction .* or bytes"),
+    ({"checkpoint": "partial"}, "checkpoint='partial'"),
+    ({"checkpoint_save_ops": ("aten.not_an_op",)}, "no op named 'aten.not_an_op'"),
+    ({"offload_activations": "nvme"}, "offload_activations='nvme'"),
+    ({"offload_optimizer": "auto"}, "set host_memory_cap"),
+    ({"host_memory_cap": -1}, "positive number of bytes"),
+])
+def test_bad_memory_options_are_clear_errors(options, message):
+    with pytest.raises(ZeroFXError, match=message):
+        zerofx.Options(**options)
+
+
+def test_unwritable_offload_dir_fails_at_compile(one_rank, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    bad = str(blocker / "offload")  # even root cannot make a folder inside a file
+    for key in ("offload_activations", "offload_optimizer"):
+        model = GraphBreakNet()
+        with pytest.raises(ZeroFXError, match=r"offload_dir=.*a-file/offload.* is not a writable folder"):
+            zerofx.compile(model, one_rank, **{key: "disk", "offload_dir": bad})
+    # the backend entry point checks when the options are built, before anything is traced
+    with pytest.raises(Exception, match="not a writable folder"):
+        torch.compile(nn.Linear(2, 2), backend="zerofx",
+                      options={"offload_activations": "disk", "offload_dir": bad})(torch.randn(1, 2))
+    torch._dynamo.reset()
+
+
+def test_offload_optimizer_needs_a_model_compiled_for_it(one_rank):
+    model = zerofx.compile(GraphBreakNet(), one_rank)
+    with pytest.raises(ZeroFXError, match="offload_optimizer="):
+        zerofx.offload_optimizer(torch.optim.AdamW(model.parameters()))
+    torch._dynamo.reset()
+
+
+def test_disk_offloaded_optimizer_matches_in_memory_exactly(one_rank, tmp_path):
+    torch.manual_seed(0)
+    model = GraphBreakNet()
+    ref = copy.deepcopy(model)
+    zerofx.compile(model, one_rank, offload_optimizer="auto", host_memory_cap=1024, offload_dir=str(tmp_path))
+    assert model._zerofx_state_tier == "disk"  # params + Adam state exceed 1 KiB: auto picks disk
+    opt = zerofx.offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x, y = torch.randn(4, 12, generator=gen), torch.randn(4, 4, generator=gen)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x, y).backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    for p in model.parameters():
+        for value in opt.state[p].values():
+            if value.dim() > 0:
+                assert value.untyped_storage().data_ptr() != 0 and value in zerofx.offload.state_store(p)[1]
+    torch._dynamo.reset()
