@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import networkx as nx
-from networkx.algorithms.flow import boykov_kolmogorov
 import torch
+from networkx.algorithms.flow import boykov_kolmogorov
 from torch import fx
 from torch._functorch.partitioners import _must_be_in_forward, classify_nodes, is_sym_node
 from torch._library.fake_class_registry import FakeScriptObject
@@ -63,9 +63,8 @@ from zerofx.errors import ZeroFXError
 from zerofx.passes.cost_model import ALIAS_OPS, DeviceModel, node_bytes, node_flops, storage_bytes, storage_key
 from zerofx.passes.fx_nodes import is_view
 
-aten = torch.ops.aten
-
 __all__ = ["ActivationPlan", "PlanProblem", "plan_activations", "cannot_recompute", "is_alias"]
+
 
 def is_alias(node: fx.Node) -> bool:
     """Views, ops whose output shares its input's buffer (``_unsafe_view``) and the elements of a

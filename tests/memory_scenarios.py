@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerofx
-from tests.models import CASES, GPT_CFG
+from tests.models import CASES
 from tests.parity import reference_shard
 from zerofx.backend import make_backend
 from zerofx.dump import Recorder

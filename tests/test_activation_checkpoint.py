@@ -148,9 +148,8 @@ def test_module_and_op_policies(gpt_joint):
     assert any(str(nodes[r].target) == "aten.gelu.default" for r in p["recomputed"])
 
 
-def test_offload_marks_travel_to_both_graphs(gpt_joint):
-    gm, messages, p = plan(gpt_joint, activation_budget=0.3, offload_activations="disk",
-                           offload_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "zerofx-test-offload"))
+def test_offload_marks_travel_to_both_graphs(gpt_joint, tmp_path):
+    gm, messages, p = plan(gpt_joint, activation_budget=0.3, offload_activations="disk", offload_dir=str(tmp_path))
     assert p["offloaded"] and p["resident_bytes"] <= 0.3 * p["unconstrained_bytes"]
     assert any(m.strip().startswith("offloaded") and "to disk" in m for m in messages)
     fw, bw = partition_by_plan(gm, gpt_joint[1])

@@ -93,7 +93,8 @@ class Recorder:
         before_names = {n.name for n in before.graph.nodes} if before is not None else set()
         collectives = [_collective_line(n) for n in after.graph.nodes
                        if n.target in COLLECTIVE_OPS and n.name not in before_names]
-        record = PassRecord(ctx.graph_id, ctx.stage, pass_name, _graph_code(after), len(after.graph.nodes),
+        code = _graph_code(after) if self.dump_dir is not None else ""  # only files need the code
+        record = PassRecord(ctx.graph_id, ctx.stage, pass_name, code, len(after.graph.nodes),
                             after_ops - before_ops if before is not None else Counter(),
                             before_ops - after_ops if before is not None else Counter(),
                             collectives if before is not None else [], seconds,
