@@ -15,25 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
-import uuid
 
 import torch
 import torch.distributed as dist
 
+if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._launch import launch_local, median_time  # noqa: E402
+
 F = torch.ops._c10d_functional
-
-
-def _median(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _rank_main(args) -> list[dict]:
@@ -60,7 +52,7 @@ def _rank_main(args) -> list[dict]:
                 F.wait_tensor(work)
 
             comm(), compute(), overlapped()  # warm up
-            t_comm, t_comp, t_both = (_median(f, args.repeats) for f in (comm, compute, overlapped))
+            t_comm, t_comp, t_both = (median_time(f, args.repeats) for f in (comm, compute, overlapped))
             rows.append({"gather_mib": mib, "comm_ms": t_comm * 1e3, "compute_ms": t_comp * 1e3,
                          "overlapped_ms": t_both * 1e3, "ratio": t_both / (t_comm + t_comp)})
     finally:
@@ -76,12 +68,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.world_size, run_id=f"ovl-{uuid.uuid4()}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn")
-    rows = elastic_launch(launch, _rank_main)(args)[0]
+    rows = launch_local(_rank_main, args.world_size, args)[0]
     print("| all-gather MiB | comm ms | compute ms | overlapped ms | overlapped / (comm + compute) |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -27,7 +27,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch.fx.graph import _BoxedCodeGen
 
 from zerofx.memory import active_tracker
-from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, record_collectives, wire_bytes
+from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, collective_kind, record_collectives, wire_bytes
 from zerofx.passes.pipeline import PassContext
 
 Executor = Callable[..., Callable]
@@ -41,7 +41,8 @@ def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int]]:
         if spec is None:
             continue
         val = (node if spec.sized == "out" else node.args[0]).meta["val"]
-        out.append((spec.kind, wire_bytes(spec.kind, val.numel() * val.element_size(),
+        kind = collective_kind(node)
+        out.append((kind, wire_bytes(kind, val.numel() * val.element_size(),
                                           collective_group_size(spec, node.args))))
     return out
 

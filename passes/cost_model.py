@@ -53,7 +53,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, wire_bytes
+from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, collective_kind, wire_bytes
 
 import operator
 from dataclasses import dataclass
@@ -427,7 +427,7 @@ class CommModel:
         if spec is None:
             return 0.0
         sized = node if spec.sized == "out" else node.args[0]
-        return self.time(wire_bytes(spec.kind, tensor_bytes(sized.meta.get("val")),
+        return self.time(wire_bytes(collective_kind(node), tensor_bytes(sized.meta.get("val")),
                                     collective_group_size(spec, node.args)))
 
     @property

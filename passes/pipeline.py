@@ -26,6 +26,8 @@ Each pass declares the (graph) stages it applies to. The pipeline, in order:
     schedule    (forward, backward, inference) prefetch all-gathers, defer reduce-scatter waits
     offload     (forward, backward)           park chosen saved values in host memory / on disk and
                                               reload them ahead of use; page offloaded params out
+    transport   (forward, backward, inference) how each collective moves on its group's backend:
+                                              gloo reduce-scatter -> all-to-all + local sum
 
 ZeRO stages 1/2/3, the persistence threshold, hybrid meshes and no-sync accumulation are not
 separate pipelines: they put different markers into the captured graphs (``zerofx.params``,
@@ -79,6 +81,7 @@ def _build() -> tuple[Pass, ...]:
     from zerofx.passes.offload import offload_pass
     from zerofx.passes.reduce import reduce_pass
     from zerofx.passes.schedule import schedule_pass
+    from zerofx.passes.transport import transport_pass
 
     return (
         Pass("free", free_pass, ("joint",)),
@@ -88,10 +91,11 @@ def _build() -> tuple[Pass, ...]:
         Pass("bucket", bucket_pass, ("forward", "backward", "inference")),
         Pass("schedule", schedule_pass, ("forward", "backward", "inference")),
         Pass("offload", offload_pass, ("forward", "backward", "inference")),
+        Pass("transport", transport_pass, ("forward", "backward", "inference")),
     )
 
 
-PASS_NAMES = ("free", "checkpoint", "gather", "reduce", "bucket", "schedule", "offload")
+PASS_NAMES = ("free", "checkpoint", "gather", "reduce", "bucket", "schedule", "offload", "transport")
 
 
 def default_pipeline() -> tuple[Pass, ...]:

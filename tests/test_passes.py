@@ -120,6 +120,34 @@ def test_reduce_keeps_distinct_layouts_apart():
     assert ops(reduce_pass(trace(bw, (6, 4), (6, 4)), ctx("backward"))).count(REDUCE_SCATTER) == 2
 
 
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_transport_lowers_only_gloo_reduce_scatters_to_all_to_all_plus_local_sum(monkeypatch, backend):
+    from codegen.executor import graph_collectives
+    from zerofx.passes import transport
+
+    monkeypatch.setattr(transport, "_backend", lambda group: backend)
+    gm = reduce_pass(trace(lambda g: reduce_grad(g, 2, "g", 3) * 3, (6, 4)), ctx("backward"))
+    before = graph_collectives(gm)
+    gm = transport.transport_pass(gm, ctx("backward"))
+    gm.recompile()
+    if backend != "gloo":
+        assert ops(gm).count(REDUCE_SCATTER) == 1 and transport.ALL_TO_ALL not in ops(gm)
+        return
+    assert REDUCE_SCATTER not in ops(gm) and ops(gm).count(transport.ALL_TO_ALL) == 1
+    a2a = next(n for n in gm.graph.nodes if n.target is transport.ALL_TO_ALL)
+    assert a2a.args[1] == a2a.args[2] == [3, 3] and a2a.args[3] == "g"
+    # wait where the reduce-scatter's wait was, then: chunks per rank, summed, averaged
+    (wait,) = a2a.users
+    (view,) = wait.users
+    (total,) = view.users
+    (avg,) = total.users
+    assert (wait.target, view.target, total.target, avg.target) == (
+        WAIT, aten.view.default, aten.sum.dim_IntList, aten.div.Tensor)
+    assert tuple(view.meta["val"].shape) == (2, 3, 4) and tuple(avg.meta["val"].shape) == (3, 4)
+    assert avg.args[1] == 2
+    assert graph_collectives(gm) == before == [("reduce_scatter", 6 * 4 * 4 // 2)]  # same algorithm, same bytes
+
+
 def test_free_tags_marker_and_its_views_but_not_computed_values():
     gm = trace(lambda s, x: x @ unshard(s, 2, "g", 6).t(), (3, 5), (2, 5))
     gm = free_pass(gm, ctx("joint"))
@@ -136,7 +164,8 @@ def test_runner_skips_disabled_passes_and_records_each_pass():
     assert seen[0] == "input" and "gather" not in seen and unshard.default in ops(gm)
     seen.clear()
     gm = run_pipeline(gm, ctx("forward"), observer=lambda c, name, before, after, secs: seen.append(name))
-    assert seen == ["input", "gather", "bucket", "schedule", "offload"] and unshard.default not in ops(gm)
+    assert seen == ["input", "gather", "bucket", "schedule", "offload", "transport"]
+    assert unshard.default not in ops(gm)
 
 
 def test_runner_rejects_a_pass_that_drops_metadata():

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import fx
 
-from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, wire_bytes
+from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, collective_kind, wire_bytes
 from zerofx.passes.cost_model import tensor_bytes
 from zerofx.passes.pipeline import PassContext
 
@@ -46,10 +46,11 @@ def _graph_code(gm: fx.GraphModule) -> str:
 def _collective_line(node: fx.Node) -> str:
     spec = COLLECTIVE_OPS[node.target]
     nbytes = tensor_bytes((node if spec.sized == "out" else node.args[0]).meta.get("val"))
-    wire = wire_bytes(spec.kind, nbytes, collective_group_size(spec, node.args))
+    kind = collective_kind(node)
+    wire = wire_bytes(kind, nbytes, collective_group_size(spec, node.args))
     val = node.meta["val"]
     dtype = str(val.dtype).replace("torch.", "")
-    return f"{spec.kind:<15} {node.name:<28} {tuple(val.shape)} {dtype}: {nbytes} B, {wire} B/rank on the wire"
+    return f"{kind:<15} {node.name:<28} {tuple(val.shape)} {dtype}: {nbytes} B, {wire} B/rank on the wire"
 
 
 @dataclass

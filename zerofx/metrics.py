@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["wire_bytes", "CollectiveCounter", "record_collectives", "ModelStateBytes", "model_state_bytes",
+__all__ = ["wire_bytes", "collective_kind", "CollectiveCounter", "record_collectives", "ModelStateBytes", "model_state_bytes",
            "local_nbytes", "COLLECTIVE_OPS", "AllocationTrace"]
 
 _F = torch.ops._c10d_functional
@@ -44,12 +44,22 @@ COLLECTIVE_OPS: dict = {
     _F.all_gather_into_tensor_out.default: CollectiveSpec("all_gather", "out", 1, 2),
     _F.reduce_scatter_tensor.default: CollectiveSpec("reduce_scatter", "in", 2, 3),
     _F.all_reduce.default: CollectiveSpec("all_reduce", "in", None, 2),
+    _F.all_to_all_single.default: CollectiveSpec("all_to_all", "in", None, 3),
 }
+
+
+def collective_kind(node) -> str:
+    """What a graph's collective node counts as: its op's kind, unless a pass ran the algorithm
+    on another op (passes/transport.py lowers gloo reduce-scatters to all-to-alls, recording
+    ``meta["zerofx_collective"] = "reduce_scatter"``)."""
+    return node.meta.get("zerofx_collective") or COLLECTIVE_OPS[node.target].kind
 
 
 def collective_group_size(spec: CollectiveSpec, args: tuple) -> int:
     if spec.group_size_arg is not None:
         return args[spec.group_size_arg]
+    if spec.kind == "all_to_all" and args[1]:
+        return len(args[1])  # one output split per rank
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(args[spec.group_name_arg]).size()

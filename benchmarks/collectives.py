@@ -1,0 +1,101 @@
+"""Collective micro-benchmark: how each way of running a reduce-scatter costs on this backend.
+
+    python benchmarks/collectives.py --world-sizes 2 4 --json collectives.json
+
+Per world size and input size, side by side in one run (median of ``--repeats``, the slowest
+rank's, ranks starting each call together):
+
+* ``reduce_scatter``   torch.distributed.reduce_scatter_tensor (gloo: an all-reduce of the
+                       whole input, then a copy of the shard)
+* ``all_to_all+sum``   what zerofx's transport pass runs on gloo instead: all_to_all_single
+                       sends each rank its chunk, the receiver sums the N chunks
+* ``all_reduce``       for scale: the whole input reduced everywhere
+* ``all_gather``       of an output as large as the reduce-scatter's input
+
+Ratios are to ``reduce_scatter`` of the same size and world size. Compare within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._launch import launch_local, median_time  # noqa: E402
+
+SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)  # input bytes (fp32)
+KINDS = ("reduce_scatter", "all_to_all+sum", "all_reduce", "all_gather")
+
+
+def _measure(fn, repeats: int) -> float:
+    t = torch.tensor([median_time(fn, repeats)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _rank_main(sizes: tuple[int, ...], repeats: int) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    out = {}
+    try:
+        for nbytes in sizes:
+            n = nbytes // 4 // world * world
+            x, shard = torch.randn(n), torch.empty(n // world)
+            recv, gathered = torch.empty(n), torch.empty(n)
+
+            def a2a_sum():
+                dist.all_to_all_single(recv, x)
+                torch.sum(recv.view(world, -1), 0, out=shard)
+
+            fns = {"reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, x),
+                   "all_to_all+sum": a2a_sum,
+                   "all_reduce": lambda: dist.all_reduce(x.clone()),
+                   "all_gather": lambda: dist.all_gather_into_tensor(gathered, x[: n // world])}
+            for kind in KINDS:
+                _measure(fns[kind], 3)  # warm-up: connections, buffers
+                out[f"{kind}@{nbytes}"] = _measure(fns[kind], repeats)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def run_world(world: int, sizes: tuple[int, ...], repeats: int) -> dict:
+    return launch_local(_rank_main, world, sizes, repeats)[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--json", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    rows = []
+    for world in args.world_sizes:
+        times = run_world(world, SIZES, args.repeats)
+        for nbytes in SIZES:
+            base = times[f"reduce_scatter@{nbytes}"]
+            for kind in KINDS:
+                t = times[f"{kind}@{nbytes}"]
+                rows.append({"world": world, "input_bytes": nbytes, "kind": kind, "ms": t * 1e3, "ratio": t / base})
+    print("| N | input KiB | " + " | ".join(KINDS) + " |")
+    print("|---|---|" + "---|" * len(KINDS))
+    for world in args.world_sizes:
+        for nbytes in SIZES:
+            cells = [r for r in rows if r["world"] == world and r["input_bytes"] == nbytes]
+            print(f"| {world} | {nbytes >> 10} | " + " | ".join(f"{r['ms']:.2f} ms ({r['ratio']:.2f}x)" for r in cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
