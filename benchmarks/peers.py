@@ -7,11 +7,15 @@ Every method trains the same GPT (zerofx/models.py) from the same seed on the sa
 batches (each rank its slice of the global batch; the single process the whole batch), with
 AdamW. Per method and rank it measures:
 
-* median step time (forward + backward + optimizer step) over ``--steps`` steps after warm-up;
+* median step time (forward + backward + optimizer step) over ``--steps`` steps after warm-up.
+  Every method is built and warmed up first; then the timed steps of all methods run
+  interleaved (one step of each in turn, ranks starting each step together), so a shared
+  machine's load drifting over the run falls on every method alike;
 * compile time: the first step's time minus the median;
 * peak memory: the most bytes alive during a steady-state step, counted by the allocator from
   before the model was built (zerofx.metrics.AllocationTrace), so model state, optimizer
-  state, communication buffers and activations are all in;
+  state, communication buffers and activations are all in; the least of three traced steps
+  (the trace can over-count frees made on collective worker threads, never under-count);
 * model-state bytes: parameters + gradients + optimizer state held by the rank;
 * collective bytes per step per rank (zerofx.metrics NOTE: counting collective bytes): counted
   for zerofx and FSDP2 eager; DDP's come from its C++ reducer, which no Python hook sees, so
@@ -31,17 +35,22 @@ import statistics
 import sys
 import time
 import traceback
-import uuid
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._launch import launch_local  # noqa: E402
 
 SIZES = {
     "small": dict(vocab_size=512, seq_len=128, n_layer=4, n_head=4, d_model=128),
     "medium": dict(vocab_size=1024, seq_len=128, n_layer=6, n_head=8, d_model=256),
 }
 METHODS = ("ddp", "fsdp2", "fsdp2_compile", "zerofx", "zerofx_tuned")
+MEMORY_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -116,60 +125,98 @@ def _state_bytes(model, opt) -> int:
     return model_state_bytes(model, opt).total
 
 
-def run_method(method: str, setup: Setup, rank: int, world: int, mesh) -> dict:
+@dataclass
+class Prepared:
+    """One method's model and optimizer after warm-up, with what its measured steps showed."""
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    batches: list
+    mine: slice
+    stats: dict
+    times: list
+
+
+def _step(model, opt, x, y) -> None:
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
+    """Build ``method``'s model, compile (first step), warm up, and measure memory and bytes.
+
+    Memory: each of ``MEMORY_STEPS`` steady-state steps is traced; the step's peak is the most
+    bytes alive during it, counted from before the model was built (so model state, optimizer
+    state, communication buffers and activations are all in). The trace can only over-count
+    (NOTE: frees the profiler does not see, zerofx/metrics.py), so the least of the measured
+    steps' peaks is reported.
+    """
     import zerofx
     from zerofx.metrics import AllocationTrace
     from zerofx.models import GPTConfig
 
     cfg = GPTConfig(**SIZES[setup.size])
-    batches = list(_batches(cfg, setup, world, setup.warmup + setup.steps + 1))
+    batches = list(_batches(cfg, setup, world, 2))
     mine = slice(rank * setup.batch, (rank + 1) * setup.batch) if method != "single" else slice(None)
-    times, comm_bytes = [], 0
+    x, y = batches[0][0][mine], batches[0][1][mine]
+    gc.collect()
     with AllocationTrace() as trace:
         model = _build(method, cfg, mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for i, (x, y) in enumerate(batches[: setup.warmup + 1]):
-            measured_step = i == setup.warmup
-            if measured_step:
-                gc.collect()  # compilation leaves reference cycles holding tensors; not a step's cost
+        start = time.perf_counter()
+        _step(model, opt, x, y)
+        first = time.perf_counter() - start
+        for _ in range(setup.warmup - 1):
+            _step(model, opt, x, y)
+        gc.collect()  # compilation leaves reference cycles holding tensors; not a step's cost
+        spans = []
+        for i in range(MEMORY_STEPS):
             t0 = trace.mark()
-            start = time.perf_counter()
-            if method.startswith("zerofx") and measured_step:
+            if i == 0 and method.startswith("zerofx"):
                 with zerofx.CollectiveCounter() as comm:
-                    model(x[mine], y[mine]).backward()
+                    model(x, y).backward()
                 comm_bytes = comm.total_bytes
-            elif method == "fsdp2" and measured_step:
+            elif i == 0 and method == "fsdp2":
                 counter = _C10dCounter(world)
                 with counter:
-                    model(x[mine], y[mine]).backward()
+                    model(x, y).backward()
                 comm_bytes = counter.bytes
             else:
-                model(x[mine], y[mine]).backward()
+                model(x, y).backward()
             opt.step()
-            if measured_step:
+            if i == 0:
                 state = _state_bytes(model, opt)
             opt.zero_grad()
-            times.append(time.perf_counter() - start)
-            t1 = trace.mark()
-    peak = trace.peak_between(t0, t1)
-    step_start = trace.live_at(t0)
-    first = times[0]
-    for x, y in batches[setup.warmup + 1:]:
-        if dist.is_initialized():
-            dist.barrier()
-        start = time.perf_counter()
-        model(x[mine], y[mine]).backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - start)
-    median = statistics.median(times[setup.warmup + 1:])
+            spans.append((t0, trace.mark()))
+    peak = min(trace.peak_between(t0, t1) for t0, t1 in spans)
     if method == "ddp":
         psi = sum(p.numel() * p.element_size() for p in model.parameters())
         comm_bytes = 2 * psi * (world - 1) // world
-    if method == "fsdp2_compile":
-        comm_bytes = None
-    return {"step_s": median, "compile_s": max(first - median, 0.0), "peak_bytes": peak, "start_bytes": step_start,
-            "state_bytes": state, "comm_bytes": comm_bytes}
+    if method in ("fsdp2_compile", "single"):
+        comm_bytes = None if method == "fsdp2_compile" else 0
+    stats = {"first_s": first, "peak_bytes": peak, "state_bytes": state, "comm_bytes": comm_bytes}
+    return Prepared(model, opt, batches, mine, stats, [])
+
+
+def time_round_robin(prepared: dict[str, Prepared], steps: int) -> None:
+    """Time ``steps`` steps of every method, interleaved: step i of every method runs before
+    step i+1 of any, so load that comes and goes on a shared machine lands on every method
+    alike instead of on whichever ran during it. Ranks start each step together."""
+    for i in range(steps):
+        for p in prepared.values():
+            x, y = p.batches[i % 2][0][p.mine], p.batches[i % 2][1][p.mine]
+            if dist.is_initialized():
+                dist.barrier()
+            start = time.perf_counter()
+            _step(p.model, p.opt, x, y)
+            p.times.append(time.perf_counter() - start)
+
+
+def result(p: Prepared) -> dict:
+    median = statistics.median(p.times)
+    return {"step_s": median, "compile_s": max(p.stats["first_s"] - median, 0.0),
+            **{k: v for k, v in p.stats.items() if k != "first_s"}}
 
 
 def _rank_main(setup: Setup) -> dict:
@@ -177,31 +224,33 @@ def _rank_main(setup: Setup) -> dict:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
-    out = {}
+    out, prepared = {}, {}
     try:
         for method in setup.methods:
             try:
-                out[method] = run_method(method, setup, rank, world, mesh)
+                prepared[method] = prepare(method, setup, rank, world, mesh)
             except Exception:
                 out[method] = {"error": traceback.format_exc(limit=6)}
-            torch._dynamo.reset()
             dist.barrier()
+        # A method that failed on one rank must not run on the others (its collectives would hang).
+        ok = torch.tensor([1 if m in prepared else 0 for m in setup.methods])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        for m, flag in zip(setup.methods, ok.tolist()):
+            if not flag and m in prepared:
+                del prepared[m]
+                out[m] = {"error": "failed on another rank"}
+        time_round_robin(prepared, setup.steps)
+        for m, p in prepared.items():
+            out[m] = result(p)
             if rank == 0:
-                print(f"  [{setup.size} w{world}] {method}: {out[method].get('step_s', 'failed')}", flush=True)
+                print(f"  [{setup.size} w{world}] {m}: {out[m]['step_s'] * 1e3:.1f} ms", flush=True)
     finally:
         dist.destroy_process_group()
-    return out
+    return {m: out[m] for m in setup.methods}
 
 
 def run_world(setup: Setup, world: int) -> list[dict]:
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"bench-{uuid.uuid4()}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          monitor_interval=0.2, start_method="spawn")
-    results = elastic_launch(launch, _rank_main)(setup)
-    return [results[r] for r in range(world)]
+    return launch_local(_rank_main, world, setup)
 
 
 def summarize(size: str, world: int, per_rank: list[dict], single: dict | None) -> list[dict]:
@@ -260,9 +309,11 @@ def main(argv: list[str] | None = None) -> int:
             setup = Setup(size, args.batch, args.steps, args.warmup, tuple(args.methods))
             print(f"{size}, world size {world}:", flush=True)
             torch.set_num_threads(1)
-            single = run_method("single", Setup(size, args.batch, args.steps, args.warmup, ("single",)), 0, world,
-                                None)
-            single["batch"] = args.batch * world
+            alone = {"single": prepare("single", Setup(size, args.batch * world, args.steps, args.warmup, ("single",)),
+                                       0, 1, None)}
+            time_round_robin(alone, args.steps)
+            single = {**result(alone["single"]), "batch": args.batch * world}
+            del alone
             rows += summarize(size, world, run_world(setup, world), single)
     table = markdown(rows)
     print(table)
