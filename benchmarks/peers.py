@@ -1,7 +1,7 @@
 """Side-by-side training-step benchmark: zerofx against DDP, FSDP2 (eager and compiled), and a
 single process, on one model, one data stream and one world size per run.
 
-    python benchmarks/peers.py --world-sizes 2 4 --json results.json --markdown results.md
+    python benchmarks/peers.py --world-sizes 2 4 --json results.json --markdown results.md --plot results.png
 
 Every method trains the same GPT (zerofx/models.py) from the same seed on the same token
 batches (each rank its slice of the global batch; the single process the whole batch), with
@@ -292,6 +292,44 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """Two panels per model size: step time as a multiple of FSDP2 eager, and peak MiB per rank,
+    one group of bars per world size. Needs matplotlib (``pip install 'zerofx[plots]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(f"--plot needs matplotlib: pip install 'zerofx[plots]' ({e})") from None
+    ok = [r for r in rows if "error" not in r and not r["method"].startswith("single")]
+    sizes = sorted({r["size"] for r in ok})
+    worlds = sorted({r["world"] for r in ok})
+    methods = list(dict.fromkeys(r["method"] for r in ok))
+    fig, axes = plt.subplots(len(sizes), 2, figsize=(11, 3.6 * len(sizes)), squeeze=False)
+    width = 0.8 / max(len(methods), 1)
+    for row_axes, size in zip(axes, sizes):
+        for ax, key, label in ((row_axes[0], "ratio_to_fsdp2", "step time / FSDP2 eager"),
+                               (row_axes[1], "peak_bytes", "peak MiB per rank")):
+            for i, method in enumerate(methods):
+                values = []
+                for world in worlds:
+                    r = next((r for r in ok if (r["size"], r["world"], r["method"]) == (size, world, method)), None)
+                    v = None if r is None else r.get(key)
+                    values.append(float("nan") if v is None else (v / 2**20 if key == "peak_bytes" else v))
+                ax.bar([w + i * width for w in range(len(worlds))], values, width, label=method)
+            if key == "ratio_to_fsdp2":
+                ax.axhline(1.0, color="black", linewidth=0.8)
+                ax.axhline(0.9, color="gray", linewidth=0.8, linestyle="--")
+            ax.set_xticks([w + width * (len(methods) - 1) / 2 for w in range(len(worlds))])
+            ax.set_xticklabels([f"N={w}" for w in worlds])
+            ax.set_title(f"{size}: {label}")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(methods), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -302,8 +340,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--json", help="write the rows as JSON here")
     parser.add_argument("--markdown", help="write the table here")
+    parser.add_argument("--plot", help="draw step-time ratios and peak memory here (PNG; needs matplotlib)")
+    parser.add_argument("--from-json", help="do not run: plot/print the rows of an earlier --json file")
     args = parser.parse_args(argv)
 
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = json.load(f)["rows"]
+    else:
+        rows = run(args)
+    table = markdown(rows)
+    print(table)
+    if args.json and not args.from_json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, f, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+def run(args: argparse.Namespace) -> list[dict]:
     rows = []
     for size in args.sizes:
         for world in args.world_sizes:
@@ -316,15 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             single = {**result(alone["single"]), "batch": args.batch * world}
             del alone
             rows += summarize(size, world, run_world(setup, world), single)
-    table = markdown(rows)
-    print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, f, indent=2)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
