@@ -44,6 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from zerofx._scoped import Scoped
 from zerofx.passes.cost_model import op_flops
 
 __all__ = ["MemoryTracker", "active_tracker", "rss_bytes", "peak_rss_bytes", "reset_peak_rss"]
@@ -85,7 +86,7 @@ class _Mode(TorchDispatchMode):
         return out
 
 
-class MemoryTracker:
+class MemoryTracker(Scoped):
     """Measure the buffers zerofx's compiled graphs allocate (see NOTE: what the tracker counts)."""
 
     def __init__(self) -> None:
@@ -152,28 +153,15 @@ class MemoryTracker:
             self._mark_saved(list(out[num_user_outputs:]))
         return out
 
-    def __enter__(self) -> MemoryTracker:
-        with _active_lock:
-            _active.append(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with _active_lock:
-            _active.remove(self)
-
     def summary(self) -> dict[str, Any]:
         return {"activation_peak": self.activation_peak, "peak": self.peak,
                 "parked_peak": dict(self.parked_peak), "flops": dict(self.flops),
                 "saved_at_boundary": list(self.saved_at_boundary)}
 
 
-_active: list[MemoryTracker] = []
-_active_lock = threading.Lock()
-
-
 def active_tracker() -> MemoryTracker | None:
     """The innermost active tracker (the executor measures into it), or None."""
-    return _active[-1] if _active else None
+    return MemoryTracker.innermost()
 
 
 def _status_kib(field: str) -> int:

@@ -15,13 +15,14 @@ input); these numbers describe the algorithm, comparable across backends.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from zerofx._scoped import Scoped
 
 __all__ = ["wire_bytes", "collective_kind", "CollectiveCounter", "record_collectives", "ModelStateBytes", "model_state_bytes",
            "local_nbytes", "COLLECTIVE_OPS", "AllocationTrace"]
@@ -78,7 +79,7 @@ def local_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class CollectiveCounter:
+class CollectiveCounter(Scoped):
     """Count the collectives zerofx runs, in bytes per kind (see NOTE: counting collective bytes).
 
     Every graph zerofx compiled reports its collectives each time it runs (the executor knows
@@ -97,30 +98,17 @@ class CollectiveCounter:
         self.bytes: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
 
-    def __enter__(self) -> CollectiveCounter:
-        with _active_lock:
-            _active.append(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with _active_lock:
-            _active.remove(self)
-
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
 
 
-_active: list[CollectiveCounter] = []
-_active_lock = threading.Lock()
-
-
 def record_collectives(collectives: list[tuple[str, int]]) -> None:
     """Add ``(kind, wire_bytes)`` pairs to every active CollectiveCounter (cheap when none is)."""
-    if not _active:
+    if not CollectiveCounter._scoped_entered:
         return
-    with _active_lock:
-        for counter in _active:
+    with CollectiveCounter._scoped_lock:
+        for counter in CollectiveCounter._scoped_entered:
             for kind, nbytes in collectives:
                 counter.bytes[kind] += nbytes
                 counter.calls[kind] += 1
