@@ -22,7 +22,9 @@ AdamW. Per method and rank it measures:
   they are the analytical 2·Ψ·(N-1)/N; compiled FSDP2 runs the same collectives as eager.
 
 Ratios are to FSDP2 eager of the same run. Compare within one run only: ranks share the
-machine's cores, so absolute times move with load and world size.
+machine's cores, so absolute times move with load and world size. Ratios also move between
+launches of the same setup (fresh processes: thread placement, memory layout); with
+``--launches K`` each world size runs K times and the table gives the median ratio and its range.
 """
 
 from __future__ import annotations
@@ -254,6 +256,28 @@ def run_world(setup: Setup, world: int) -> list[dict]:
     return launch_local(_rank_main, world, setup)
 
 
+def combine(size: str, world: int, launches: list[list[dict]], single: dict | None) -> list[dict]:
+    """Rows over one or more launches of the same setup: per launch, the slowest rank's median
+    sets a method's pace and its ratio to FSDP2 eager of that launch; across launches, the
+    median of those (``ratio_lo``/``ratio_hi``: the least and greatest)."""
+    per_launch = [summarize(size, world, per_rank, single if i == 0 else None) for i, per_rank in enumerate(launches)]
+    rows = []
+    for row in per_launch[0]:
+        same = [r for rows_ in per_launch for r in rows_ if r["method"] == row["method"] and "error" not in r]
+        if "error" in row or len(same) != len(launches) or row["method"].startswith("single"):
+            rows.append(row)
+            continue
+        ratios = [r["ratio_to_fsdp2"] for r in same if r["ratio_to_fsdp2"] is not None]
+        merged = dict(row)  # comm and state bytes do not change between launches
+        for key in ("step_s", "compile_s", "peak_bytes"):
+            merged[key] = statistics.median(r[key] for r in same)
+        merged["ratio_to_fsdp2"] = statistics.median(ratios) if ratios else None
+        merged["ratio_lo"], merged["ratio_hi"] = (min(ratios), max(ratios)) if ratios else (None, None)
+        merged["launches"] = len(same)
+        rows.append(merged)
+    return rows
+
+
 def summarize(size: str, world: int, per_rank: list[dict], single: dict | None) -> list[dict]:
     rows = []
     fsdp2 = [r.get("fsdp2", {}) for r in per_rank]
@@ -287,6 +311,8 @@ def markdown(rows: list[dict]) -> str:
             lines.append(f"| {r['size']} | {r['world']} | {r['method']} | failed: {r['error']} | | | | | |")
             continue
         ratio = "n/a" if r.get("ratio_to_fsdp2") is None else f"{r['ratio_to_fsdp2']:.2f}"
+        if r.get("launches", 1) > 1 and r.get("ratio_lo") is not None:
+            ratio += f" ({r['ratio_lo']:.2f}-{r['ratio_hi']:.2f})"
         lines.append(f"| {r['size']} | {r['world']} | {r['method']} | {r['step_s'] * 1e3:.1f} | {ratio} | "
                      f"{r['compile_s']:.1f} | {mib(r['peak_bytes'])} | {mib(r['state_bytes'])} | {mib(r['comm_bytes'])} |")
     return "\n".join(lines)
@@ -338,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--launches", type=int, default=1,
+                        help="run each world size this many times (fresh processes); report median ratios and range")
     parser.add_argument("--json", help="write the rows as JSON here")
     parser.add_argument("--markdown", help="write the table here")
     parser.add_argument("--plot", help="draw step-time ratios and peak memory here (PNG; needs matplotlib)")
@@ -374,7 +402,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             time_round_robin(alone, args.steps)
             single = {**result(alone["single"]), "batch": args.batch * world}
             del alone
-            rows += summarize(size, world, run_world(setup, world), single)
+            rows += combine(size, world, [run_world(setup, world) for _ in range(args.launches)], single)
     return rows
 
 
