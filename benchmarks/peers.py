@@ -319,8 +319,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Two panels per model size: step time as a multiple of FSDP2 eager, and peak MiB per rank,
-    one group of bars per world size. Needs matplotlib (``pip install 'zerofx[plots]'``)."""
+    """Two panels per model size: step time as a multiple of FSDP2 eager (whiskers: the range
+    over launches), and peak MiB per rank, one group of bars per world size. Needs matplotlib (``pip install 'zerofx[plots]'``)."""
     try:
         import matplotlib
 
@@ -338,12 +338,17 @@ def plot(rows: list[dict], path: str) -> None:
         for ax, key, label in ((row_axes[0], "ratio_to_fsdp2", "step time / FSDP2 eager"),
                                (row_axes[1], "peak_bytes", "peak MiB per rank")):
             for i, method in enumerate(methods):
-                values = []
+                values, spread = [], [[], []]
                 for world in worlds:
                     r = next((r for r in ok if (r["size"], r["world"], r["method"]) == (size, world, method)), None)
                     v = None if r is None else r.get(key)
                     values.append(float("nan") if v is None else (v / 2**20 if key == "peak_bytes" else v))
-                ax.bar([w + i * width for w in range(len(worlds))], values, width, label=method)
+                    lo, hi = (r.get("ratio_lo"), r.get("ratio_hi")) if r is not None else (None, None)
+                    ranged = key == "ratio_to_fsdp2" and lo is not None and v is not None
+                    spread[0].append(v - lo if ranged else 0.0)
+                    spread[1].append(hi - v if ranged else 0.0)
+                ax.bar([w + i * width for w in range(len(worlds))], values, width, label=method,
+                       yerr=spread if key == "ratio_to_fsdp2" else None, capsize=3)
             if key == "ratio_to_fsdp2":
                 ax.axhline(1.0, color="black", linewidth=0.8)
                 ax.axhline(0.9, color="gray", linewidth=0.8, linestyle="--")
