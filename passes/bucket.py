@@ -3,9 +3,8 @@
 Every collective pays a fixed latency (measured on this machine's gloo: ~0.25 ms per call
 whatever the size, next to ~1 ns per byte), and a transformer has many small parameters
 (norm weights, biases). Merging collectives until a bucket reaches ``Options.bucket_bytes``
-(default: the cost model's bandwidth-saturating size, four latencies' worth of bytes, or four
-of the graph's largest collectives if that is more: ``resolve_bucket_bytes``) pays the latency
-once per bucket.
+(default: the cost model's bandwidth-saturating size, four latencies' worth of bytes) pays the
+latency once per bucket.
 
 Buckets are consecutive collectives of one kind, group and dtype, in graph order, so every
 rank builds the same buckets in the same order, and the values a parameter receives do not
@@ -67,34 +66,16 @@ def _wait_of(node: fx.Node) -> fx.Node:
     return next(iter(node.users))
 
 
-AUTO_MEMBERS = 4  # "auto": a bucket may hold at least this many of the graph's largest collectives
-
-
-def resolve_bucket_bytes(ctx: PassContext, gm: fx.GraphModule | None = None) -> int:
-    """The bucket cap: ``Options.bucket_bytes``, or for ``"auto"`` the larger of the cost model's
-    bandwidth-saturating size and ``AUTO_MEMBERS`` times the graph's largest collective.
-
-    The second term keeps buckets from degenerating into one collective per parameter when
-    single parameters already reach the saturating size (the latency model's view), because a
-    collective's fixed cost inside a training step is larger than that model says: on this
-    project's machines (gloo, 2 ranks) the "medium" benchmark GPT, whose large matrices are
-    ~1 MiB each, stepped in 485 ms with 1 MB buckets and 385 ms with 4 MiB ones (FSDP2 eager:
-    460 ms, interleaved in one run). Four members is about one transformer block's matrices
-    (qkv, out-projection, two MLP), the unit FSDP2 gathers at once.
-    """
+def resolve_bucket_bytes(ctx: PassContext) -> int:
     options = ctx.options
     setting = getattr(options, "bucket_bytes", "auto") if options is not None else "auto"
-    if setting != "auto":
-        return int(setting)
     cost = getattr(options, "cost_model", None) or CostModel()
-    largest = max((_size(n) for n in gm.graph.nodes if n.target in (ALL_GATHER, REDUCE_SCATTER)), default=0) \
-        if gm is not None else 0
-    return max(cost.comm.saturating_bytes, AUTO_MEMBERS * largest)
+    return cost.comm.saturating_bytes if setting == "auto" else int(setting)
 
 
 def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Pay collective latency once per bucket instead of once per parameter."""
-    cap = resolve_bucket_bytes(ctx, gm)
+    cap = resolve_bucket_bytes(ctx)
     if cap <= 0:
         return gm
     merged = {"all_gather": 0, "reduce_scatter": 0}

@@ -80,8 +80,7 @@ class Options:
             kernel instead of using the heuristic's choice. Ignored by the interpreter.
         bucket_bytes: cap of a collective bucket in bytes (gathered size for all-gathers, input
             size for reduce-scatters); ``"auto"`` takes the cost model's bandwidth-saturating
-            size or four of the graph's largest collectives, whichever is more
-            (``zerofx.passes.bucket.resolve_bucket_bytes``); 0 disables bucketing.
+            size; 0 disables bucketing.
         prefetch_bytes: how much the schedule pass may raise a graph's estimated peak memory to
             overlap communication; ``"auto"`` allows twice the largest gathered bucket.
         keep_gathered_bytes: selective unsharding budget: bytes of gathered parameters that may
