@@ -22,6 +22,7 @@ import zerofx
 from tests.models import CASES, GPT_CFG
 from tests.parity import reference_shard
 from zerofx.models import GPT, random_batch
+from tests.multirank import mean_over_ranks
 
 STEPS = 4
 PER_RANK = 2
@@ -47,9 +48,7 @@ def train(rank: int, world_size: int, case: str, executor: str, dump_dir: str | 
         loss.backward()
         opt.step()
         opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
+        losses.append(mean_over_ranks(loss))
     after = cache_info()
     torch._dynamo.reset()
     params = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}

@@ -28,6 +28,7 @@ from zerofx.backend import make_backend
 from zerofx.dump import Recorder
 from zerofx.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from zerofx.models import GPT, GPTConfig, random_batch
+from tests.multirank import mean_over_ranks
 
 STEPS = 3
 PER_RANK = 2
@@ -101,9 +102,7 @@ def _train_policy(model_name: str, policy: str, rank: int, world: int, mesh, ini
             loss.backward()
         opt.step()
         opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(mean_over_ranks(loss))
         memory = mem.summary()
     plans = [dict(r) for r in _plans(recorder)]
     params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]

@@ -93,3 +93,12 @@ def attempt(results: dict, name: str, fn: Callable[[], Any]) -> None:
     except Exception:
         results[name] = {"error": traceback.format_exc()}
     torch._dynamo.reset()
+
+
+def mean_over_ranks(loss) -> float:
+    """The global batch's mean loss from each rank's mean over its equal slice (a collective)."""
+    import torch.distributed as dist
+
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()

@@ -14,12 +14,12 @@ import copy
 import math
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import zerofx
 from tests.models import CASES
+from tests.multirank import mean_over_ranks
 
 PARAM_TOL = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
@@ -82,9 +82,7 @@ def train_case(name: str, rank: int, world_size: int, steps: int, dump_dir: str 
         ref_loss = ref(x, y)
         ref_loss.backward()
 
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        result["losses"].append(global_loss.item() / world_size)
+        result["losses"].append(mean_over_ranks(loss))
         result["ref_losses"].append(ref_loss.item())
 
         named_ref = dict(_unique_params(ref))

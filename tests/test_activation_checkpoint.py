@@ -12,10 +12,8 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import CheckpointPolicy
 
 import zerofx
@@ -28,17 +26,6 @@ from zerofx.offload import DiskStore
 from zerofx.passes.checkpoint import checkpoint_pass, partition_by_plan
 from zerofx.passes.cost_model import saved_activation_bytes, saved_values
 from zerofx.passes.pipeline import PassContext
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    store = tmp_path_factory.mktemp("store")
-    dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
 
 
 @pytest.fixture(scope="module")

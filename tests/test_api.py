@@ -17,6 +17,7 @@ from zerofx import ZeroFXError
 
 @pytest.fixture
 def one_rank(tmp_path):
+    """Per test, unlike conftest's per-module one: other tests here need no process group."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         yield init_device_mesh("cpu", (1,))

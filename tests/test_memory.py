@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import fx
-from torch.distributed.device_mesh import init_device_mesh
 
 import zerofx
 from benchmarks import checkpoint_vs_torch as bench
@@ -93,17 +91,6 @@ def test_policies_do_what_they_say(runs, world_size):
 
 BENCH_CFG = GPTConfig()  # the benchmark's (and the demo's) GPT: 2 layers, d_model 64, seq 64
 BENCH_BATCH = 4
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    store = tmp_path_factory.mktemp("store")
-    dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
 
 
 def _bench_gpt(mesh):

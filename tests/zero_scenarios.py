@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 import zerofx
 from tests.models import CASES
 from tests.parity import numel_accounting, reference_shard
+from tests.multirank import mean_over_ranks
 
 GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
 PARAM_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -170,9 +171,7 @@ def checkpoint_source(rank: int, world: int, mesh, folder: str) -> dict:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(total.item() / world)
+            losses.append(mean_over_ranks(loss))
         return losses
 
     torch.manual_seed(0)
@@ -212,9 +211,7 @@ def checkpoint_reshard(rank: int, world: int, mesh, folder: str) -> dict:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(total.item() / world)
+            losses.append(mean_over_ranks(loss))
         out[f"stage{stage}"] = losses
         torch._dynamo.reset()
     return out
