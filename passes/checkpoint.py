@@ -53,7 +53,6 @@ another (or outside all regions) is a boundary and is saved, like the output of 
 from __future__ import annotations
 
 import fnmatch
-import re
 
 import torch
 from torch import fx
@@ -66,6 +65,7 @@ from zerofx.errors import ZeroFXError
 from zerofx.ops import UNSHARD
 from zerofx.passes.activation_plan import ActivationPlan, PlanProblem, cannot_recompute, is_alias, plan_activations
 from zerofx.passes.cost_model import DeviceModel, node_bytes
+from zerofx.passes.fx_nodes import module_path
 from zerofx.passes.pipeline import PassContext
 
 __all__ = ["checkpoint_pass", "partition_by_plan", "module_path", "wants_plan", "format_bytes", "format_flops"]
@@ -92,16 +92,6 @@ def wants_plan(options) -> bool:
     return options is not None and (
         options.activation_budget is not None or options.checkpoint == "full" or bool(options.checkpoint_modules)
         or bool(options.checkpoint_save_ops) or options.offload_activations != "none")
-
-
-def module_path(stack_entry: str) -> str:
-    """``"L['fn'].__self__.blocks.0.attn"`` (dynamo's spelling) -> ``"blocks.0.attn"``."""
-    s = re.sub(r"^L\['[^']*'\]", "", stack_entry)
-    s = s.replace(".__self__", "")
-    s = re.sub(r"\._modules\['([^']*)'\]", r".\1", s)
-    s = re.sub(r"\[(\d+)\]", r".\1", s)
-    s = re.sub(r"\['([^']*)'\]", r".\1", s)
-    return s.strip(".")
 
 
 def _paths(node: fx.Node) -> list[str]:

@@ -297,3 +297,54 @@ def test_free_tags_every_forward_marker():
     tagged = {n.target for n in gm.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
     assert {read_full.default, sync_grad.default, local_grad.default, aten.t.default} <= tagged
     assert aten.mm.default not in tagged
+
+
+def _four_layer_forward(blocks: tuple[str, ...]):
+    """Four 16 KiB gathers; the i-th weight is read by module ``blocks[i]`` (dynamo's stack meta)."""
+    def fw(s1, s2, s3, s4, x):
+        for s in (s1, s2, s3, s4):
+            x = torch.tanh(x @ unshard(s, 2, "g", 64).t())
+        return x
+
+    gm = gather_pass(trace(fw, *[(32, 64)] * 4, (8, 64)), ctx("forward"))
+    for node, block in zip([n for n in gm.graph.nodes if n.op == "placeholder"], blocks):
+        node.meta["nn_module_stack"] = {"m": (f"L['fn'].__self__.{block}.fc", torch.nn.Linear)}
+    return gm
+
+
+@pytest.mark.parametrize("setting,host_cap,expect", [
+    ("auto", None, [2, 2]),          # one bucket per block, each past the 4 KB size cap
+    ("auto", 16 * 20_000, []),       # host_memory_cap/16 = 20 KB: a 32 KiB block bucket would not fit
+    (4_000, None, []),               # an explicit cap is a cap: no block may exceed it
+    (40_000, None, [2, 2]),          # 40 KB holds two 16 KiB gathers, whatever their blocks
+])
+def test_bucket_merges_one_blocks_collectives_past_the_size_cap(setting, host_cap, expect):
+    from zerofx.options import Options
+    from zerofx.passes.bucket import choose_buckets, resolve_bucket_bytes
+    from zerofx.passes.cost_model import CommModel, CostModel
+
+    gm = _four_layer_forward(("blocks.0", "blocks.0", "blocks.1", "blocks.1"))
+    cost = CostModel(comm=CommModel(latency_s=1e-6, seconds_per_byte=1e-9))  # saturates at 4 KB
+    c = PassContext("test", "forward", Options(bucket_bytes=setting, cost_model=cost, host_memory_cap=host_cap))
+    cap, by_block, ceiling = resolve_bucket_bytes(c)
+    buckets = choose_buckets(gm, ALL_GATHER, cap, by_block=by_block, ceiling=ceiling)
+    assert [len(b) for b in buckets] == expect
+    # with every weight in its own block nothing may exceed the size cap; explicit caps ignore blocks
+    spread = _four_layer_forward(("blocks.0", "blocks.1", "blocks.2", "blocks.3"))
+    merged = choose_buckets(spread, ALL_GATHER, cap, by_block=by_block, ceiling=ceiling)
+    assert [len(b) for b in merged] == ([] if setting == "auto" else expect)
+
+
+def test_module_block_reads_forward_and_backward_module_stacks():
+    from zerofx.passes.fx_nodes import block_of, module_block, module_path
+
+    assert module_path("L['fn'].__self__.blocks._modules['2'].attn") == "blocks.2.attn"
+    assert [block_of(p) for p in ("blocks.2.attn.qkv", "layers.11", "wte")] == ["blocks.2", "layers.11", "wte"]
+    gm = _four_layer_forward(("blocks.0", "blocks.0", "blocks.1", "blocks.1"))
+    gathers = [n for n in gm.graph.nodes if n.target is ALL_GATHER]
+    assert [module_block(g) for g in gathers] == ["blocks.0", "blocks.0", "blocks.1", "blocks.1"]
+    node = gathers[0].args[0]
+    del [n for n in gm.graph.nodes if n.op == "placeholder"][0].meta["nn_module_stack"]
+    assert module_block(node) is None
+    node.meta["fwd_nn_module_stack"] = {"m": ("L['fn'].__self__.head", torch.nn.Linear)}  # AOT's backward copy
+    assert module_block(node) == "head"
