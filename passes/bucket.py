@@ -4,22 +4,23 @@ Every collective pays a fixed latency (measured on this machine's gloo: ~0.25 ms
 whatever the size, next to ~1 ns per byte), and a transformer has many small parameters
 (norm weights, biases). Merging collectives pays the latency once per bucket.
 
-How big a bucket may grow (``Options.bucket_bytes``; "auto" by default):
+How big a bucket grows (``Options.bucket_bytes``; "auto" by default):
 
-* any neighbours merge up to the cost model's bandwidth-saturating size (four latencies' worth
-  of bytes: ~1 MB with the default constants), which is all a fixed-size cap can say;
-* under "auto", the collectives of one transformer block (the outermost indexed module:
-  ``blocks.3``, the unit FSDP2 users wrap with ``fully_shard``) also merge past that size, into
-  one collective per block and direction. A fixed cap cannot tell "one more parameter of this
-  layer" from "the next layer's weights, gathered a whole layer early"; the block can, and a
-  block's gathered weights are what FSDP2 holds anyway. Where the saturating size is near a
-  weight matrix's size (a 256-wide GPT's 1 MiB matrices against the 1 MB default) a size cap
-  alone leaves about one collective per matrix. Interleaved A/B on that GPT (benchmarks'
-  "medium"), step time over FSDP2 eager's: 0.97x (2 ranks) and 1.12x (4 ranks) with the 1 MB
-  cap alone, 0.84x and 0.82x with per-block buckets;
-* ``host_memory_cap`` bounds them: gathered buckets are model state in host memory (on a CPU
+* an explicit byte count is a hard cap: neighbours merge while the bucket stays within it;
+* "auto" buckets whole transformer blocks (the outermost indexed module, ``blocks.3``: the
+  unit FSDP2 users wrap with ``fully_shard``; parameters outside every block form one unit per
+  top-level module). A bucket takes the next block until it has reached the cost model's
+  bandwidth-saturating size (four latencies' worth of bytes: ~1 MB with the default
+  constants), so small blocks are gathered a few at a time and a large block is gathered
+  alone, in one collective, whatever its size. A size cap cannot tell "one more parameter of
+  this layer" from "the next layer, a whole layer early"; blocks can. Measured (interleaved
+  A/B, step time over FSDP2 eager's, benchmarks' GPTs): the 256-wide "medium" GPT, whose 1 MiB
+  matrices each filled a 1 MB cap, went from 0.97x to 0.84x at 2 ranks and from 1.12x to 0.82x
+  at 4; the 128-wide "small" one (786 KB blocks, now two per bucket) from 0.97x to 0.90x;
+* ``host_memory_cap`` bounds "auto": gathered buckets are model state in host memory (on a CPU
   device), with up to two in flight (one waited, one prefetched) and each briefly held twice
-  (flat buffer and per-parameter copies), so a bucket stays under a sixteenth of the cap.
+  (flat buffer and per-parameter copies), so no bucket grows past a sixteenth of the cap (a
+  block larger than that is split).
 
 The block of a collective comes from the module stack dynamo records (``module_block``); every
 quantity the decision reads (graph structure, gathered and full-gradient sizes) is the same on
@@ -63,27 +64,47 @@ def _size(node: fx.Node) -> int:
     return tensor_bytes(node.meta["val"] if node.target is ALL_GATHER else node.args[0].meta["val"])
 
 
+def _units(nodes: list[fx.Node], by_block: bool, ceiling: int | None) -> list[list[fx.Node]]:
+    """Split collectives (graph order) into units no bucket divides: with ``by_block``, each
+    maximal run of same-key collectives from one block (cut where it would exceed ``ceiling``);
+    otherwise every collective alone."""
+    units: list[list[fx.Node]] = []
+    last_block = None
+    for node in nodes:
+        block = module_block(node) if by_block else None
+        unit = units[-1] if units else None
+        if (unit is not None and block is not None and block == last_block and _key(node) == _key(unit[0])
+                and (ceiling is None or sum(map(_size, unit)) + _size(node) <= ceiling)):
+            unit.append(node)
+        else:
+            units.append([node])
+        last_block = block
+    return units
+
+
 def choose_buckets(gm: fx.GraphModule, target, cap: int, *, by_block: bool = False,
                    ceiling: int | None = None) -> list[list[fx.Node]]:
-    """Greedy, in graph order: consecutive same-key collectives until ``cap`` bytes; with
-    ``by_block``, a bucket whose members all come from one block grows past ``cap`` (up to
-    ``ceiling``, if given)."""
+    """Buckets of consecutive same-key collectives, in graph order.
+
+    With a fixed cap (``by_block=False``), a bucket takes collectives while it stays within
+    ``cap`` bytes. With ``by_block``, it takes whole blocks (``_units``) and closes once it has
+    reached ``cap`` (so blocks smaller than the saturating size are gathered a few at a time,
+    and a larger block is one bucket), never growing past ``ceiling``."""
+    nodes = [n for n in gm.graph.nodes if n.target is target and len(n.users) == 1]
     buckets: list[list[fx.Node]] = []
     current: list[fx.Node] = []
-    size, block = 0, None
-    for node in gm.graph.nodes:
-        if node.target is not target or len(node.users) != 1:
-            continue
-        mine = module_block(node) if by_block else None
-        grown = size + _size(node)
-        same_block = mine is not None and mine == block
-        fits = grown <= cap or (same_block and (ceiling is None or grown <= ceiling))
-        if current and (_key(node) != _key(current[0]) or not fits):
+    size = 0
+    for unit in _units(nodes, by_block, ceiling):
+        grown = size + sum(map(_size, unit))
+        if by_block:
+            full = size >= cap or (ceiling is not None and grown > ceiling)
+        else:
+            full = grown > cap
+        if current and (_key(unit[0]) != _key(current[0]) or full):
             buckets.append(current)
-            current, size, block = [], 0, None
-        block = mine if not current or block == mine else None
-        current.append(node)
-        size += _size(node)
+            current, size = [], 0
+        current.extend(unit)
+        size += sum(map(_size, unit))
     if current:
         buckets.append(current)
     return [b for b in buckets if len(b) > 1]
@@ -128,6 +149,7 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         merged["reduce_scatter"] += len(members)
     gm.graph.eliminate_dead_code()
     if any(merged.values()):
-        ctx.report(f"bucket cap {cap} B{' (one block may exceed it)' if by_block else ''}: merged {merged['all_gather']} all-gathers and "
+        ctx.report(f"bucket {'target' if by_block else 'cap'} {cap} B{' (whole blocks)' if by_block else ''}"
+                   f"{f', ceiling {ceiling} B' if ceiling else ''}: merged {merged['all_gather']} all-gathers and "
                    f"{merged['reduce_scatter']} reduce-scatters into buckets")
     return gm

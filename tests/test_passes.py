@@ -333,6 +333,10 @@ def test_bucket_merges_one_blocks_collectives_past_the_size_cap(setting, host_ca
     spread = _four_layer_forward(("blocks.0", "blocks.1", "blocks.2", "blocks.3"))
     merged = choose_buckets(spread, ALL_GATHER, cap, by_block=by_block, ceiling=ceiling)
     assert [len(b) for b in merged] == ([] if setting == "auto" else expect)
+    # blocks smaller than the cap are taken whole until the bucket has reached the cap
+    assert [len(b) for b in choose_buckets(spread, ALL_GATHER, 40_000, by_block=True)] == [3]
+    assert [len(b) for b in choose_buckets(gm, ALL_GATHER, 40_000, by_block=True)] == [4]
+    assert [len(b) for b in choose_buckets(gm, ALL_GATHER, 40_000, by_block=True, ceiling=40_000)] == [2, 2]
 
 
 def test_module_block_reads_forward_and_backward_module_stacks():

@@ -80,8 +80,8 @@ class Options:
             kernel instead of using the heuristic's choice. Ignored by the interpreter.
         bucket_bytes: cap of a collective bucket in bytes (gathered size for all-gathers, input
             size for reduce-scatters); ``"auto"`` takes the cost model's bandwidth-saturating
-            size, and lets the collectives of one transformer block (FSDP2's unit) merge past
-            it into one bucket, up to ``host_memory_cap / 16`` when a host cap is set (see
+            size as a target: buckets are whole transformer blocks (FSDP2's unit), a few small
+            ones or one large one, up to ``host_memory_cap / 16`` when a host cap is set (see
             passes/bucket.py); an int is a hard cap; 0 disables bucketing.
         prefetch_bytes: how much the schedule pass may raise a graph's estimated peak memory to
             overlap communication; ``"auto"`` allows twice the largest gathered bucket.
