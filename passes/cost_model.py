@@ -1,20 +1,22 @@
 """One home for memory/compute/communication estimates.
 
-Every decision that trades memory for time (what to save, recompute or offload; later, what to
+Every decision that trades memory for time (what to save, recompute or offload, what to
 prefetch or bucket) reads its numbers from here, so decisions can be explained before anything
 runs and checked against what was measured afterwards. The estimates come from the graphs'
 fake-tensor metadata (``node.meta["val"]``) only; nothing is executed.
 
-The API is small on purpose (the scheduling/communication model extends it):
+The API is small on purpose:
 
     node_bytes(node)                      bytes of the value a node produces
     node_flops(node)                      floating-point operations to compute it
     op_flops(func, args, kwargs, out)     the same for one call of an op on real tensors
     storage_key(node)                     which buffer the value lives in (views share one)
     storage_bytes(node)                   bytes of that whole buffer
-    estimate_peak(gm, owned_inputs)       liveness-based peak of the bytes a graph allocates
+    estimate_memory(gm, ...)              liveness-based peak of the bytes a graph allocates
     saved_activation_bytes(fw_gm, n)      bytes a forward graph keeps alive for the backward
-    DeviceModel                           rates that turn bytes and FLOPs into seconds
+    DeviceModel                           rates that turn bytes and FLOPs into seconds (planner)
+    CostModel(compute, comm)              per-node compute and per-collective time (scheduler)
+    calibrate_comm(group)                 measure the collective constants on the mesh, cached
 
 # NOTE: symbolic sizes
 With dynamic shapes, sizes are SymInts. ``node_bytes``/``node_flops`` accept ``symbolic=True``
@@ -31,11 +33,13 @@ element when the output is smaller (reductions such as sum or layer-norm statist
 ``getitem``, collectives and zerofx's marker ops cost nothing here: they move or alias data,
 which the communication model prices, not this one.
 
-# NOTE: two memory estimators
-``estimate_peak`` (storage identity from fake storages) serves the activation planner;
-``estimate_memory`` (alias annotations of op schemas, collective buffers allocated at issue,
-inputs freed at last use for boxed backwards) serves scheduling and ``predict_step_peak`` and is
-tested against the allocator. They should become one; until then each says what it models.
+# NOTE: one memory estimator
+``estimate_memory`` simulates a graph's liveness (alias annotations of op schemas decide what
+shares storage, collective buffers are allocated at issue, owned inputs are freed at last use);
+scheduling, bucketing reports, ``predict_step_peak`` and the dump's per-graph notes all read it,
+and it is tested against the allocator. The activation planner prices single values, not a
+timeline: ``storage_key`` / ``storage_bytes`` (fake storages) say which buffer a saved value
+keeps alive.
 
 Communication is ``latency + wire_bytes * seconds_per_byte`` per collective (wire bytes per
 rank, see zerofx.metrics NOTE: counting collective bytes), with constants measured on the
@@ -67,7 +71,7 @@ from torch.utils.flop_counter import flop_registry
 
 from zerofx.passes.fx_nodes import is_view
 
-__all__ = ["DeviceModel", "PeakEstimate", "node_bytes", "node_flops", "storage_key", "estimate_peak",
+__all__ = ["DeviceModel", "node_bytes", "node_flops", "storage_key",
            "saved_activation_bytes", "saved_values", "hint", "op_flops", "storage_bytes", "ALIAS_OPS",
            "tensor_bytes", "allocated_bytes", "is_alias", "MemoryEstimate", "estimate_memory", "ComputeModel",
            "CommModel", "CostModel", "calibrate_comm"]
@@ -213,58 +217,6 @@ class DeviceModel:
         return nbytes / rate
 
 
-@dataclass(frozen=True)
-class PeakEstimate:
-    """Liveness-based memory estimate of one graph (bytes at the size hints)."""
-
-    peak: int           # most bytes live at once: owned inputs + values the graph allocated
-    peak_node: str      # the node after which the peak is reached
-    allocated: int      # bytes of all buffers the graph allocates, live or not at the same time
-
-
-def estimate_peak(gm: fx.GraphModule, owned_inputs: Iterable[str] = ()) -> PeakEstimate:
-    """Peak bytes while ``gm`` runs, if every buffer is freed after its last use.
-
-    That is how FX's generated code (and zerofx's executor) runs a graph: each value is dropped
-    after its last reader. Inputs named in ``owned_inputs`` (e.g. saved activations handed to a
-    backward graph) count as live from the start until their last use; other inputs belong to
-    the caller (parameters, user inputs) and are not counted. Buffers are identified by
-    ``storage_key``: a view keeps its base alive and costs nothing itself."""
-    owned = set(owned_inputs)
-    nodes = list(gm.graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
-    size: dict[Any, int] = {}       # buffer -> bytes, for buffers this estimate counts
-    born: dict[Any, int] = {}       # buffer -> position of the node that creates it
-    last_use: dict[Any, int] = {}   # buffer -> position of its last reader
-    ignored: set[Any] = set()       # buffers of inputs the caller owns
-    for i, n in enumerate(nodes):
-        if n.op == "output":
-            continue
-        key = storage_key(n)
-        if n.op == "placeholder" and n.name not in owned:
-            ignored.add(key)
-        if key in ignored:
-            continue
-        if key not in size:
-            size[key] = node_bytes(n) if n.op == "placeholder" else storage_bytes(n)
-            born[key] = i
-        last_use[key] = max([last_use.get(key, i), *(order[u] for u in n.users)])
-    events: dict[int, int] = {}
-    for key, nbytes in size.items():
-        events[born[key]] = events.get(born[key], 0) + nbytes
-        end = last_use[key]
-        if nodes[end].op != "output":  # values the graph returns stay live past its end
-            events[end + 1] = events.get(end + 1, 0) - nbytes
-    live = peak = 0
-    peak_node = ""
-    for i, n in enumerate(nodes):
-        live += events.get(i, 0)
-        if live > peak:
-            peak, peak_node = live, n.name
-    allocated = sum(nbytes for key, nbytes in size.items() if nodes[born[key]].op != "placeholder")
-    return PeakEstimate(peak, peak_node, allocated)
-
-
 def saved_values(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     """The forward graph's outputs that exist only to be saved for the backward."""
     (outputs,) = [n.args[0] for n in fw_gm.graph.nodes if n.op == "output"]
@@ -354,16 +306,18 @@ class MemoryEstimate:
     output_bytes: int  # bytes still alive at the end that the graph allocated (its outputs)
 
 
-def estimate_memory(gm: fx.GraphModule, inputs_freed_at_last_use: bool = False) -> MemoryEstimate:
+def estimate_memory(gm: fx.GraphModule, inputs_freed_at_last_use: bool = False,
+                    owned_inputs: Iterable[str] | None = None) -> MemoryEstimate:
     """Simulate allocation and freeing of ``gm``'s values in graph order.
 
     Values die after their last use (FX's generated code drops them then), except graph
     outputs. Aliases (views, waits, in-place ops) keep their storage root alive. A
     collective's output is allocated when it is issued. Inputs are not counted and, by
-    default, not freed (a forward's inputs are parameters and user data held elsewhere). With
-    ``inputs_freed_at_last_use`` (a backward run with the boxed calling convention, which
-    drops each saved tensor at its last use) they start counted and are freed at last use; the
-    result is then relative to the live bytes before the graph.
+    default, not freed (a forward's inputs are parameters and user data held elsewhere). Inputs
+    the graph owns are freed at their last use: all of them with ``inputs_freed_at_last_use``
+    (a backward run with the boxed calling convention, which drops each saved tensor at its
+    last use), or those named in ``owned_inputs``. The result is relative to the live bytes
+    before the graph (owned inputs included), so the peak is what running the graph adds.
     """
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
@@ -374,13 +328,14 @@ def estimate_memory(gm: fx.GraphModule, inputs_freed_at_last_use: bool = False) 
         for inp in node.all_input_nodes:
             root = _storage_root(inp)
             last_use[root] = max(last_use.get(root, -1), order[node])
-    live = 0
     peak, peak_node = 0, "start"
-    if inputs_freed_at_last_use:
-        live = sum(tensor_bytes(n.meta.get("val")) for n in nodes if n.op == "placeholder")
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    names = set(owned_inputs or ())
+    owned = {n for n in placeholders if inputs_freed_at_last_use or n.name in names}
+    live = sum(tensor_bytes(n.meta.get("val")) for n in owned)
     frees: dict[int, list[fx.Node]] = {}
     for root, idx in last_use.items():
-        if root not in outputs and (root.op != "placeholder" or inputs_freed_at_last_use):
+        if root not in outputs and (root.op != "placeholder" or root in owned):
             frees.setdefault(idx, []).append(root)
     baseline = live
     for node in nodes:

@@ -8,7 +8,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from zerofx.passes.cost_model import (
-    estimate_peak,
+    estimate_memory,
     hint,
     node_bytes,
     node_flops,
@@ -68,14 +68,24 @@ def test_op_flops_on_real_tensors_matches_the_graph_estimate():
     assert op_flops(aten.add_.Tensor, (a, a), {}, a) == 0  # in-place results alias an input: not compute
 
 
-def test_estimate_peak_frees_after_last_use():
+def inputs(gm: fx.GraphModule) -> str:
+    (name,) = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return name
+
+
+def test_estimate_memory_frees_after_last_use_and_owned_inputs_at_theirs():
     # a: a 1 KiB input read again at the end; b = a + 1, c = b * 2, d = c - a: 1 KiB each
     gm = trace(lambda a: ((a + 1) * 2) - a, (256,))
-    peak = estimate_peak(gm)
-    assert peak.allocated == 3 * 1024
-    assert peak.peak == 2 * 1024  # b dies once c exists: never more than an op's input and output
-    owned = estimate_peak(gm, owned_inputs=[n.name for n in gm.graph.nodes if n.op == "placeholder"])
-    assert owned.peak == 3 * 1024  # an owned input counts until its last use
+    est = estimate_memory(gm)
+    assert est.peak_bytes == 2 * 1024  # b dies once c exists: never more than an op's input and output
+    assert est.output_bytes == 1024
+    # an owned input is freed after its last use (d), so the peak over it is unchanged here ...
+    assert estimate_memory(gm, owned_inputs=[inputs(gm)]).peak_bytes == 2 * 1024
+    # ... but where it dies early, its bytes make room: x*2 then x is dead, and y+1 reuses the room
+    early = trace(lambda x: (x * 2) + 1, (256,))
+    assert estimate_memory(early).peak_bytes == 2 * 1024
+    assert estimate_memory(early, owned_inputs=[inputs(early)]).peak_bytes == 1024
+    assert estimate_memory(early, inputs_freed_at_last_use=True).peak_bytes == 1024
 
 
 def test_saved_activation_bytes_skips_inputs_and_counts_each_buffer_once():

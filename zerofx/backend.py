@@ -33,7 +33,7 @@ from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError
 from zerofx.options import Options
 from zerofx.passes.checkpoint import format_bytes, partition_by_plan
-from zerofx.passes.cost_model import (MemoryEstimate, estimate_memory, estimate_peak, node_bytes,
+from zerofx.passes.cost_model import (MemoryEstimate, estimate_memory, node_bytes,
                                       saved_activation_bytes, saved_values, tensor_bytes)
 from zerofx.passes.free import check_no_gathered_saved
 from zerofx.passes.pipeline import PassContext, run_pipeline
@@ -102,11 +102,12 @@ class _FrameCompiler:
                                f"saved for backward: {len(saved)} tensors, "
                                f"{sum(tensor_bytes(n.meta.get('val')) for n in saved)} B ({', '.join(n.name for n in saved)})")
             saved_names = {n.name for n in saved}
-            predicted_bw = estimate_peak(bw, owned_inputs=saved_names)
+            predicted_bw = estimate_memory(bw, owned_inputs=saved_names)
             self.recorder.note(self.graph_id, "forward",
                                f"activation memory (saved, not inputs): {format_bytes(activation_bytes)}; "
-                               f"predicted peak of forward temporaries {format_bytes(estimate_peak(fw).peak)}, "
-                               f"of backward {format_bytes(predicted_bw.peak)}")
+                               f"predicted peak of forward temporaries {format_bytes(estimate_memory(fw).peak_bytes)}, "
+                               f"of backward above its saved inputs {format_bytes(predicted_bw.peak_bytes)} "
+                               f"(before the passes)")
         if plan is not None:
             resident = self._check_plan(plan, saved, activation_bytes)
             if self.recorder is not None:
