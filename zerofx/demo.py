@@ -1,15 +1,13 @@
 """``zerofx demo``: train a small GPT with ZeRO (stage 3 by default) on local gloo ranks and
 show what it costs.
 
-The ranks are started with torchrun's own machinery (``torch.distributed.launcher``), exactly
+The ranks are started with torchrun's own machinery (``zerofx.launch.local_ranks``), exactly
 as ``torchrun --standalone --nproc-per-node N`` would, so nothing here is a home-made launcher.
 """
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
 from dataclasses import dataclass
 
 import torch
@@ -116,11 +114,6 @@ def _rank_main(cfg: DemoConfig) -> dict:
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Start ``cfg.world_size`` local ranks with torchrun's launcher and train; returns rank 0's stats."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from zerofx.launch import local_ranks
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.world_size, run_id=f"zerofx-{uuid.uuid4()}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
-                          start_method="spawn")
-    results = elastic_launch(launch, _rank_main)(cfg)
-    return results[0]
+    return local_ranks(_rank_main, cfg.world_size, cfg, name="zerofx-demo")[0]
