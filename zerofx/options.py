@@ -84,7 +84,8 @@ class Options:
             ones or one large one, up to ``host_memory_cap / 16`` when a host cap is set (see
             passes/bucket.py); an int is a hard cap; 0 disables bucketing.
         prefetch_bytes: how much the schedule pass may raise a graph's estimated peak memory to
-            overlap communication; ``"auto"`` allows twice the largest gathered bucket.
+            overlap communication; ``"auto"`` allows the largest gathered bucket (one block
+            prefetched, as FSDP2 does).
         keep_gathered_bytes: selective unsharding budget: bytes of gathered parameters that may
             stay alive from forward to backward to skip their re-gather (0: pure ZeRO-3).
         calibrate: measure the collective cost constants on the mesh at ``zerofx.compile``
