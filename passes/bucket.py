@@ -14,9 +14,10 @@ How big a bucket grows (``Options.bucket_bytes``; "auto" by default):
   constants), so small blocks are gathered a few at a time and a large block is gathered
   alone, in one collective, whatever its size. A size cap cannot tell "one more parameter of
   this layer" from "the next layer, a whole layer early"; blocks can. Measured (interleaved
-  A/B, step time over FSDP2 eager's, benchmarks' GPTs): the 256-wide "medium" GPT, whose 1 MiB
-  matrices each filled a 1 MB cap, went from 0.97x to 0.84x at 2 ranks and from 1.12x to 0.82x
-  at 4; the 128-wide "small" one (786 KB blocks, now two per bucket) from 0.97x to 0.90x;
+  A/B runs, step time over FSDP2 eager's, benchmarks' GPTs; FSDP2's own time moves ~10%
+  between launches): the 256-wide "medium" GPT, whose 1 MiB matrices each filled a 1 MB cap,
+  went from 0.97-1.07x to 0.84-0.96x at 2 ranks and from 1.12x to 0.82x at 4; the 128-wide
+  "small" one (786 KB blocks, now two per bucket) from 0.97x to 0.90x;
 * ``host_memory_cap`` bounds "auto": gathered buckets are model state in host memory (on a CPU
   device), with up to two in flight (one waited, one prefetched) and each briefly held twice
   (flat buffer and per-parameter copies), so no bucket grows past a sixteenth of the cap (a
