@@ -70,15 +70,16 @@ def _units(nodes: list[fx.Node], by_block: bool, ceiling: int | None) -> list[li
     maximal run of same-key collectives from one block (cut where it would exceed ``ceiling``);
     otherwise every collective alone."""
     units: list[list[fx.Node]] = []
-    last_block = None
+    last_block, unit_size = None, 0
     for node in nodes:
         block = module_block(node) if by_block else None
-        unit = units[-1] if units else None
-        if (unit is not None and block is not None and block == last_block and _key(node) == _key(unit[0])
-                and (ceiling is None or sum(map(_size, unit)) + _size(node) <= ceiling)):
-            unit.append(node)
+        if (units and block is not None and block == last_block and _key(node) == _key(units[-1][0])
+                and (ceiling is None or unit_size + _size(node) <= ceiling)):
+            units[-1].append(node)
+            unit_size += _size(node)
         else:
             units.append([node])
+            unit_size = _size(node)
         last_block = block
     return units
 
@@ -96,16 +97,16 @@ def choose_buckets(gm: fx.GraphModule, target, cap: int, *, by_block: bool = Fal
     current: list[fx.Node] = []
     size = 0
     for unit in _units(nodes, by_block, ceiling):
-        grown = size + sum(map(_size, unit))
+        unit_size = sum(map(_size, unit))
         if by_block:
-            full = size >= cap or (ceiling is not None and grown > ceiling)
+            full = size >= cap or (ceiling is not None and size + unit_size > ceiling)
         else:
-            full = grown > cap
+            full = size + unit_size > cap
         if current and (_key(unit[0]) != _key(current[0]) or full):
             buckets.append(current)
             current, size = [], 0
         current.extend(unit)
-        size += sum(map(_size, unit))
+        size += unit_size
     if current:
         buckets.append(current)
     return [b for b in buckets if len(b) > 1]

@@ -65,7 +65,7 @@ from zerofx.errors import ZeroFXError
 from zerofx.ops import UNSHARD
 from zerofx.passes.activation_plan import ActivationPlan, PlanProblem, cannot_recompute, is_alias, plan_activations
 from zerofx.passes.cost_model import DeviceModel, node_bytes
-from zerofx.passes.fx_nodes import module_path
+from zerofx.passes.fx_nodes import block_of, module_path
 from zerofx.passes.pipeline import PassContext
 
 __all__ = ["checkpoint_pass", "partition_by_plan", "module_path", "wants_plan", "format_bytes", "format_flops"]
@@ -113,11 +113,8 @@ def _regions(fw_nodes: list[fx.Node], options) -> dict[fx.Node, str]:
     patterns = list(options.checkpoint_modules)
     if options.checkpoint == "full":
         all_paths = {p for n in fw_nodes for p in _paths(n)}
-        blocks = {p for p in all_paths if p.split(".")[-1].isdigit()}
-        blocks = {p for p in blocks if not any(p.startswith(b + ".") for b in blocks)}
-        if not blocks:
-            blocks = {p for p in all_paths if "." not in p}
-        patterns += sorted(blocks)
+        indexed = {block_of(p) for p in all_paths if any(part.isdigit() for part in p.split("."))}
+        patterns += sorted(indexed or {block_of(p) for p in all_paths})
     regions = {}
     for n in fw_nodes:
         for p in _paths(n):  # outermost first

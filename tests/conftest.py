@@ -52,14 +52,7 @@ def codegen_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     """A one-rank gloo process group and its mesh, for tests that shard without peers."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from tests.multirank import one_rank_mesh
 
-    store = tmp_path_factory.mktemp("store")
-    dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
+    with one_rank_mesh(str(tmp_path_factory.mktemp("store"))) as mesh:
+        yield mesh

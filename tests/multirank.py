@@ -9,13 +9,14 @@ of hanging the test suite.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
 
@@ -102,3 +103,19 @@ def mean_over_ranks(loss) -> float:
     total = loss.detach().clone()
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()
+
+
+@contextlib.contextmanager
+def one_rank_mesh(folder: str) -> Iterator[Any]:
+    """A one-rank gloo process group (file store in ``folder``) and its mesh, for tests that
+    shard without peers; the group is destroyed and dynamo's caches reset afterwards."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

@@ -8,22 +8,19 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 import zerofx
 from tests.models import MLP, GraphBreakNet
+from tests.multirank import one_rank_mesh
 from zerofx import ZeroFXError
 
 
 @pytest.fixture
 def one_rank(tmp_path):
     """Per test, unlike conftest's per-module one: other tests here need no process group."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
+    with one_rank_mesh(str(tmp_path)) as mesh:
+        yield mesh
 
 
 def test_no_mesh_and_no_process_group_is_a_clear_error():
