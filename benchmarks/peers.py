@@ -14,8 +14,11 @@ AdamW. Per method and rank it measures:
 * compile time: the first step's time minus the median;
 * peak memory: the most bytes alive during a steady-state step, counted by the allocator from
   before the model was built (zerofx.metrics.AllocationTrace), so model state, optimizer
-  state, communication buffers and activations are all in; the least of three traced steps
-  (the trace can over-count frees made on collective worker threads, never under-count);
+  state, communication buffers and activations are all in. At the step's start only what the
+  rank holds between steps counts (what existed after warm-up, and the model state's
+  storages): the rest of the trace's ledger there is buffers a collective backend's thread
+  freed unseen in later steps (AllocationTrace.step_peak). The least of three traced steps
+  (an unseen free can still over-count, never under-count);
 * model-state bytes: parameters + gradients + optimizer state held by the rank;
 * collective bytes per step per rank (zerofx.metrics NOTE: counting collective bytes): counted
   for zerofx and FSDP2 eager; DDP's come from its C++ reducer, which no Python hook sees, so
@@ -151,12 +154,13 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
 
     Memory: each of ``MEMORY_STEPS`` steady-state steps is traced; the step's peak is the most
     bytes alive during it, counted from before the model was built (so model state, optimizer
-    state, communication buffers and activations are all in). The trace can only over-count
-    (NOTE: frees the profiler does not see, zerofx/metrics.py), so the least of the measured
-    steps' peaks is reported.
+    state, communication buffers and activations are all in), with the step's start holding
+    only what existed after warm-up (model, optimizer state, wrappers' buffers) plus the
+    model state's storages (``AllocationTrace.step_peak``). The trace can only over-count (NOTE: frees the profiler
+    does not see, zerofx/metrics.py), so the least of the measured steps' peaks is reported.
     """
     import zerofx
-    from zerofx.metrics import AllocationTrace
+    from zerofx.metrics import AllocationTrace, model_state_addresses
     from zerofx.models import GPTConfig
 
     cfg = GPTConfig(**SIZES[setup.size])
@@ -172,9 +176,11 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
         first = time.perf_counter() - start
         for _ in range(setup.warmup - 1):
             _step(model, opt, x, y)
+        settled = trace.mark()  # warm-up created what a rank keeps (optimizer state, DDP's buckets)
         gc.collect()  # compilation leaves reference cycles holding tensors; not a step's cost
         spans = []
         for i in range(MEMORY_STEPS):
+            held = model_state_addresses(model, opt)
             t0 = trace.mark()
             if i == 0 and method.startswith("zerofx"):
                 with zerofx.CollectiveCounter() as comm:
@@ -191,8 +197,8 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
             if i == 0:
                 state = _state_bytes(model, opt)
             opt.zero_grad()
-            spans.append((t0, trace.mark()))
-    peak = min(trace.peak_between(t0, t1) for t0, t1 in spans)
+            spans.append((t0, trace.mark(), held))
+    peak = min(trace.step_peak(t0, t1, settled, held) for t0, t1, held in spans)
     if method == "ddp":
         psi = sum(p.numel() * p.element_size() for p in model.parameters())
         comm_bytes = 2 * psi * (world - 1) // world
@@ -367,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", default=["small"], choices=sorted(SIZES))
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="steps before measuring (>= 2: DDP rebuilds its buckets in its second)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--launches", type=int, default=1,
                         help="run each world size this many times (fresh processes); report median ratios and range")
@@ -376,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", help="draw step-time ratios and peak memory here (PNG; needs matplotlib)")
     parser.add_argument("--from-json", help="do not run: plot/print the rows of an earlier --json file")
     args = parser.parse_args(argv)
+    if args.warmup < 2:
+        parser.error("--warmup must be at least 2 (what a rank keeps between steps exists only after warm-up)")
 
     if args.from_json:
         with open(args.from_json) as f:

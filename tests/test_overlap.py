@@ -87,3 +87,35 @@ def test_comm_calibration_agrees_across_ranks_and_is_cached(results):
     assert 0 < latency < 1 and 0 < per_byte < 1e-6
     assert all(r["cached"] == r["measured"] for r in per_rank), per_rank
     assert (results[1] / "cache").is_dir()
+
+
+def test_step_peak_drops_blocks_freed_unseen_on_another_thread():
+    """The benchmark's peak measure: a block whose last reference dies on a thread the
+    profiler does not trace (as gloo's workers drop collective buffers) stays in the plain
+    ledger; ``step_peak`` counts at the step's start only what was kept since warm-up or is
+    model state."""
+    import threading
+
+    import torch
+
+    from zerofx.metrics import AllocationTrace
+
+    kib = 1024
+    with AllocationTrace() as trace:
+        kept = torch.ones(64 * kib // 4)  # from warm-up: held between steps
+        settled = trace.mark()
+        state = torch.ones(32 * kib // 4)  # created later, but model state (held)
+        box = [torch.ones(1024 * kib // 4)]  # a collective buffer the worker frees
+        worker = threading.Thread(target=box.clear)
+        worker.start()
+        worker.join()
+        t0 = trace.mark()
+        temp = torch.ones(256 * kib // 4)
+        del temp
+        t1 = trace.mark()
+    held = {state.untyped_storage().data_ptr()}
+    assert trace.step_peak(t0, t1, settled, held) == (64 + 32 + 256) * kib
+    assert trace.step_peak(t0, t1, settled) == (64 + 256) * kib
+    # the plain ledger never saw the worker's free: it still counts that block at t0
+    assert trace.live_at(t0) == (64 + 32 + 1024) * kib
+    assert kept.sum() > 0
