@@ -15,9 +15,10 @@ AdamW. Per method and rank it measures:
 * peak memory: the most bytes alive during a steady-state step, counted by the allocator from
   before the model was built (zerofx.metrics.AllocationTrace), so model state, optimizer
   state, communication buffers and activations are all in. At the step's start only what the
-  rank holds between steps counts (what existed after warm-up, and the model state's
-  storages): the rest of the trace's ledger there is buffers a collective backend's thread
-  freed unseen in later steps (AllocationTrace.step_peak). The least of three traced steps
+  rank holds between steps counts (what existed once the model was built, and the storages of
+  its parameters, gradients and optimizer state; DDP runs with ``gradient_as_bucket_view`` so
+  its buckets are among them): the rest of the trace's ledger there is buffers a collective
+  backend's thread freed unseen in earlier steps (AllocationTrace.step_peak). The least of three traced steps
   (an unseen free can still over-count, never under-count);
 * model-state bytes: parameters + gradients + optimizer state held by the rank;
 * collective bytes per step per rank (zerofx.metrics NOTE: counting collective bytes): counted
@@ -107,7 +108,9 @@ def _build(method: str, cfg, mesh):
     if method == "single":
         return model
     if method == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model)
+        # gradients as views of the buckets: DDP's leaner setting, and it shows the buckets (which
+        # DDP rebuilds in its second step) to the peak-memory measure through the gradients
+        return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
     if method.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
@@ -149,14 +152,27 @@ def _step(model, opt, x, y) -> None:
     opt.zero_grad()
 
 
+def _held_step(model, opt, x, y) -> set[int]:
+    """One step; returns the addresses of the storages its model state keeps into the next:
+    parameters, optimizer state, and what gradients live in (DDP's buckets, whose gradients are
+    views of them; the other methods' gradients are freed by ``zero_grad``)."""
+    from zerofx.metrics import model_state_addresses
+
+    model(x, y).backward()
+    opt.step()
+    held = model_state_addresses(model, opt)
+    opt.zero_grad()
+    return held
+
+
 def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
     """Build ``method``'s model, compile (first step), warm up, and measure memory and bytes.
 
     Memory: each of ``MEMORY_STEPS`` steady-state steps is traced; the step's peak is the most
     bytes alive during it, counted from before the model was built (so model state, optimizer
     state, communication buffers and activations are all in), with the step's start holding
-    only what existed after warm-up (model, optimizer state, wrappers' buffers) plus the
-    model state's storages (``AllocationTrace.step_peak``). The trace can only over-count (NOTE: frees the profiler
+    only what existed once the model was built plus the storages the model state kept from the
+    previous step (``AllocationTrace.step_peak``). The trace can only over-count (NOTE: frees the profiler
     does not see, zerofx/metrics.py), so the least of the measured steps' peaks is reported.
     """
     import zerofx
@@ -171,16 +187,16 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
     with AllocationTrace() as trace:
         model = _build(method, cfg, mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        built = trace.mark()
         start = time.perf_counter()
         _step(model, opt, x, y)
         first = time.perf_counter() - start
-        for _ in range(setup.warmup - 1):
+        for _ in range(setup.warmup - 2):
             _step(model, opt, x, y)
-        settled = trace.mark()  # warm-up created what a rank keeps (optimizer state, DDP's buckets)
+        held = _held_step(model, opt, x, y)
         gc.collect()  # compilation leaves reference cycles holding tensors; not a step's cost
         spans = []
         for i in range(MEMORY_STEPS):
-            held = model_state_addresses(model, opt)
             t0 = trace.mark()
             if i == 0 and method.startswith("zerofx"):
                 with zerofx.CollectiveCounter() as comm:
@@ -196,9 +212,11 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
             opt.step()
             if i == 0:
                 state = _state_bytes(model, opt)
+            next_held = model_state_addresses(model, opt)
             opt.zero_grad()
             spans.append((t0, trace.mark(), held))
-    peak = min(trace.step_peak(t0, t1, settled, held) for t0, t1, held in spans)
+            held = next_held
+    peak = min(trace.step_peak(t0, t1, built, held) for t0, t1, held in spans)
     if method == "ddp":
         psi = sum(p.numel() * p.element_size() for p in model.parameters())
         comm_bytes = 2 * psi * (world - 1) // world
@@ -373,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", default=["small"], choices=sorted(SIZES))
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2, help="steps before measuring (>= 2: DDP rebuilds its buckets in its second)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps before measuring (>= 2: the last notes what model state a step keeps)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--launches", type=int, default=1,
                         help="run each world size this many times (fresh processes); report median ratios and range")
@@ -383,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-json", help="do not run: plot/print the rows of an earlier --json file")
     args = parser.parse_args(argv)
     if args.warmup < 2:
-        parser.error("--warmup must be at least 2 (what a rank keeps between steps exists only after warm-up)")
+        parser.error("--warmup must be at least 2 (the first compiles; the last notes what a step keeps)")
 
     if args.from_json:
         with open(args.from_json) as f:

@@ -92,8 +92,8 @@ def test_comm_calibration_agrees_across_ranks_and_is_cached(results):
 def test_step_peak_drops_blocks_freed_unseen_on_another_thread():
     """The benchmark's peak measure: a block whose last reference dies on a thread the
     profiler does not trace (as gloo's workers drop collective buffers) stays in the plain
-    ledger; ``step_peak`` counts at the step's start only what was kept since warm-up or is
-    model state."""
+    ledger; ``step_peak`` counts at the step's start only what existed once the model was built
+    or is model state."""
     import threading
 
     import torch
@@ -102,7 +102,7 @@ def test_step_peak_drops_blocks_freed_unseen_on_another_thread():
 
     kib = 1024
     with AllocationTrace() as trace:
-        kept = torch.ones(64 * kib // 4)  # from warm-up: held between steps
+        kept = torch.ones(64 * kib // 4)  # built with the model
         settled = trace.mark()
         state = torch.ones(32 * kib // 4)  # created later, but model state (held)
         box = [torch.ones(1024 * kib // 4)]  # a collective buffer the worker frees

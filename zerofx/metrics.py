@@ -204,17 +204,20 @@ class AllocationTrace:
     Over many steps that over-count piles up: zerofx's gloo reduce-scatters (all-to-all input
     and output, 3 MiB each on the medium benchmark GPT) were still "live" at later steps'
     starts, 9-18 MiB of them, while the process's in-use heap (glibc ``mallinfo2``) between
-    steps was flat and the same as compiled FSDP2's. ``step_peak`` is the measure for one
+    steps stayed flat (and its excess over eager FSDP2's, ~15 MiB, was compiled code: compiled
+    FSDP2 showed ~12 MiB). ``step_peak`` is the measure for one
     step of a long run: at the step's start it counts only what a rank provably holds between
-    steps: blocks allocated before ``persistent_before`` (pass the end of warm-up: the model,
-    its shards, optimizer state and wrappers' buffers exist by then — DDP's gradient buckets,
-    which no Python object shows, are rebuilt in its second step) and the storages at ``held``
-    (model state: :func:`model_state_addresses`). A steady-state step leaves nothing else
-    behind, so the rest of the ledger at that moment is blocks a backend thread freed unseen.
-    Unseen frees from warm-up and within the measured step still over-count.
-    Checked against the kernel's count (VmHWM - VmRSS over one step with
-    ``MALLOC_MMAP_THRESHOLD_=65536``, so each tensor is its own mapping): the step's growth
-    above its start agreed within 1.5 MiB for FSDP2 eager and zerofx (medium GPT, 2 ranks).
+    steps: blocks allocated before ``persistent_before`` (pass the end of model construction:
+    the model, its shards, wrappers' buffers) and the storages at ``held`` (model state the
+    previous step kept: :func:`model_state_addresses` taken before ``zero_grad``, so storages
+    that gradients are views of, such as DDP's buckets with ``gradient_as_bucket_view``, are
+    included). A step leaves nothing else behind, so the rest of the ledger at that moment is
+    blocks a backend thread freed unseen. Unseen frees within the measured step still
+    over-count.
+    Checked against the kernel's count (VmHWM - VmRSS over a step with
+    ``MALLOC_MMAP_THRESHOLD_=65536``, so each tensor is its own mapping), medium GPT, 2 ranks,
+    four steps each: growth above the step's start 59.7-59.8 (kernel) vs 58.7-59.8 MiB (ledger)
+    for FSDP2 eager, 56.1-59.0 vs 56.1-59.2 MiB for zerofx.
     """
 
     def __init__(self) -> None:
