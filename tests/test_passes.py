@@ -132,13 +132,14 @@ def test_transport_lowers_only_gloo_reduce_scatters_to_all_to_all_plus_local_sum
     gm.recompile()
     if backend != "gloo":
         assert ops(gm).count(REDUCE_SCATTER) == 1 and transport.ALL_TO_ALL not in ops(gm)
+        assert transport.RELEASE not in ops(gm)
         return
     assert REDUCE_SCATTER not in ops(gm) and ops(gm).count(transport.ALL_TO_ALL) == 1
     a2a = next(n for n in gm.graph.nodes if n.target is transport.ALL_TO_ALL)
     assert a2a.args[1] == a2a.args[2] == [3, 3] and a2a.args[3] == "g"
     # wait where the reduce-scatter's wait was, then: chunks per rank, summed, averaged
     (wait,) = a2a.users
-    (view,) = wait.users
+    (view,) = [u for u in wait.users if u.target is not transport.RELEASE]
     (total,) = view.users
     (avg,) = total.users
     assert (wait.target, view.target, total.target, avg.target) == (
@@ -146,7 +147,37 @@ def test_transport_lowers_only_gloo_reduce_scatters_to_all_to_all_plus_local_sum
     assert tuple(view.meta["val"].shape) == (2, 3, 4) and tuple(avg.meta["val"].shape) == (3, 4)
     assert avg.args[1] == 2
     assert graph_collectives(gm) == before == [("reduce_scatter", 6 * 4 * 4 // 2)]  # same algorithm, same bytes
+    # the graph frees the received chunks itself once the sum has read them; the sent input is
+    # the graph's own input and the averaged shard is returned: both left alone
+    nodes = list(gm.graph.nodes)
+    assert [(n.args, nodes[nodes.index(n) - 1]) for n in nodes if n.target is transport.RELEASE] == [
+        ((wait, 0), total)]
 
+
+def test_transport_frees_collective_buffers_the_graph_made_after_their_last_reader(monkeypatch):
+    from zerofx.passes import transport
+
+    monkeypatch.setattr(transport, "_backend", lambda group: "gloo")
+
+    def bw(g, s):
+        w = unshard(s * 1, 2, "g", 6)  # the gather's input is a buffer this graph computed
+        return reduce_grad(g * 2, 2, "g", 3), (w * 2).sum()
+
+    gm = gather_pass(reduce_pass(trace(bw, (6, 4), (3, 4)), ctx("backward")), ctx("backward"))
+    gm = transport.transport_pass(gm, ctx("backward"))
+    gm.recompile()
+    nodes = list(gm.graph.nodes)
+    released = {n.args[0]: nodes[nodes.index(n) - 1] for n in nodes if n.target is transport.RELEASE}
+    a2a = next(n for n in nodes if n.target is transport.ALL_TO_ALL)
+    gathered = next(n for n in nodes if n.target is ALL_GATHER)
+    (a2a_wait,) = a2a.users
+    (gather_wait,) = gathered.users
+    # sent buffers die right after their wait, received ones after their last reader
+    assert released[a2a.args[0]] is a2a_wait
+    assert released[a2a_wait].target is aten.sum.dim_IntList
+    assert released[gathered.args[0]] is gather_wait
+    assert released[gather_wait].target is aten.mul.Tensor
+    assert len(released) == 4
 
 def test_free_tags_marker_and_its_views_but_not_computed_values():
     gm = trace(lambda s, x: x @ unshard(s, 2, "g", 6).t(), (3, 5), (2, 5))
@@ -156,7 +187,10 @@ def test_free_tags_marker_and_its_views_but_not_computed_values():
     assert not any(n.target is aten.mm.default for n in gather_chain(gm.graph))
 
 
-def test_runner_skips_disabled_passes_and_records_each_pass():
+def test_runner_skips_disabled_passes_and_records_each_pass(monkeypatch):
+    from zerofx.passes import transport
+
+    monkeypatch.setattr(transport, "_backend", lambda group: "gloo")  # group "g" is made up
     seen = []
     gm = trace(lambda s: unshard(s, 2, "g", 6) * 2, (3, 5))
     gm = run_pipeline(gm, ctx("forward"), disabled=("gather",),

@@ -50,6 +50,7 @@ from zerofx.passes.cost_model import op_flops
 __all__ = ["MemoryTracker", "active_tracker", "rss_bytes", "peak_rss_bytes", "reset_peak_rss"]
 
 _OFFLOAD_OP = "zerofx::offload"
+_RELEASE = torch.ops.inductor.resize_storage_bytes_.default
 
 
 class _Buffer:
@@ -71,6 +72,9 @@ class _Mode(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         tracker = self.tracker
+        if func is _RELEASE and args[1] == 0:  # the graph freed a buffer's bytes (passes/transport.py)
+            tracker._forget(id(args[0].untyped_storage()))
+            return out
         tracker.flops[self.stage] += op_flops(func, args, kwargs, out)
         returns = func._schema.returns
         outs = out if isinstance(out, (list, tuple)) else (out,)
