@@ -172,8 +172,6 @@ def _release_buffers(gm: fx.GraphModule, ctx: PassContext, backends: dict[str, s
             # a collective reading the buffer holds it until its wait
             readers |= {w for r in list(readers) if r.target in COLLECTIVE_OPS for w in r.users}
             last = max(readers, key=order.__getitem__)
-            if last.op == "output":
-                continue
             with graph.inserting_after(last):
                 free = graph.call_function(RELEASE, (buf, 0))
             free.meta["val"] = None
