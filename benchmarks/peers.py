@@ -18,8 +18,8 @@ AdamW. Per method and rank it measures:
   rank holds between steps counts (what existed once the model was built, and the storages of
   its parameters, gradients and optimizer state; DDP runs with ``gradient_as_bucket_view`` so
   its buckets are among them): the rest of the trace's ledger there is buffers a collective
-  backend's thread freed unseen in earlier steps (AllocationTrace.step_peak). The least of three traced steps
-  (an unseen free can still over-count, never under-count);
+  backend's thread freed unseen in earlier steps (AllocationTrace.step_peak). The least of
+  three traced steps (an unseen free can still over-count, never under-count);
 * model-state bytes: parameters + gradients + optimizer state held by the rank;
 * collective bytes per step per rank (zerofx.metrics NOTE: counting collective bytes): counted
   for zerofx and FSDP2 eager; DDP's come from its C++ reducer, which no Python hook sees, so
@@ -175,8 +175,9 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
     bytes alive during it, counted from before the model was built (so model state, optimizer
     state, communication buffers and activations are all in), with the step's start holding
     only what existed once the model was built plus the storages the model state kept from the
-    previous step (``AllocationTrace.step_peak``). The trace can only over-count (NOTE: frees the profiler
-    does not see, zerofx/metrics.py), so the least of the measured steps' peaks is reported.
+    previous step (``AllocationTrace.step_peak``). The trace can only over-count (NOTE: frees
+    the profiler does not see, zerofx/metrics.py), so the least of the measured steps' peaks
+    is reported.
     """
     import zerofx
     from zerofx.metrics import AllocationTrace, model_state_addresses
