@@ -12,7 +12,8 @@ own ATen calls, whenever a tracker is active::
 
 # NOTE: what the tracker counts
 Every buffer (untyped storage) that an op in a compiled graph creates is tracked from that op
-until the buffer is freed (a weakref callback on the storage): outputs of view ops and of ops
+until the buffer is freed (a weakref callback on the storage, or the graph freeing its bytes with
+``inductor::resize_storage_bytes_(t, 0)``, passes/transport.py): outputs of view ops and of ops
 that return an input (in-place, out=) create no buffer. Buffers that existed before (parameter
 shards, gradients of earlier steps, user inputs) and eager code between graphs are not counted.
 
