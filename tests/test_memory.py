@@ -165,3 +165,22 @@ def test_state_beyond_the_host_cap_trains_from_disk_under_the_cap(tmp_path, monk
         assert ram["peak_rss_delta"] > cap  # in memory, the same training does not fit
         assert disk["state_tensors_on_disk"] > 0
         assert disk["losses"] == ram["losses"] and r["param_error"] == 0.0  # exact parity
+
+
+def test_tracker_stops_counting_a_buffer_the_graph_frees():
+    """The transport pass frees gloo collective buffers with resize_storage_bytes_(t, 0) while
+    the tensor object lives on; the tracker must count the bytes as gone from then on."""
+    tracker = zerofx.MemoryTracker()
+    seen = []
+
+    def graph(args):
+        (x,) = args
+        buf = torch.ops.aten.mul.Tensor(x, 2)  # 4 KiB made by the graph
+        seen.append(tracker.live["temp"])
+        torch.ops.inductor.resize_storage_bytes_(buf, 0)
+        seen.append(tracker.live["temp"])
+        return [buf]
+
+    with tracker:
+        tracker.run_graph(graph, [torch.ones(1024)], "backward", None)
+    assert seen == [4096, 0]
