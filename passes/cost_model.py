@@ -291,7 +291,9 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
     return node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
 
 
-def _storage_root(node: fx.Node) -> fx.Node:
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node that allocated the buffer ``node``'s value lives in, through the aliases
+    ``is_alias`` names (views, waits, in-place and ``out=`` ops)."""
     while is_alias(node) and _aliased_input(node) is not None:
         node = _aliased_input(node)
     return node
@@ -322,11 +324,11 @@ def estimate_memory(gm: fx.GraphModule, inputs_freed_at_last_use: bool = False,
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     output = nodes[-1]
-    outputs = {_storage_root(a) for a in output.all_input_nodes}
+    outputs = {storage_root(a) for a in output.all_input_nodes}
     last_use: dict[fx.Node, int] = {}
     for node in nodes:
         for inp in node.all_input_nodes:
-            root = _storage_root(inp)
+            root = storage_root(inp)
             last_use[root] = max(last_use.get(root, -1), order[node])
     peak, peak_node = 0, "start"
     placeholders = [n for n in nodes if n.op == "placeholder"]

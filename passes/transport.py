@@ -44,7 +44,7 @@ to the caching allocator's stream semantics: not changed, not measured.
 
 from __future__ import annotations
 
-import operator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,8 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zerofx.metrics import COLLECTIVE_OPS
-from zerofx.passes.fx_nodes import REDUCE_SCATTER, WAIT, insert_call, is_view
+from zerofx.passes.cost_model import storage_root
+from zerofx.passes.fx_nodes import REDUCE_SCATTER, WAIT, insert_call
 from zerofx.passes.pipeline import PassContext
 
 aten = torch.ops.aten
@@ -116,7 +117,11 @@ def _lower_reduce_scatters(gm: fx.GraphModule, ctx: PassContext, backends: dict[
 
 
 def _alias_sets(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
-    """Each tensor-valued node -> every node whose value may share its storage."""
+    """Each node -> every node whose value may share its buffer. Two relations, closed
+    transitively: same fake storage (views, ``getitem`` of a split, ``_unsafe_view``), and
+    ``storage_root`` (the cost model's aliasing: waits and ``out=`` ops, which fake tensors do
+    not show). Neither alone is enough: a wait's views have the wait's fake storage, not the
+    collective's."""
     parent: dict[fx.Node, fx.Node] = {}
 
     def find(n: fx.Node) -> fx.Node:
@@ -125,22 +130,13 @@ def _alias_sets(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
             n = parent[n]
         return n
 
-    def union(a: fx.Node, b: fx.Node) -> None:
-        parent[find(a)] = find(b)
-
-    by_storage: dict[StorageWeakRef, fx.Node] = {}
+    by_storage: dict[Any, fx.Node] = {}
     for node in graph.nodes:
         vals = node.meta.get("val")
         for val in vals if isinstance(vals, (list, tuple)) else [vals]:
             if isinstance(val, torch.Tensor):
-                key = StorageWeakRef(val.untyped_storage())
-                union(node, by_storage.setdefault(key, node))
-        first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        if first is not None and (node.target is WAIT or is_view(node) or node.target is operator.getitem):
-            union(node, first)
-        out = node.kwargs.get("out")
-        if isinstance(out, fx.Node):
-            union(node, out)
+                parent[find(node)] = find(by_storage.setdefault(StorageWeakRef(val.untyped_storage()), node))
+        parent[find(node)] = find(storage_root(node))
     groups: dict[fx.Node, set[fx.Node]] = {}
     for node in parent:
         groups.setdefault(find(node), set()).add(node)
@@ -162,7 +158,7 @@ def _release_buffers(gm: fx.GraphModule, ctx: PassContext, backends: dict[str, s
         if not _on_gloo(group, backends):
             continue
         for buf in (coll.args[0], wait):
-            if not isinstance(buf, fx.Node) or buf not in aliases or id(aliases[buf]) in done:
+            if not isinstance(buf, fx.Node) or id(aliases[buf]) in done:
                 continue
             same = aliases[buf]
             done.add(id(same))
