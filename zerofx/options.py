@@ -22,7 +22,7 @@ _DTYPES = {
 # Options that decide how parameters are laid out: they take effect where the model is sharded
 # (zerofx.compile or zerofx.shard), not in the dynamo backend, which only sees graphs.
 LAYOUT_OPTIONS = ("stage", "persistence_threshold", "param_dtype", "reduce_dtype", "loss_scale",
-                  "initial_loss_scale", "loss_scale_window")
+                  "initial_loss_scale", "loss_scale_window", "local_optimizer_step")
 
 
 def _dtype(name: str, value: Any) -> torch.dtype | None:
@@ -63,6 +63,10 @@ class Options:
             get it with ``zerofx.loss_scaler(model)``. Required with fp16 (param or reduce dtype).
         initial_loss_scale: the first loss scale (2**16, as DeepSpeed and torch.amp).
         loss_scale_window: good steps before the scale doubles.
+        local_optimizer_step: let elementwise ``torch.optim`` optimizers (SGD, Adam, AdamW, ...)
+            built over the model step each rank's local shards directly instead of going through
+            DTensor's dispatch op by op, from their second step on (zerofx/optim.py). Same
+            arithmetic, same state dict; False keeps every step on the DTensor path.
         dump_dir: write every graph before and after every pass, a per-pass summary and a diff
             under this folder. Defaults to the ``ZEROFX_DUMP`` environment variable.
         disable_passes: names of pipeline passes to skip (see ``zerofx.passes.PASS_NAMES``).
@@ -132,6 +136,7 @@ class Options:
     loss_scale: str | None = None
     initial_loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
+    local_optimizer_step: bool = True
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("ZEROFX_DUMP") or None)
     disable_passes: tuple[str, ...] = ()
     verify: bool = True
@@ -187,6 +192,8 @@ class Options:
                 f"option persistence_threshold={threshold} only applies to stage 3: stage {self.stage} keeps "
                 "every parameter whole already (drop persistence_threshold, or use stage=3)"
             )
+        if not isinstance(self.local_optimizer_step, bool):
+            raise ZeroFXError(f"option local_optimizer_step={self.local_optimizer_step!r}: give True or False")
         param_dtype = _dtype("param_dtype", self.param_dtype)
         reduce_dtype = _dtype("reduce_dtype", self.reduce_dtype)
         object.__setattr__(self, "param_dtype", None if param_dtype is torch.float32 else param_dtype)

@@ -160,6 +160,7 @@ class ModelRuntime:
     pending: bool = False  # some sink holds an unreduced gradient
     _callback_queued: bool = False
     scaler: object | None = None  # torch's ShardedGradScaler when loss scaling is on
+    local_step: bool = True  # elementwise optimizers step the local shards (zerofx/optim.py)
 
     def on_local_grad(self, sink: torch.Tensor) -> None:
         """Post-accumulate-grad hook of every sink: schedule the boundary reduce."""

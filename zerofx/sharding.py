@@ -41,6 +41,7 @@ from zerofx.errors import ZeroFXError
 from zerofx.loss_scaling import make_loss_scaler
 from zerofx.ops import row_offset
 from zerofx.options import Options
+from zerofx.optim import install as install_local_step
 from zerofx.params import GroupInfo, ModelRuntime, ParamState, runtime_of, track
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     mesh = resolve_mesh(model, mesh)
     model._zerofx_mesh = mesh
     model._zerofx_options = opts
-    runtime = ModelRuntime(stage=opts.stage)
+    runtime = ModelRuntime(stage=opts.stage, local_step=opts.local_optimizer_step)
     model._zerofx_runtime = runtime
     runtime.scaler = make_loss_scaler(opts, mesh)
     if mesh.size() == 1 and opts.param_dtype is None:
@@ -204,6 +205,8 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
             module._parameters[name] = module._zerofx_params[name].param
         module.__class__ = _sharded_class(type(module), names)
     runtime.states = list(states.values())
+    if opts.local_optimizer_step:
+        install_local_step()
     runtime.refresh()
     if any(s.full is not None for s in runtime.states):
         model.register_load_state_dict_post_hook(lambda module, keys: runtime.refresh())
