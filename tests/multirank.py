@@ -96,6 +96,14 @@ def attempt(results: dict, name: str, fn: Callable[[], Any]) -> None:
     torch._dynamo.reset()
 
 
+def scenario_results(per_rank: list[dict], name: str) -> list[Any]:
+    """Every rank's result of scenario ``name`` (see ``attempt``); a rank's traceback fails the test."""
+    got = [r[name] for r in per_rank]
+    for rank, r in enumerate(got):
+        assert not (isinstance(r, dict) and "error" in r), f"rank {rank}:\n{r['error']}"
+    return got
+
+
 def mean_over_ranks(loss) -> float:
     """The global batch's mean loss from each rank's mean over its equal slice (a collective)."""
     import torch.distributed as dist

@@ -22,7 +22,7 @@ import zerofx
 from benchmarks import checkpoint_vs_torch as bench
 from tests.memory_scenarios import MODELS, POLICIES, train_on_disk, train_policies
 from tests.models import GPT_CFG
-from tests.multirank import run_ranks
+from tests.multirank import run_ranks, scenario_results
 from tests.parity import PARAM_TOL
 from zerofx.backend import make_backend
 from zerofx.dump import Recorder
@@ -45,10 +45,7 @@ def runs(tmp_path_factory):
 
 
 def _results(runs, world_size: int, key: str) -> list[dict]:
-    per_rank = [r[key] for r in runs(world_size)]
-    for rank, r in enumerate(per_rank):
-        assert "error" not in r, f"rank {rank} failed:\n{r['error']}"
-    return per_rank
+    return scenario_results(runs(world_size), key)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

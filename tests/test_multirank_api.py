@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.api_scenarios import fail_on_rank_one, scenarios
-from tests.multirank import run_ranks
+from tests.multirank import run_ranks, scenario_results
 
 WORLD = 2
 
@@ -19,10 +19,7 @@ def results():
 
 
 def _get(results, name):
-    per_rank = [r[name] for r in results]
-    for rank, r in enumerate(per_rank):
-        assert not (isinstance(r, dict) and "error" in r), f"rank {rank}:\n{r['error']}"
-    return per_rank
+    return scenario_results(results, name)
 
 
 def test_explain_reports_every_pass_and_collective(results):

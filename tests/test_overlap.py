@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.multirank import run_ranks
+from tests.multirank import run_ranks, scenario_results
 from tests.overlap_scenarios import scenarios
 
 WORLD = 2
@@ -20,10 +20,7 @@ def results(tmp_path_factory):
 
 
 def _get(results, name):
-    per_rank = [r[name] for r in results[0]]
-    for rank, r in enumerate(per_rank):
-        assert "error" not in r, f"rank {rank}:\n{r['error']}"
-    return per_rank
+    return scenario_results(results[0], name)
 
 
 def test_bucketing_and_scheduling_leave_training_bit_identical(results):
