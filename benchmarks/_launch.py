@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from zerofx.launch import local_ranks
@@ -28,3 +31,17 @@ def median_time(fn: Callable[[], Any], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def markdown_table(header: list[str], lines: list[list[str]]) -> str:
+    """A markdown table: ``header`` cells, then one row per entry of ``lines``."""
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(cells) + " |" for cells in lines]
+    return "\n".join(out)
+
+
+def write_json(path: str | None, rows: list[dict]) -> None:
+    """Write ``rows`` with the command line and torch version to ``path`` (nothing if None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, f, indent=2)

@@ -18,7 +18,6 @@ Ratios are to ``reduce_scatter`` of the same size and world size. Compare within
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -28,7 +27,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._launch import launch_local, median_time  # noqa: E402
+from benchmarks._launch import launch_local, markdown_table, median_time, write_json  # noqa: E402
 
 SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)  # input bytes (fp32)
 KINDS = ("reduce_scatter", "all_to_all+sum", "all_reduce", "all_gather")
@@ -85,15 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             for kind in KINDS:
                 t = times[f"{kind}@{nbytes}"]
                 rows.append({"world": world, "input_bytes": nbytes, "kind": kind, "ms": t * 1e3, "ratio": t / base})
-    print("| N | input KiB | " + " | ".join(KINDS) + " |")
-    print("|---|---|" + "---|" * len(KINDS))
+    lines = []
     for world in args.world_sizes:
         for nbytes in SIZES:
             cells = [r for r in rows if r["world"] == world and r["input_bytes"] == nbytes]
-            print(f"| {world} | {nbytes >> 10} | " + " | ".join(f"{r['ms']:.2f} ms ({r['ratio']:.2f}x)" for r in cells) + " |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, f, indent=2)
+            lines.append([str(world), str(nbytes >> 10), *(f"{r['ms']:.2f} ms ({r['ratio']:.2f}x)" for r in cells)])
+    print(markdown_table(["N", "input KiB", *KINDS], lines))
+    write_json(args.json, rows)
     return 0
 
 

@@ -1,0 +1,113 @@
+"""Optimizer-step micro-benchmark: a torch.optim step over zerofx's shards, stepped locally (the
+default, zerofx/optim.py) against the same step through DTensor, and FSDP2's step.
+
+    python benchmarks/optimizer_step.py --world-sizes 2 4 --json optimizer_step.json
+
+Per world size, model size and optimizer, side by side in one run: each variant builds the
+benchmark GPT (benchmarks/peers.py's sizes) sharded over all ranks, runs one forward/backward
+for gradients and one step (the step that adopts the optimizer), then ``--repeats`` steps are
+timed interleaved across variants (median, the slowest rank's, ranks starting each step
+together). The optimizer's own arithmetic is the same in every variant; what differs is the
+per-op DTensor dispatch. Ratios are to FSDP2. Compare within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._launch import launch_local, markdown_table, write_json  # noqa: E402
+from benchmarks.peers import SIZES  # noqa: E402
+
+OPTIMIZERS = {
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "AdamW(foreach)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    "SGD(momentum)": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
+}
+VARIANTS = ("fsdp2", "zerofx_dtensor", "zerofx_local")
+
+
+def _build(variant: str, size: str, mesh, make_opt):
+    import zerofx
+    from torch.distributed.fsdp import fully_shard
+    from zerofx.models import GPT, GPTConfig, random_batch
+
+    cfg = GPTConfig(**SIZES[size])
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if variant == "fsdp2":
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        zerofx.shard(model, mesh, local_optimizer_step=variant == "zerofx_local")
+    opt = make_opt(model.parameters())
+    x, y = random_batch(cfg, 2, torch.Generator().manual_seed(dist.get_rank()))
+    model(x, y).backward()
+    opt.step()  # creates the state; zerofx adopts the optimizer here
+    return opt
+
+
+def _rank_main(sizes: list[str], repeats: int) -> dict:
+    from zerofx.optim import steps_locally
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
+    out = {}
+    try:
+        for size in sizes:
+            for opt_name, make in OPTIMIZERS.items():
+                opts = {v: _build(v, size, mesh, make) for v in VARIANTS}
+                assert steps_locally(opts["zerofx_local"]) and not steps_locally(opts["zerofx_dtensor"])
+                times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+                for _ in range(repeats):
+                    for v, opt in opts.items():
+                        dist.barrier()
+                        start = time.perf_counter()
+                        opt.step()
+                        times[v].append(time.perf_counter() - start)
+                for v in VARIANTS:
+                    t = torch.tensor([statistics.median(times[v])], dtype=torch.float64)
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                    out[(size, opt_name, v)] = t.item()
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
+    parser.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=sorted(SIZES))
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--json", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    rows = []
+    for world in args.world_sizes:
+        times = launch_local(_rank_main, world, args.sizes, args.repeats)[0]
+        for (size, opt_name, v), t in times.items():
+            rows.append({"world": world, "size": size, "optimizer": opt_name, "variant": v, "ms": t * 1e3,
+                         "ratio": t / times[(size, opt_name, "fsdp2")]})
+    lines = []
+    for world in args.world_sizes:
+        for size in args.sizes:
+            for opt_name in OPTIMIZERS:
+                cells = [r for r in rows if (r["world"], r["size"], r["optimizer"]) == (world, size, opt_name)]
+                lines.append([str(world), size, opt_name, *(f"{r['ms']:.2f} ms ({r['ratio']:.2f}x)" for r in cells)])
+    print(markdown_table(["N", "GPT", "optimizer", *VARIANTS], lines))
+    write_json(args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
