@@ -4,6 +4,8 @@ does not depend on compilation)."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -34,7 +36,9 @@ def _state(opt) -> dict:
             for i, entry in sd.items()}
 
 
-def _train(mesh, rank, make_opt, local: bool, stage: int = 3, steps: int = STEPS, hook=None):
+def _train(mesh, rank, make_opt, local: bool, stage: int = 3, steps: int = STEPS, hook=None, schedule=False):
+    """``steps`` steps; with ``schedule`` two LR schedulers wrap ``step``, one built before the
+    first step (so before zerofx adopts the optimizer), one after it."""
     torch.manual_seed(0)
     model = zerofx.shard(GPT(GPT_CFG), mesh, stage=stage, local_optimizer_step=local)
     opt = make_opt(model.parameters())
@@ -43,23 +47,30 @@ def _train(mesh, rank, make_opt, local: bool, stage: int = 3, steps: int = STEPS
                                                              for p in g["params"]}))
     if hook is not None:
         opt.register_step_pre_hook(hook)
+    scheds = [torch.optim.lr_scheduler.MultiplicativeLR(opt, lambda epoch: 0.9)] if schedule else []
     gen = torch.Generator().manual_seed(100 + rank)
     losses = []
-    for _ in range(steps):
+    for i in range(steps):
         x, y = random_batch(GPT_CFG, 2, gen)
         loss = model(x, y)
         losses.append(loss.item())
         loss.backward()
         opt.step()
         opt.zero_grad()
+        for sched in scheds:
+            sched.step()
+        if schedule and i == 0:
+            scheds.append(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
     x, y = random_batch(GPT_CFG, 2, gen)
     losses.append(model(x, y).item())  # reads stage 2's whole copies: refreshed after the last step
     return model, opt, losses, seen
 
 
-def _compare(mesh, rank, make_opt, stage: int = 3) -> dict:
-    a_model, a_opt, a_losses, a_seen = _train(mesh, rank, make_opt, local=False, stage=stage)
-    b_model, b_opt, b_losses, b_seen = _train(mesh, rank, make_opt, local=True, stage=stage)
+def _compare(mesh, rank, make_opt, stage: int = 3, schedule: bool = False) -> dict:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a_model, a_opt, a_losses, a_seen = _train(mesh, rank, make_opt, local=False, stage=stage, schedule=schedule)
+        b_model, b_opt, b_losses, b_seen = _train(mesh, rank, make_opt, local=True, stage=stage, schedule=schedule)
     sa, sb = _state(a_opt), _state(b_opt)
     return {
         "params_equal": all(torch.equal(p.to_local(), q.to_local())
@@ -71,6 +82,8 @@ def _compare(mesh, rank, make_opt, stage: int = 3) -> dict:
         "losses": (a_losses, b_losses),
         "seen_dtensor_path": a_seen, "seen_local_path": b_seen,
         "steps_locally": (steps_locally(a_opt), steps_locally(b_opt)),
+        "lrs": (a_opt.param_groups[0]["lr"], b_opt.param_groups[0]["lr"]),
+        "scheduler_warnings": [str(w.message) for w in caught if "lr_scheduler" in str(w.message)],
     }
 
 
@@ -118,6 +131,7 @@ def scenarios(rank: int, world: int) -> dict:
     for name, make in OPTIMIZERS.items():
         attempt(out, name, lambda make=make: _compare(mesh, rank, make))
     attempt(out, "stage2_adamw", lambda: _compare(mesh, rank, OPTIMIZERS["adamw"], stage=2))
+    attempt(out, "lr_schedulers", lambda: _compare(mesh, rank, OPTIMIZERS["adamw"], schedule=True))
     attempt(out, "subclass", lambda: _compare(mesh, rank, lambda ps: MyAdamW(ps, lr=1e-2)))
     attempt(out, "failing_step", lambda: _failing_step(mesh, rank))
     return out

@@ -1,6 +1,7 @@
 """Optimizer steps on local shards (zerofx/optim.py) on 2 gloo ranks: bit-for-bit the same
 parameters and state as stepping the DTensors, for the optimizers that take the local path,
-the stage-2 refresh after it, the DTensor path kept for a subclass, and a step that raises."""
+the stage-2 refresh after it, LR schedulers around it, the DTensor path kept for a subclass,
+and a step that raises."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def results():
     return run_ranks(scenarios, WORLD)
 
 
-@pytest.mark.parametrize("name", [*OPTIMIZERS, "stage2_adamw"])
+@pytest.mark.parametrize("name", [*OPTIMIZERS, "stage2_adamw", "lr_schedulers"])
 def test_local_step_matches_the_dtensor_step_bit_for_bit(results, name):
     for r in scenario_results(results, name):
         assert r["steps_locally"] == (False, True)
@@ -28,6 +29,14 @@ def test_local_step_matches_the_dtensor_step_bit_for_bit(results, name):
         assert "DTensor" in r["state_kinds"]  # state stays DTensors between steps
         a, b = r["losses"]
         assert a == b  # stage 2's last loss reads the whole copies refreshed after a local step
+        assert r["lrs"][0] == r["lrs"][1]
+        assert r["scheduler_warnings"] == []
+
+
+def test_lr_schedulers_wrap_the_local_step(results):
+    # one built before the first step, one after zerofx adopted the optimizer: both see the steps
+    for r in scenario_results(results, "lr_schedulers"):
+        assert r["lrs"][1] == pytest.approx(1e-2 * 0.9 ** STEPS * 0.5 ** (STEPS - 1))
 
 
 def test_optimizer_subclass_keeps_the_dtensor_path(results):

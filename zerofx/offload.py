@@ -377,6 +377,7 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         return optimizer
     class_step: Callable = type(optimizer).step
     optimizer._zerofx_offload = (tier, store, window)
+    optimizer._zerofx_local_step = False  # windows step through DTensor (zerofx/optim.py)
 
     def streamed_step(self: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
         loss = None

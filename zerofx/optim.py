@@ -36,6 +36,7 @@ windows by ``zerofx.offload_optimizer``, or when the model was compiled with
 from __future__ import annotations
 
 import contextlib
+import types
 from collections import defaultdict
 from typing import Any, Callable, Iterator
 
@@ -80,20 +81,27 @@ def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     adopt = (type(optimizer) in ELEMENTWISE and getattr(optimizer, "_zerofx_offload", None) is None
              and any(_managed(p) for p in params))
     optimizer._zerofx_local_step = adopt
-    if not adopt:
-        return
-    inner: Callable[..., Any] = optimizer.step  # the class's step, or whatever wraps it already
+    if adopt:
+        inner = optimizer._zerofx_inner_step = optimizer.step  # the class's step, or what wraps it
 
-    def step(closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with _on_local_shards(optimizer):
-            inner()
-        return loss
+        def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+            return _local_step(self, closure)
 
-    optimizer.step = step
+        # torch's LR schedulers wrap ``step`` as a bound method and mark their wrapper; keep
+        # the mark of one that wrapped it already (or it warns that step was overridden)
+        if getattr(inner, "_wrapped_by_lr_sched", False):
+            step._wrapped_by_lr_sched = True
+        optimizer.step = types.MethodType(step, optimizer)
+
+
+def _local_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    with _on_local_shards(self):
+        self._zerofx_inner_step()
+    return loss
 
 
 def _swappable(params: list[torch.Tensor]) -> bool:
