@@ -30,8 +30,8 @@ shard *is* a view of its rows of ``full``, so the copy costs nothing extra.
 micro-batch's whole, unreduced gradient in ``sink.grad`` (the reduce dtype). At the end of the
 first backward that runs outside ``zerofx.no_sync`` (an autograd end-of-backward callback),
 :meth:`ModelRuntime.reduce_pending` reduces every pending sum once — reduce-scatter into the
-shard's gradient (plus all-reduce across replicas on a 2-D mesh), or all-reduce for whole
-parameters. Once anything is pending, later micro-batches take the local route too, so a whole
+shard's gradient, in flat buckets (zerofx/flat.py), plus all-reduce across replicas on a 2-D
+mesh, or all-reduce for whole parameters. Once anything is pending, later micro-batches take the local route too, so a whole
 accumulation cycle costs exactly one reduction per parameter. This is ZeRO-1 by construction
 (DeepSpeed's stage 1 also reduces at the boundary) and gradient accumulation for every stage.
 The boundary reduce is issued in the same parameter order on every rank; as with DDP, every
@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
+from zerofx import flat
 from zerofx.ops import local_rows, row_offset
 
 __all__ = ["GroupInfo", "ParamState", "ModelRuntime"]
@@ -125,7 +126,12 @@ class ParamState:
     def land_pending(self) -> None:
         """Reduce ``sink.grad`` into the parameter's gradient and clear it (a collective)."""
         pending, self.sink.grad = self.sink.grad, None
-        reduced = self.reduce_local(pending)
+        self.land(pending, self.reduce_local(pending))
+
+    @torch.no_grad()
+    def land(self, pending: torch.Tensor, reduced: torch.Tensor) -> None:
+        """Add ``reduced`` (this rank's rows of the average of every rank's ``pending``) to the
+        parameter's gradient, or make it the gradient."""
         grad = self.param.grad
         if grad is not None:
             grad.to_local().add_(reduced)
@@ -138,16 +144,6 @@ class ParamState:
             reduced = rows
         self.param.grad = DTensor.from_local(reduced, self.param.device_mesh, self.param.placements,
                                              shape=self.param.shape, stride=self.param.stride())
-
-    @torch.no_grad()
-    def refresh_full(self) -> None:
-        """All-gather the (updated) shards into ``full`` (stages 1 and 2; a collective)."""
-        if self.full is None:
-            return
-        sg = self.shard_group
-        gathered = torch.ops.zerofx.unshard(self.param.to_local(), sg.size, sg.name, self.full_rows,
-                                            self.compute_dtype, None)
-        self.full.copy_(gathered)
 
 
 @dataclass(eq=False)
@@ -173,15 +169,12 @@ class ModelRuntime:
         """Land every pending local gradient in its parameter's gradient (see NOTE: the
         accumulation boundary). A collective: every rank calls it at the same point."""
         self._callback_queued = False
-        for state in self.states:
-            if state.sink is not None and state.sink.grad is not None:
-                state.land_pending()
+        flat.reduce_pending(self.states)
         self.pending = False
 
     def refresh(self) -> None:
         """Bring every whole copy up to date with its shard (stages 1 and 2; a collective)."""
-        for state in self.states:
-            state.refresh_full()
+        flat.refresh(self.states)
 
 
 _REFRESH_HOOK = None
@@ -193,11 +186,8 @@ def _refresh_after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
     A global hook (torch.optim's ``register_optimizer_step_post_hook``) because the optimizer
     is built by the user after ``zerofx.compile``; every rank steps the same parameters in
     the same order, so the all-gathers match."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = getattr(p, "_zerofx_state", None)
-            if state is not None and state.full is not None:
-                state.refresh_full()
+    states = [getattr(p, "_zerofx_state", None) for group in optimizer.param_groups for p in group["params"]]
+    flat.refresh([s for s in states if s is not None])
 
 
 def track(state: ParamState) -> None:

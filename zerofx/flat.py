@@ -1,0 +1,125 @@
+"""The collectives zerofx issues outside its graphs, in flat buckets: the stage-1/2 refresh of
+the whole copies after an optimizer step, and the accumulation-boundary reduce (zerofx/params.py,
+NOTE: the accumulation boundary).
+
+Issued one per parameter, these cost a collective's fixed price per parameter: ~0.25 ms on this
+machine's gloo whatever the size, a launch and NCCL's latency on a GPU. Here consecutive
+parameters of one process group and dtype travel together, in parameter order (the same on every
+rank), up to ``BUCKET_BYTES`` per collective. Inside a bucket the layout is rank-major: rank r's
+part is its padded shards of the bucket's parameters, one after the other (zerofx/ops.py, NOTE:
+shard layout), so one all-gather (refresh) or one reduce-scatter (boundary) moves them all. On
+gloo the reduce-scatter runs as an all-to-all plus a local sum, as the transport pass does in the
+graphs (passes/transport.py: half the bytes of gloo's all-reduce-based reduce-scatter).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable, Iterator, TypeVar
+
+import torch
+
+from zerofx.metrics import record_collectives, wire_bytes
+from zerofx.ops import pad_rows, padded_rows
+
+__all__ = ["BUCKET_BYTES", "refresh", "reduce_pending"]
+
+BUCKET_BYTES = 32 << 20  # past the size where gloo and NCCL reach their bandwidth; bounds the transient copy
+
+_F = torch.ops._c10d_functional
+_backends: dict[str, str] = {}
+T = TypeVar("T")
+
+
+def _buckets(items: list[T], key: Callable[[T], Hashable], nbytes: Callable[[T], int]) -> Iterator[list[T]]:
+    """Runs of consecutive ``items`` with one ``key``, each at most ``BUCKET_BYTES`` (or one item)."""
+    bucket: list[T] = []
+    used = 0
+    for item in items:
+        size = nbytes(item)
+        if bucket and (key(item) != key(bucket[0]) or used + size > BUCKET_BYTES):
+            yield bucket
+            bucket, used = [], 0
+        bucket.append(item)
+        used += size
+    if bucket:
+        yield bucket
+
+
+def _on_gloo(group_name: str) -> bool:
+    if group_name not in _backends:
+        from zerofx.passes.transport import _backend
+
+        _backends[group_name] = _backend(group_name)
+    return _backends[group_name] == "gloo"
+
+
+def _row_numel(shape: torch.Size) -> int:
+    return shape[1:].numel()
+
+
+@torch.no_grad()
+def refresh(states: list) -> None:
+    """All-gather every state's updated shard into its whole copy ``full`` (a collective)."""
+    todo = [s for s in states if s.full is not None]
+
+    def padded(s) -> int:
+        return padded_rows(s.full_rows, s.shard_group.size) * _row_numel(s.full.shape)
+
+    for bucket in _buckets(todo, lambda s: (s.shard_group.name, s.full.dtype), lambda s: padded(s) * s.full.element_size()):
+        group = bucket[0].shard_group
+        dtype = bucket[0].full.dtype
+        shards = [pad_rows(s.param.to_local().to(dtype), padded_rows(s.full_rows, group.size)).reshape(-1)
+                  for s in bucket]
+        flat = torch.cat(shards) if len(shards) > 1 else shards[0].contiguous()
+        gathered = _F.wait_tensor(_F.all_gather_into_tensor(flat, group.size, group.name)).view(group.size, -1)
+        record_collectives([("all_gather", wire_bytes("all_gather", gathered.numel() * gathered.element_size(),
+                                                      group.size))])
+        offset = 0
+        for s in bucket:
+            n = padded(s)
+            part = gathered[:, offset: offset + n]
+            if padded_rows(s.full_rows, group.size) * group.size == s.full_rows:
+                s.full.view(group.size, n).copy_(part)
+            else:  # padding rows sit after the last real row: drop them on the way
+                s.full.copy_(part.reshape(-1, *s.full.shape[1:])[: s.full_rows])
+            offset += n
+
+
+@torch.no_grad()
+def reduce_pending(states: list) -> None:
+    """Land every pending local gradient in its parameter's gradient (a collective): dim-0
+    sharded parameters in buckets, whole or 2-D-mesh ones one by one after them."""
+    pending = [s for s in states if s.sink is not None and s.sink.grad is not None]
+    sharded = [s for s in pending if not s.whole and s.replicate_group is None]
+    for bucket in _buckets(sharded, lambda s: (s.shard_group.name, s.reduce_dtype or s.sink.dtype),
+                           lambda s: s.sink.grad.numel() * s.sink.grad.element_size()):
+        _reduce_bucket(bucket)
+    for s in pending:
+        if s not in sharded:
+            s.land_pending()
+
+
+def _reduce_bucket(bucket: list) -> None:
+    group = bucket[0].shard_group
+    world = group.size
+    grads = []
+    for s in bucket:
+        g, s.sink.grad = s.sink.grad, None
+        grads.append(g)
+    dtype = bucket[0].reduce_dtype or grads[0].dtype
+    chunks = [pad_rows(g.to(dtype), padded_rows(s.full_rows, world) * world).view(world, -1)
+              for s, g in zip(bucket, grads)]
+    inp = torch.cat(chunks, dim=1) if len(chunks) > 1 else chunks[0].contiguous()  # [world, my part of each]
+    if _on_gloo(group.name):
+        split = [inp.shape[1]] * world
+        received = _F.wait_tensor(_F.all_to_all_single(inp.view(-1), split, split, group.name))
+        reduced = received.view(world, -1).sum(0).div_(world)
+    else:
+        reduced = _F.wait_tensor(_F.reduce_scatter_tensor(inp.view(-1), "avg", world, group.name))
+    record_collectives([("reduce_scatter", wire_bytes("reduce_scatter", inp.numel() * inp.element_size(), world))])
+    offset = 0
+    for s, g, chunk in zip(bucket, grads, chunks):
+        n = chunk.shape[1]
+        rows = reduced[offset: offset + n].view(-1, *g.shape[1:])[: s.shard_rows]
+        s.land(g, rows.to(s.param.dtype))
+        offset += n
