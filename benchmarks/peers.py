@@ -56,6 +56,7 @@ SIZES = {
     "medium": dict(vocab_size=1024, seq_len=128, n_layer=6, n_head=8, d_model=256),
 }
 METHODS = ("ddp", "fsdp2", "fsdp2_compile", "zerofx", "zerofx_inductor", "zerofx_tuned")
+OPTIONAL_METHODS = ("zerofx_stage2", "zerofx_stage1")  # only with --methods: ZeRO-2 / ZeRO-1 layouts
 MEMORY_STEPS = 3
 
 
@@ -120,6 +121,8 @@ def _build(method: str, cfg, mesh):
         return torch.compile(model) if method == "fsdp2_compile" else model
     if method == "zerofx":
         return zerofx.compile(model, mesh)
+    if method in ("zerofx_stage2", "zerofx_stage1"):
+        return zerofx.compile(model, mesh, stage=int(method[-1]))
     if method == "zerofx_inductor":
         # Inductor's generated code (fused pointwise kernels) instead of op-by-op ATen
         return zerofx.compile(model, mesh, executor="inductor")
@@ -396,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2, help="steps before measuring (>= 2: the last notes what model state a step keeps)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + OPTIONAL_METHODS)
     parser.add_argument("--launches", type=int, default=1,
                         help="run each world size this many times (fresh processes); report median ratios and range")
     parser.add_argument("--json", help="write the rows as JSON here")
