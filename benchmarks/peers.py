@@ -205,18 +205,22 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
         spans = []
         for i in range(MEMORY_STEPS):
             t0 = trace.mark()
+            # collectives are counted over the whole step: ZeRO-1/2 refresh their whole copies
+            # in the optimizer step
             if i == 0 and method.startswith("zerofx"):
                 with zerofx.CollectiveCounter() as comm:
                     model(x, y).backward()
+                    opt.step()
                 comm_bytes = comm.total_bytes
             elif i == 0 and method == "fsdp2":
                 counter = _C10dCounter(world)
                 with counter:
                     model(x, y).backward()
+                    opt.step()
                 comm_bytes = counter.bytes
             else:
                 model(x, y).backward()
-            opt.step()
+                opt.step()
             if i == 0:
                 state = _state_bytes(model, opt)
             next_held = model_state_addresses(model, opt)
