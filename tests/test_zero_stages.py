@@ -56,6 +56,7 @@ def _assert_parity(per_rank: list[dict], rel: float = 1e-5) -> None:
 PARITY = [(2, f"{m}_stage{s}") for s in STAGES for m in ("mlp", "uneven")] + \
          [(4, f"{m}_stage{s}") for s in STAGES for m in ("mlp", "uneven")] + \
          [(2, "gpt_stage1"), (2, "gpt_stage2"), (2, "gpt_persist")] + \
+         [(2, "uneven_stage1_small_buckets"), (2, "accum_clip_stage2_small_buckets")] + \
          [(4, f"hybrid_mlp_stage{s}") for s in STAGES] + [(4, "hybrid_mlp_persist")]
 
 
@@ -252,3 +253,13 @@ def test_export_writes_one_consolidated_state_dict_plain_models_load(runs, folde
     plain.load_state_dict(torch.load(out, weights_only=True))  # strict: every key, full shapes
     for key, value in plain.state_dict().items():
         torch.testing.assert_close(value, torch.tensor(saved[key]), rtol=0, atol=0)
+
+
+def test_flat_buckets_are_runs_of_one_key_within_the_byte_cap(monkeypatch):
+    from zerofx import flat
+
+    monkeypatch.setattr(flat, "BUCKET_BYTES", 100)
+    items = list(enumerate([("g", 40), ("g", 40), ("g", 40), ("h", 10), ("h", 200), ("h", 10), ("g", 10)]))
+    buckets = [[i for i, _ in b] for b in flat._buckets(items, lambda it: it[1][0], lambda it: it[1][1])]
+    # 40+40 fits, a third 40 does not; a key change closes a bucket; an item over the cap travels alone
+    assert buckets == [[0, 1], [2], [3], [4], [5], [6]]

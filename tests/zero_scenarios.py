@@ -227,6 +227,18 @@ def _attempt(out: dict, name: str, fn, *args, **kwargs) -> None:
     torch._dynamo.reset()
 
 
+def _small_buckets(fn, *args, **kwargs):
+    """``fn`` with zerofx/flat.py's buckets capped at 128 bytes: the refresh and the boundary reduce
+    then run in many buckets, some of one parameter, some of several."""
+    from zerofx import flat
+
+    saved, flat.BUCKET_BYTES = flat.BUCKET_BYTES, 128
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        flat.BUCKET_BYTES = saved
+
+
 def scenarios_w2(rank: int, world: int, steps: int, folder: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     out: dict = {}
@@ -237,6 +249,10 @@ def scenarios_w2(rank: int, world: int, steps: int, folder: str) -> dict:
                  accum=3, clip=0.05)
         _attempt(out, f"mlp_bf16_stage{stage}", train, rank, world, mesh, "mlp", steps,
                  {"stage": stage, "param_dtype": torch.bfloat16}, check_tensors=False)
+    _attempt(out, "uneven_stage1_small_buckets", _small_buckets, train, rank, world, mesh, "uneven", steps,
+             {"stage": 1})
+    _attempt(out, "accum_clip_stage2_small_buckets", _small_buckets, train, rank, world, mesh, "uneven", steps,
+             {"stage": 2}, accum=3, clip=0.05)
     for stage in (1, 2):  # tied weights (and stage 3's GPT runs in tests/test_parity.py)
         _attempt(out, f"gpt_stage{stage}", train, rank, world, mesh, "gpt", steps, {"stage": stage})
     _attempt(out, "gpt_accum_clip_stage3", train, rank, world, mesh, "gpt", 2, {}, accum=2, clip=0.5)
