@@ -26,7 +26,6 @@ __all__ = ["BUCKET_BYTES", "refresh", "reduce_pending"]
 BUCKET_BYTES = 32 << 20  # past the size where gloo and NCCL reach their bandwidth; bounds the transient copy
 
 _F = torch.ops._c10d_functional
-_backends: dict[str, str] = {}
 T = TypeVar("T")
 
 
@@ -46,15 +45,9 @@ def _buckets(items: list[T], key: Callable[[T], Hashable], nbytes: Callable[[T],
 
 
 def _on_gloo(group_name: str) -> bool:
-    if group_name not in _backends:
-        from zerofx.passes.transport import _backend
+    from zerofx.passes.transport import _backend  # the transport pass's own lookup
 
-        _backends[group_name] = _backend(group_name)
-    return _backends[group_name] == "gloo"
-
-
-def _row_numel(shape: torch.Size) -> int:
-    return shape[1:].numel()
+    return _backend(group_name) == "gloo"
 
 
 @torch.no_grad()
@@ -63,7 +56,7 @@ def refresh(states: list) -> None:
     todo = [s for s in states if s.full is not None]
 
     def padded(s) -> int:
-        return padded_rows(s.full_rows, s.shard_group.size) * _row_numel(s.full.shape)
+        return padded_rows(s.full_rows, s.shard_group.size) * s.full.shape[1:].numel()
 
     for bucket in _buckets(todo, lambda s: (s.shard_group.name, s.full.dtype), lambda s: padded(s) * s.full.element_size()):
         group = bucket[0].shard_group
