@@ -92,3 +92,65 @@ def random_batch(cfg: GPTConfig, batch: int, generator: torch.Generator) -> tupl
     """Random tokens and next-token targets (``targets`` is ``tokens`` shifted by one)."""
     data = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=generator)
     return data[:, :-1], data[:, 1:]
+
+
+@dataclass(frozen=True)
+class ResNetConfig:
+    """A ResNet-18-style CNN, small by default so it trains fast on CPU.
+
+    ResNet-18 itself is ``widths=(64, 128, 256, 512), blocks=(2, 2, 2, 2)`` on 224x224 images."""
+
+    in_channels: int = 3
+    num_classes: int = 10
+    widths: tuple[int, ...] = (8, 16)
+    blocks: tuple[int, ...] = (1, 1)
+    image_size: int = 8
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with BatchNorm and a residual; a strided 1x1 conv + BatchNorm
+    projects the shortcut when the shape changes (ResNet's "option B")."""
+
+    def __init__(self, in_ch: int, out_ch: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_ch, out_ch, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_ch)
+        self.conv2 = nn.Conv2d(out_ch, out_ch, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_ch)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_ch != out_ch:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_ch, out_ch, 1, stride, bias=False), nn.BatchNorm2d(out_ch))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """``forward(images, labels)`` returns the mean cross-entropy (logits without labels)."""
+
+    def __init__(self, cfg: ResNetConfig = ResNetConfig()):
+        super().__init__()
+        self.cfg = cfg
+        self.stem = nn.Sequential(nn.Conv2d(cfg.in_channels, cfg.widths[0], 3, 1, 1, bias=False),
+                                  nn.BatchNorm2d(cfg.widths[0]), nn.ReLU())
+        layers, in_ch = [], cfg.widths[0]
+        for i, (width, count) in enumerate(zip(cfg.widths, cfg.blocks)):
+            for j in range(count):
+                layers.append(BasicBlock(in_ch, width, 2 if i > 0 and j == 0 else 1))
+                in_ch = width
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(in_ch, cfg.num_classes)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.layers(self.stem(images))
+        logits = self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits, labels)
+
+
+def random_images(cfg: ResNetConfig, batch: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images (standard normal pixels) and random class labels."""
+    images = torch.randn(batch, cfg.in_channels, cfg.image_size, cfg.image_size, generator=generator)
+    return images, torch.randint(0, cfg.num_classes, (batch,), generator=generator)
