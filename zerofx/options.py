@@ -55,6 +55,11 @@ class Options:
         param_dtype: compute dtype (``torch.bfloat16`` / ``torch.float16``, or "bf16"/"fp16").
             Parameters are cast from their fp32 shards *before* the all-gather (half the
             bytes move), forward inputs are cast too; the optimizer keeps fp32 master shards.
+            Buffers are never cast (BatchNorm's running stats stay fp32), and the weight and
+            bias of batch and instance norm layers keep their fp32 master dtype, so batch_norm
+            runs its bf16 input against fp32 weights and statistics (computing in fp32), as
+            under torch.autocast; a norm layer whose tensors are neither all fp32 nor all
+            ``param_dtype`` is an error naming this option (docs/zero_stages.md, norm layers).
             None: compute in the parameters' own dtype.
         reduce_dtype: dtype gradients are reduced (and accumulated) in; None: the master
             (parameter) dtype, fp32 for an fp32 model, whatever ``param_dtype`` is.

@@ -21,7 +21,9 @@ After ``shard(model, mesh, **options)``:
 * buffers stay replicated and are not synchronized (like FSDP); frozen parameters are sharded
   and gathered like the rest, and never reduced;
 * with ``param_dtype`` set, floating-point inputs of the model's forward are cast to it (as
-  FSDP's mixed precision does), so the whole forward computes in that dtype.
+  FSDP's mixed precision does), so the whole forward computes in that dtype; buffers keep their
+  dtype, and so do the parameters of batch and instance norm layers (NOTE: norm layers under
+  param_dtype).
 
 Reading ``module.weight`` may be a collective: every rank of the mesh must do it, as in a forward.
 """
@@ -117,8 +119,51 @@ def _group(mesh: DeviceMesh, dim: int) -> GroupInfo:
     return GroupInfo(mesh.size(dim), mesh.get_group(dim).group_name, mesh.get_local_rank(dim))
 
 
+# NOTE: norm layers under param_dtype
+# Buffers are never cast, so BatchNorm's running statistics stay fp32. In bf16 a running variance
+# near 1 has an ulp of 2^-7: a momentum update 0.1·(batch - running) under half of it rounds
+# away, so batch variances within 4% of the running one never move it (measured on
+# zerofx.models.ResNet, 20 training-mode forwards: a whole-bf16 model, buffers included as DeepSpeed casts
+# them, ends with running stats 7x further from fp32's than fp32 buffers under bf16 compute).
+# ATen's batch_norm (CPU and CUDA kernels) takes weight, bias and running stats in one dtype:
+# either the input's, or fp32 with a bf16/fp16 input ("mixed type": the kernel computes in fp32
+# and writes its output in the input's dtype). A bf16 weight next to fp32 running stats is
+# neither, which is the "expected scalar type BFloat16 but found Float" such a model used to
+# fail with. So the parameters of batch and instance norm layers (torch's _NormBase) keep their
+# master dtype: they are gathered and reduced in it, tiny (one value per channel), and the
+# activations still flow in param_dtype, as under torch.autocast (whose forward is then the same
+# arithmetic, tests/test_mixed_precision_bn.py). The mixed kernels exist for fp32 only, so a norm
+# layer whose tensors are neither all fp32 nor all param_dtype is an error (_check_norm_dtypes).
+_NORM_LAYERS = (nn.modules.batchnorm._NormBase,)
+
+
+def _full_precision_params(model: nn.Module, opts: Options) -> set[int]:
+    """ids of the parameters that keep their master dtype under ``param_dtype``."""
+    if opts.param_dtype is None:
+        return set()
+    norms = [(name, m) for name, m in model.named_modules() if isinstance(m, _NORM_LAYERS)]
+    for name, module in norms:
+        _check_norm_dtypes(name, module, opts.param_dtype)
+    return {id(p) for _, m in norms for p in m._parameters.values() if p is not None}
+
+
+def _check_norm_dtypes(name: str, module: nn.Module, param_dtype: torch.dtype) -> None:
+    """batch_norm runs a ``param_dtype`` input with weight, bias and running stats all in fp32
+    or all in ``param_dtype``; anything else is an error naming the option, before any sharding."""
+    found = {f"{name}.{n}": t.dtype for n, t in (*module._parameters.items(), *module._buffers.items())
+             if t is not None and t.is_floating_point()}
+    dtypes = set(found.values())
+    if len(dtypes) > 1 or not dtypes <= {torch.float32, param_dtype}:
+        listed = ", ".join(f"{n} is {d}" for n, d in found.items())
+        raise ZeroFXError(
+            f"option param_dtype={param_dtype}: {type(module).__name__} {name!r} cannot run a {param_dtype} "
+            f"input ({listed}): batch_norm takes weight, bias and running stats all in float32 or all in "
+            f"{param_dtype}; convert the norm layers with module.float(), or drop param_dtype"
+        )
+
+
 def _make_state(qualname: str, param: nn.Parameter, mesh: DeviceMesh, opts: Options,
-                runtime: ModelRuntime) -> ParamState:
+                runtime: ModelRuntime, full_precision: bool = False) -> ParamState:
     hybrid = mesh.ndim == 2
     shard_group = _group(mesh, 1 if hybrid else 0)
     replicate_group = _group(mesh, 0) if hybrid and mesh.size(0) > 1 else None
@@ -128,7 +173,7 @@ def _make_state(qualname: str, param: nn.Parameter, mesh: DeviceMesh, opts: Opti
         placements = [Replicate(), *placements]
     dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=0)
     master = param.dtype
-    compute = opts.param_dtype if opts.param_dtype not in (None, master) else None
+    compute = opts.param_dtype if opts.param_dtype not in (None, master) and not full_precision else None
     full = None
     if opts.stage in (1, 2) and not whole:
         full = torch.empty(param.shape, dtype=compute or master, device=param.device)
@@ -177,6 +222,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     if is_sharded(model):
         raise ZeroFXError("model is already sharded by zerofx; call zerofx.shard once per model")
     mesh = resolve_mesh(model, mesh)
+    full_precision = _full_precision_params(model, opts)
     model._zerofx_mesh = mesh
     model._zerofx_options = opts
     runtime = ModelRuntime(stage=opts.stage, local_step=opts.local_optimizer_step)
@@ -199,7 +245,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
             if param.dim() == 0:
                 raise ZeroFXError(f"{qualname} is a 0-dim parameter; zerofx shards along dim 0 (give it shape (1,))")
             if id(param) not in states:
-                states[id(param)] = _make_state(qualname, param, mesh, opts, runtime)
+                states[id(param)] = _make_state(qualname, param, mesh, opts, runtime, id(param) in full_precision)
         module._zerofx_params = {name: states[id(module._parameters[name])] for name in names}
         for name in names:
             module._parameters[name] = module._zerofx_params[name].param
