@@ -8,7 +8,7 @@ it moves. Today that means two rewrites, on gloo groups only. First:
   becomes
     a  = _c10d_functional.all_to_all_single(x, [R/N]*N, [R/N]*N, group)   # where rs was issued
     w  = _c10d_functional.wait_tensor(a)                                   # where w was
-    v  = aten.view(w, [N, R/N, ...]);  s = aten.sum(v, [0]);  s = aten.div(s, N)   # "avg" only
+    v  = aten.view(w, [N, R/N, ...]);  s = v[0] + v[1] (+ v[2] ...);  s = aten.div(s, N)   # "avg" only
 
 Why: gloo implements ``reduce_scatter_tensor`` as an all-reduce of the whole input followed by
 a copy of the shard, twice the bytes a ring reduce-scatter needs. An all-to-all sends each
@@ -19,8 +19,13 @@ form took 0.23-0.55 of reduce_scatter_tensor's time from 64 KiB to 4 MiB inputs 
 ranks. NCCL's
 reduce-scatter is a true ring/tree reduce-scatter, so other backends are left alone.
 
-The local sum adds the N chunks in rank order on every rank, so results do not depend on
-arrival order. Memory: the receive buffer is as large as the input (the reduce-scatter's
+The local sum adds the N chunks one after another in rank order, ((c0 + c1) + c2) + ..., on
+every rank, so results depend neither on arrival order nor on ATen: ``aten.sum`` over dim 0
+picks its own association (sequential up to 4 rows on torch 2.13, not from 5 on), and the
+fixed order is what lets ``zerofx.testing.ShardedReference`` reproduce the reduction bit for
+bit. For N > 2 the N-1 adds keep one more R/N-sized intermediate alive than a sum would.
+
+Memory: the receive buffer is as large as the input (the reduce-scatter's
 output is 1/N of it), alive from issue to the sum right after the wait; the dump's estimate
 and the counted bytes (NOTE: counting collective bytes) see the lowered graph. The counters
 keep calling it a reduce-scatter (``meta["zerofx_collective"]``): the algorithm did not change.
@@ -103,8 +108,15 @@ def _lower_reduce_scatters(gm: fx.GraphModule, ctx: PassContext, backends: dict[
                 landed = insert_call(gm, WAIT, (a2a,), role="reduce")
             with gm.graph.inserting_after(landed):
                 chunks = insert_call(gm, aten.view.default, (landed, [world, rows, *val.shape[1:]]), role="reduce")
-            with gm.graph.inserting_after(chunks):
-                reduced = insert_call(gm, aten.sum.dim_IntList, (chunks, [0]), role="reduce")
+            reduced = chunks
+            for i in range(world):  # c0 + c1, then + c2, ...: rank order, whatever ATen's sum would do
+                with gm.graph.inserting_after(reduced):
+                    part = insert_call(gm, aten.select.int, (chunks, 0, i), role="reduce")
+                if i == 0:
+                    reduced = part
+                    continue
+                with gm.graph.inserting_after(part):
+                    reduced = insert_call(gm, aten.add.Tensor, (reduced, part), role="reduce")
             if op == "avg":
                 with gm.graph.inserting_after(reduced):
                     reduced = insert_call(gm, aten.div.Tensor, (reduced, world), role="reduce")

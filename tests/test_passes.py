@@ -137,13 +137,16 @@ def test_transport_lowers_only_gloo_reduce_scatters_to_all_to_all_plus_local_sum
     assert REDUCE_SCATTER not in ops(gm) and ops(gm).count(transport.ALL_TO_ALL) == 1
     a2a = next(n for n in gm.graph.nodes if n.target is transport.ALL_TO_ALL)
     assert a2a.args[1] == a2a.args[2] == [3, 3] and a2a.args[3] == "g"
-    # wait where the reduce-scatter's wait was, then: chunks per rank, summed, averaged
+    # wait where the reduce-scatter's wait was, then: chunks per rank, added in rank order, averaged
     (wait,) = a2a.users
     (view,) = [u for u in wait.users if u.target is not transport.RELEASE]
-    (total,) = view.users
+    first, second = sorted(view.users, key=lambda n: n.args[2])
+    assert (first.target, first.args[1:], second.target, second.args[1:]) == (
+        aten.select.int, (0, 0), aten.select.int, (0, 1))
+    (total,) = second.users
+    assert total.target is aten.add.Tensor and total.args == (first, second)
     (avg,) = total.users
-    assert (wait.target, view.target, total.target, avg.target) == (
-        WAIT, aten.view.default, aten.sum.dim_IntList, aten.div.Tensor)
+    assert (wait.target, view.target, avg.target) == (WAIT, aten.view.default, aten.div.Tensor)
     assert tuple(view.meta["val"].shape) == (2, 3, 4) and tuple(avg.meta["val"].shape) == (3, 4)
     assert avg.args[1] == 2
     assert graph_collectives(gm) == before == [("reduce_scatter", 6 * 4 * 4 // 2)]  # same algorithm, same bytes
@@ -174,7 +177,7 @@ def test_transport_frees_collective_buffers_the_graph_made_after_their_last_read
     (gather_wait,) = gathered.users
     # sent buffers die right after their wait, received ones after their last reader
     assert released[a2a.args[0]] is a2a_wait
-    assert released[a2a_wait].target is aten.sum.dim_IntList
+    assert released[a2a_wait].target is aten.add.Tensor  # c0 + c1, the last reader of the chunks
     assert released[gathered.args[0]] is gather_wait
     assert released[gather_wait].target is aten.mul.Tensor
     assert len(released) == 4

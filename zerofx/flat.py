@@ -44,6 +44,15 @@ def _buckets(items: list[T], key: Callable[[T], Hashable], nbytes: Callable[[T],
         yield bucket
 
 
+def rank_ordered_sum(chunks: torch.Tensor) -> torch.Tensor:
+    """``chunks[0] + chunks[1] + ...`` added one after another in rank order (a new tensor): the
+    order the transport pass fixes in the graphs (see its docstring), not ``sum(0)``'s."""
+    total = chunks[0] + chunks[1] if chunks.shape[0] > 1 else chunks[0].clone()
+    for chunk in chunks[2:]:
+        total += chunk
+    return total
+
+
 def _on_gloo(group_name: str) -> bool:
     from zerofx.passes.transport import _backend  # the transport pass's own lookup
 
@@ -106,7 +115,7 @@ def _reduce_bucket(bucket: list) -> None:
     if _on_gloo(group.name):
         split = [inp.shape[1]] * world
         received = _F.wait_tensor(_F.all_to_all_single(inp.view(-1), split, split, group.name))
-        reduced = received.view(world, -1).sum(0).div_(world)
+        reduced = rank_ordered_sum(received.view(world, -1)).div_(world)
     else:
         reduced = _F.wait_tensor(_F.reduce_scatter_tensor(inp.view(-1), "avg", world, group.name))
     record_collectives([("reduce_scatter", wire_bytes("reduce_scatter", inp.numel() * inp.element_size(), world))])
