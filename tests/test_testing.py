@@ -1,0 +1,157 @@
+"""zerofx.testing: the oracle the parity tests rest on, and the verify tool users get.
+
+* The arithmetic the oracle reproduces: zerofx's local sum of N chunks is a rank-ordered
+  sequential sum, bit for bit; the any-order summation bound holds for every order.
+* On 2 and 4 gloo ranks: a model that trains the same sharded is reported bit-identical; the
+  smallest change zerofx could make (one ulp in one element of one gradient or parameter shard)
+  is found, on the rank that made it, by name and index; a dropout model's first divergence is
+  its first loss; a factory that builds other weights on each call, or per rank, is refused.
+* ``zerofx verify`` on the command line: exit status and report, no traceback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multirank import run_ranks, scenario_results
+from tests.oracle_scenarios import scenarios
+from zerofx.testing import load_factory, summation_bound
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("shape", [(1,), (7,), (33, 5), (1000,), (3, 4, 5)])
+def test_local_chunk_sum_is_a_rank_ordered_sequential_sum(ranks, shape):
+    """zerofx sums the N received chunks in rank order (flat.rank_ordered_sum; the transport
+    pass emits the same chain of adds, tests/test_passes.py), as ShardedReference does; not
+    ``sum(0)``, whose association ATen picks (on torch 2.13 it differs from 5 rows on)."""
+    from zerofx.flat import rank_ordered_sum
+
+    g = torch.Generator().manual_seed(ranks * 100 + len(shape))
+    chunks = torch.randn(ranks, *shape, generator=g) * torch.logspace(-6, 6, ranks).view(-1, *[1] * len(shape))
+    total = chunks[0].clone()
+    for c in chunks[1:]:
+        total += c
+    assert torch.equal(rank_ordered_sum(chunks), total)
+    assert torch.equal(rank_ordered_sum(chunks.reshape(ranks, -1)).view(shape), total)
+
+
+def test_summation_bound_holds_for_every_order_and_catches_more():
+    g = torch.Generator().manual_seed(0)
+    terms = [torch.randn(4096, generator=g) * s for s in (1.0, -3e3, 1e-4, 7.0)]
+    exact = torch.stack([t.double() for t in terms]).sum(0)
+    bound = summation_bound(terms)
+    worst = 0.0
+    for order in itertools.permutations(range(4)):
+        total = terms[order[0]].clone()
+        for i in order[1:]:
+            total += terms[i]
+        err = (total.double() - exact).abs()
+        assert bool((err <= bound).all()), order
+        worst = max(worst, float((err / bound).nan_to_num(0).max()))
+    assert worst > 0.01  # the bound is not vacuous: some order comes within 100x of it
+    wrong = exact + 2 * bound + 1e-30
+    assert not bool(((wrong - exact).abs() <= bound).all())
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cache: dict[int, list[dict]] = {}
+
+    def get(world: int) -> list[dict]:
+        if world not in cache:
+            cache[world] = run_ranks(scenarios, world, timeout=420)
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["mlp", "mlp_stage1_clip"])
+def test_a_model_that_trains_the_same_is_reported_bit_identical(runs, name):
+    for r in scenario_results(runs(2), name):
+        assert r["ok"] and r["problem"] == "" and len(r["steps"]) == 3
+        assert all(s["divergences"] == [] and s["loss_diff"] == 0.0 and s["bounded"] == [] for s in r["steps"])
+
+
+def test_one_ulp_in_one_shard_is_found_by_name_on_its_rank(runs):
+    rank0, rank1 = scenario_results(runs(2), "perturbed")
+    assert rank0["found"][0] == rank0["found"][1] == [] and rank1["found"][0] == []
+    # step 1: rank 1 moved one gradient element by one ulp: found there, nowhere else (AdamW's
+    # update of that element may round the change away or not: parameters are not asserted)
+    grads = [d for d in rank1["found"][1] if d["kind"] == "grad"]
+    assert grads == [dict(kind="grad", name="layers.0.weight", count=1, index=[0, 0], note="")]
+    assert all(d["index"] == [0, 0] for d in rank1["found"][1])
+    # step 2: rank 0 moved one parameter element after the step: found at that index
+    assert [(d["kind"], d["name"], d["index"]) for d in rank0["found"][2]] == \
+           [("param", "layers.0.weight", [1, 1])]
+    assert all(b == [] for r in (rank0, rank1) for b in r["bounded"])
+
+
+def test_dropout_diverges_at_the_first_loss(runs):
+    for r in scenario_results(runs(2), "noisy"):
+        assert not r["ok"] and r["problem"] == ""
+        first = r["first_divergence"]
+        assert (first["step"], first["kind"]) == (0, "loss")
+
+
+def test_a_factory_that_is_not_deterministic_is_refused(runs):
+    for r in scenario_results(runs(2), "drifting"):
+        assert not r["ok"] and "not deterministic" in r["problem"] and "layers.0.weight" in r["problem"]
+        assert r["steps"] == []
+    for r in scenario_results(runs(2), "rank_init"):
+        assert not r["ok"] and "depends on the rank" in r["problem"]
+
+
+def test_backend_ordered_reductions_are_bounded_and_teacher_forced(runs):
+    """At 4 ranks gloo all-reduces whole parameters in its own order: within the any-order
+    bound, zerofx's sum is adopted and the parameters stay bit-identical."""
+    for r in scenario_results(runs(4), "persist"):
+        assert r["ok"], r["first_divergence"]
+        assert all(s["divergences"] == [] for s in r["steps"])
+        assert {n for s in r["steps"] for n in s["bounded"]} == {"layers.0.weight", "layers.1.weight",
+                                                                  "layers.2.weight"}
+    per_rank = scenario_results(runs(4), "persist_perturbed")
+    for rank, r in enumerate(per_rank):
+        grads = [d for d in r["found"][1] if d["kind"] == "grad"]
+        if rank == 3:  # 1e-3 of the largest entry is far beyond the bound
+            assert [(d["name"], d["index"], d["note"]) for d in grads] == \
+                   [("layers.0.weight", [0, 0], "beyond the any-order summation bound")]
+        else:
+            assert grads == []
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerofx.cli", "verify", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_reports_bit_identical_training(tmp_path):
+    out = _cli("tests.verify_models:mlp", "--steps", "2", "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("matches the unsharded model bit for bit") == 2
+    assert [r["ok"] for r in json.loads((tmp_path / "r.json").read_text())] == [True, True]
+
+
+def test_cli_names_the_first_divergence_without_a_traceback():
+    out = _cli("tests.verify_models:noisy_mlp", "--steps", "2")
+    assert out.returncode == 1
+    assert "FIRST DIVERGENCE: step 0 loss" in out.stdout and "Traceback" not in out.stdout + out.stderr
+    out = _cli("tests.verify_models:drifting_mlp", "--steps", "2")
+    assert out.returncode == 2 and "not deterministic" in out.stdout and "Traceback" not in out.stdout
+
+
+def test_bad_factory_specs_are_clear_errors():
+    for spec, words in [("nocolon", "MODULE:FACTORY"), ("tests.verify_models:nope", "no attribute"),
+                        ("no_such_module_zfx:f", "cannot import")]:
+        with pytest.raises(ValueError, match=words):
+            load_factory(spec)
+    out = _cli("tests.verify_models:nope")
+    assert out.returncode == 2 and "no attribute" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,558 @@
+"""Does a sharded model train exactly like the unsharded one? An oracle, and a tool around it.
+
+A whole-batch reference (one unsharded model trained on the global batch) cannot decide that:
+its matmuls see other shapes than each rank's slice, ATen, oneDNN and MKL block and sum them
+differently on every CPU, and AdamW's normalized update turns a last-bit difference in a
+near-zero gradient into a visible parameter difference. A tolerance tuned on one machine then
+fails on the next. ``ShardedReference`` instead reproduces zerofx's arithmetic, so that in fp32
+the two agree **bit for bit** on any CPU:
+
+* the forward and backward run on an unsharded replica, on this rank's own slice of the batch
+  (the same shapes, hence the same kernels and summation orders as zerofx's graphs);
+* every rank's local gradients are all-gathered (an exact copy) and combined the way zerofx
+  combines them: within a shard group, zerofx sums the ranks' chunks itself, in rank order
+  (the transport pass on gloo, ``zerofx/flat.py``), then divides by the group size; across a
+  replicate group the backend's all-reduce sums. The oracle adds in the same order;
+* the optimizer is the user's own class with the same hyperparameters, stepping one leaf tensor
+  per rank shard (``torch.chunk`` rows), so each element sits at the same offset of a tensor of
+  the same length as in zerofx's local step: vectorized body and scalar tail match too.
+
+Where zerofx does not choose the order, the oracle cannot reproduce it, and says so: a
+backend's all-reduce over more than two ranks (gloo's ring, NCCL), a backend's reduce-scatter
+(NCCL, or gloo with the transport pass disabled), and the gradient norm that clipping
+all-reduces. There it checks zerofx's value against a rigorous bound for *any* summation order
+(Higham's: ``|fl(sum x_i) - sum x_i| <= gamma_{n-1} * sum |x_i|``, ``gamma_k = k*u/(1-k*u)``,
+``u = 2**-24`` in fp32, the exact sum taken in fp64) and then adopts zerofx's value for the
+step (teacher forcing), so later steps stay comparable bit for bit. Nothing is a guessed
+tolerance: a value is either identical or within a bound that holds for every order of adding.
+
+``verify`` (and ``zerofx verify MODULE:FACTORY`` on the command line) runs the check on a
+user's model: N steps sharded and unsharded on the same data, a per-step report of the loss
+difference and the worst gradient and parameter divergence by name, and the first divergent
+step and tensor. It first builds the model twice and says so if the factory is not
+deterministic (the two copies must start equal for any comparison to mean anything).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["ShardedReference", "Divergence", "StepReport", "VerifyReport", "verify", "shard_rows",
+           "summation_bound", "load_factory", "exact_divergence"]
+
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53, torch.bfloat16: 2.0 ** -8,
+                 torch.float16: 2.0 ** -11}
+
+
+def shard_rows(full: torch.Tensor, index: int, count: int) -> torch.Tensor:
+    """The rows of ``full`` that shard ``index`` of ``count`` holds under ``Shard(0)``
+    (``torch.chunk`` semantics: equal chunks of ceil(rows/count), the last ones short or empty)."""
+    if full.dim() == 0:
+        return full
+    rows = -(-full.shape[0] // count)
+    return full[index * rows: min((index + 1) * rows, full.shape[0])]
+
+
+def summation_bound(terms: Sequence[torch.Tensor], divisions: int = 0) -> torch.Tensor:
+    """Per element, a bound on |fl(sum of terms) / d - exact| over every order of adding.
+
+    ``len(terms) - 1`` additions and ``divisions`` roundings of a quotient each contribute at
+    most ``u`` relative error: Higham's gamma_{n-1+divisions} times the sum of magnitudes
+    (fp64), in units of the final quotient when the caller divides it."""
+    dtype = terms[0].dtype
+    k = len(terms) - 1 + divisions
+    u = UNIT_ROUNDOFF.get(dtype, 2.0 ** -24)
+    gamma = k * u / (1 - k * u)
+    magnitude = torch.stack([t.double().abs() for t in terms]).sum(0)
+    return gamma * magnitude
+
+
+@dataclass
+class Divergence:
+    """One tensor that differs: ``kind`` is loss, grad, param or buffer."""
+
+    step: int
+    kind: str
+    name: str
+    max_abs: float
+    max_rel: float
+    index: tuple
+    count: int  # elements that differ
+    numel: int
+    note: str = ""
+
+    def __str__(self) -> str:
+        return (f"step {self.step} {self.kind} {self.name}: {self.count}/{self.numel} elements differ, "
+                f"max |diff| {self.max_abs:.3g} (relative {self.max_rel:.3g}) at {list(self.index)}"
+                + (f" [{self.note}]" if self.note else ""))
+
+
+@dataclass
+class StepReport:
+    step: int
+    loss: float
+    ref_loss: float
+    divergences: list[Divergence] = field(default_factory=list)
+    bounded: list[str] = field(default_factory=list)  # matched within the summation bound, not bitwise
+
+    @property
+    def loss_diff(self) -> float:
+        return abs(self.loss - self.ref_loss)
+
+    def worst(self, kind: str) -> Divergence | None:
+        found = [d for d in self.divergences if d.kind == kind]
+        return max(found, key=lambda d: d.max_abs) if found else None
+
+
+def exact_divergence(step: int, kind: str, name: str, got: torch.Tensor, want: torch.Tensor,
+                note: str = "") -> Divergence | None:
+    """None when ``got`` and ``want`` are bit for bit equal (shape, dtype and every value)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return Divergence(step, kind, name, math.inf, math.inf, (), got.numel(), want.numel(),
+                          f"shape/dtype {tuple(got.shape)} {got.dtype} vs {tuple(want.shape)} {want.dtype}")
+    if torch.equal(got, want) or (got.numel() and torch.equal(got.isnan(), want.isnan())
+                                  and torch.equal(got.nan_to_num(), want.nan_to_num())):
+        return None
+    diff = (got.double() - want.double()).abs().nan_to_num(math.inf)
+    differs = (diff > 0) | (got.isnan() != want.isnan())
+    flat = int(diff.reshape(-1).argmax())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), got.shape)) if got.dim() else ()
+    scale = want.double().abs().reshape(-1)[flat].item() if got.numel() else 0.0
+    worst = diff.reshape(-1)[flat].item() if got.numel() else 0.0
+    return Divergence(step, kind, name, worst, worst / scale if scale else math.inf, index,
+                      int(differs.sum()), got.numel(), note)
+
+
+@dataclass
+class _Layout:
+    """How one parameter is laid out and reduced, read from its DTensor placements."""
+
+    sharded: bool  # Shard(0) on the mesh's last dim (else replicated there)
+    shard_index: int  # this rank's coordinate on the shard dim
+    shard_count: int
+    groups: list[list[list[int]]]  # per mesh dim, innermost first: the global ranks of each group
+
+
+class ShardedReference:
+    """An unsharded replica that reproduces a zerofx model's arithmetic on this rank.
+
+    Build it from a copy of the model taken *before* ``zerofx.compile`` (same initial values)
+    and the compiled model; every rank of the mesh builds one. Per step, after zerofx's own
+    forward and backward on this rank's slice::
+
+        ref_loss = ref.backward(lambda m: m(x_mine, y_mine))   # (once per micro-batch)
+        ref.reduce_gradients()          # a collective: every rank calls it
+        report.divergences += ref.check_gradients(model, step)
+        ref.clip_grad_norm_(max_norm, zerofx_norm)               # only if zerofx clipped
+        opt.step(); ref.step()
+        report.divergences += ref.check_parameters(model, step)
+
+    ``optimizer_fn(params)`` builds the reference optimizer; give it the same class and
+    hyperparameters as the model's. Only fp32 training can be compared bit for bit; mixed
+    precision changes the arithmetic itself (see docs/zero_stages.md).
+    """
+
+    def __init__(self, replica: nn.Module, sharded: nn.Module, optimizer_fn: Callable[[list], Any]):
+        self.replica = replica
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.backend = str(dist.get_backend())
+        ours = dict(sharded.named_parameters())
+        self.params = dict(replica.named_parameters())
+        missing = set(self.params) ^ set(ours)
+        if missing:
+            raise ValueError(f"replica and sharded model name different parameters: {sorted(missing)}")
+        self.layouts = {name: self._layout(ours[name]) for name in self.params}
+        # one leaf per shard of every parameter: the optimizer steps tensors of zerofx's lengths
+        self.shards: dict[str, list[torch.Tensor]] = {}
+        for name, p in self.params.items():
+            lay = self.layouts[name]
+            pieces = [shard_rows(p.detach(), i, lay.shard_count) for i in range(lay.shard_count)] \
+                if lay.sharded else [p.detach()]
+            self.shards[name] = [piece.clone().requires_grad_(p.requires_grad) for piece in pieces]
+        self.optimizer = optimizer_fn([s for name in self.params for s in self.shards[name] if s.requires_grad])
+        self.reduced: dict[str, torch.Tensor] = {}
+        self.bounded: list[str] = []  # reduced in an order the backend chose (see the module docstring)
+        self._terms: dict[str, tuple[list[torch.Tensor], int]] = {}  # their summands, for the bound
+
+    def _layout(self, p: torch.Tensor) -> _Layout:
+        if not isinstance(p, DTensor):  # a one-rank mesh: nothing is sharded
+            return _Layout(False, 0, 1, [[list(range(self.world))]])
+        mesh = p.device_mesh
+        ranks = mesh.mesh
+        groups = []
+        for dim in reversed(range(mesh.ndim)):
+            moved = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim])
+            groups.append([[int(r) for r in row] for row in moved])
+        last = p.placements[-1]
+        sharded = last.is_shard()
+        if sharded and last.dim != 0:
+            raise ValueError(f"ShardedReference knows Shard(0) layouts only, not {p.placements}")
+        return _Layout(sharded, mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1), groups)
+
+    # -- forward and backward on this rank's slice ---------------------------------------------
+
+    def backward(self, loss_fn: Callable[[nn.Module], torch.Tensor]) -> torch.Tensor:
+        """Run ``loss_fn(replica)`` and its backward; gradients accumulate like zerofx's
+        (``zerofx.no_sync`` micro-batches: call once per micro-batch). Returns the loss."""
+        loss = loss_fn(self.replica)
+        loss.backward()
+        return loss.detach()
+
+    def _exact_order(self, lay: _Layout, dim: int) -> bool:
+        """Whether zerofx (not the backend) fixes the order of the sum over mesh dim ``dim``
+        (0 = innermost): its own rank-ordered sum of chunks, or two terms (a + b == b + a)."""
+        size = len(lay.groups[dim][0])
+        return size <= 2 or (dim == 0 and lay.sharded and self.backend == "gloo")
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Every rank's local gradients, combined as zerofx combines them (a collective)."""
+        self.reduced.clear()
+        self.bounded = []
+        self._terms.clear()
+        for name, p in self.params.items():
+            if not p.requires_grad:
+                continue
+            lay = self.layouts[name]
+            has = torch.tensor([p.grad is not None], dtype=torch.int32)
+            dist.all_reduce(has)
+            if int(has) == 0:
+                continue
+            if int(has) != self.world:
+                raise RuntimeError(f"{name}: some ranks have a gradient, others none")
+            local = p.grad.detach().contiguous()
+            everyone = [torch.empty_like(local) for _ in range(self.world)]
+            dist.all_gather(everyone, local)
+            values = {r: everyone[r] for r in range(self.world)}
+            exact = True
+            for dim, groups in enumerate(lay.groups):  # innermost (the shard dim) first
+                exact &= self._exact_order(lay, dim)
+                combined = {}
+                for group in groups:
+                    total = values[group[0]].clone()
+                    for r in group[1:]:
+                        total += values[r]
+                    total /= len(group)
+                    for r in group:
+                        combined[r] = total
+                values = combined
+            self.reduced[name] = values[self.rank]
+            if not exact:
+                self.bounded.append(name)
+                self._terms[name] = (everyone, len(lay.groups))
+        self.replica.zero_grad(set_to_none=True)
+
+    def check_gradients(self, sharded: nn.Module, step: int) -> list[Divergence]:
+        """This rank's gradient shards against the combined reference gradients: bit for bit,
+        or within the summation bound where the backend chose the order (then zerofx's value
+        is adopted for the step, a collective over those parameters)."""
+        out = []
+        for name, p in sharded.named_parameters():
+            ref = self.reduced.get(name)
+            if (p.grad is None) != (ref is None):
+                out.append(Divergence(step, "grad", name, math.inf, math.inf, (), 0, 0,
+                                      "zerofx has a gradient and the reference none" if ref is None else
+                                      "the reference has a gradient and zerofx none"))
+                continue
+            if ref is None:
+                continue
+            lay = self.layouts[name]
+            got = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            want = shard_rows(ref, lay.shard_index, lay.shard_count) if lay.sharded else ref
+            if name in self.bounded:
+                everyone, divisions = self._terms[name]
+                terms = [shard_rows(t, lay.shard_index, lay.shard_count) if lay.sharded else t for t in everyone]
+                exact = torch.stack([t.double() for t in terms]).sum(0) / len(terms)
+                bound = summation_bound(terms, divisions) / len(terms)
+                excess = (got.double() - exact).abs() - bound
+                if got.shape == exact.shape and bool((excess <= 0).all()):
+                    continue
+                d = exact_divergence(step, "grad", name, got, want, "beyond the any-order summation bound")
+                if d is not None:
+                    out.append(d)
+            else:
+                d = exact_divergence(step, "grad", name, got, want)
+                if d is not None:
+                    out.append(d)
+        for name in self.bounded:  # teacher forcing: the step continues from zerofx's sum
+            p = dict(sharded.named_parameters())[name]
+            full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            self.reduced[name] = full.detach().clone()
+        return out
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, zerofx_norm: torch.Tensor | float, norm_type: float = 2.0,
+                        step: int = 0) -> list[Divergence]:
+        """Clip the reference gradients like ``torch.nn.utils.clip_grad_norm_`` did zerofx's.
+
+        The global norm is an all-reduced sum whose order the backend chooses, so it is checked
+        against the bound for a sum of non-negative squares (relative gamma_n, n the element
+        count) and zerofx's norm is adopted; the clip itself is elementwise (bit for bit)."""
+        if norm_type != 2.0:
+            raise ValueError("ShardedReference.clip_grad_norm_ checks the 2-norm only")
+        if isinstance(zerofx_norm, DTensor):
+            zerofx_norm = zerofx_norm.full_tensor()
+        theirs = float(zerofx_norm)
+        grads = list(self.reduced.values())
+        squares = sum(float(g.double().pow(2).sum()) for g in grads)
+        n = sum(g.numel() for g in grads)
+        u = UNIT_ROUNDOFF[torch.float32]
+        gamma = (n + 2) * u / (1 - (n + 2) * u)
+        exact = math.sqrt(squares)
+        out = []
+        if abs(theirs - exact) > gamma * exact:
+            out.append(Divergence(step, "grad", "<global grad norm>", abs(theirs - exact),
+                                  abs(theirs - exact) / exact if exact else math.inf, (), 1, 1,
+                                  f"zerofx {theirs!r} vs reference {exact!r}"))
+        coef = torch.clamp(max_norm / (torch.tensor(zerofx_norm, dtype=torch.float32) + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return out
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """The optimizer step over the shard leaves, then the replica's parameters from them."""
+        for name, pieces in self.shards.items():
+            ref = self.reduced.get(name)
+            lay = self.layouts[name]
+            for i, piece in enumerate(pieces):
+                piece.grad = None if ref is None else \
+                    (shard_rows(ref, i, lay.shard_count) if lay.sharded else ref).clone()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for name, p in self.params.items():
+            pieces = self.shards[name]
+            p.copy_(torch.cat(pieces) if self.layouts[name].sharded and p.dim() else pieces[0])
+        self.reduced.clear()
+
+    def check_parameters(self, sharded: nn.Module, step: int) -> list[Divergence]:
+        """This rank's parameter shards and every buffer against the reference, bit for bit."""
+        out = []
+        for name, p in sharded.named_parameters():
+            lay = self.layouts[name]
+            got = p.to_local() if isinstance(p, DTensor) else p
+            want = self.shards[name][lay.shard_index if lay.sharded else 0]
+            d = exact_divergence(step, "param", name, got.detach(), want.detach())
+            if d is not None:
+                out.append(d)
+        theirs = dict(sharded.named_buffers())
+        for name, b in self.replica.named_buffers():
+            d = exact_divergence(step, "buffer", name, theirs[name], b)
+            if d is not None:
+                out.append(d)
+        return out
+
+
+# -- the user-facing check -----------------------------------------------------------------
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found on this rank."""
+
+    rank: int
+    world_size: int
+    steps: list[StepReport] = field(default_factory=list)
+    problem: str = ""  # set when no comparison could be made (e.g. a non-deterministic factory)
+
+    @property
+    def first_divergence(self) -> Divergence | None:
+        for s in self.steps:
+            if s.divergences:
+                order = {"loss": 0, "grad": 1, "param": 2, "buffer": 3}
+                return min(s.divergences, key=lambda d: (order[d.kind], -d.max_abs))
+        return None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problem and self.first_divergence is None and bool(self.steps)
+
+    def format(self) -> str:
+        lines = [f"rank {self.rank} of {self.world_size}:"]
+        if self.problem:
+            return "\n".join(lines + [f"  cannot verify: {self.problem}"])
+        lines.append(f"  {'step':>4}  {'loss':>14}  {'|loss diff|':>11}  {'worst grad':<32}  worst param")
+        for s in self.steps:
+            g, p = s.worst("grad"), s.worst("param")
+            lines.append(f"  {s.step:>4}  {s.loss:>14.8g}  {s.loss_diff:>11.3g}  "
+                         f"{(f'{g.name} {g.max_abs:.3g}' if g else 'bit-identical'):<32}  "
+                         f"{f'{p.name} {p.max_abs:.3g}' if p else 'bit-identical'}")
+        first = self.first_divergence
+        if first is None:
+            bounded = sorted({n for s in self.steps for n in s.bounded})
+            lines.append("  sharded training matches the unsharded model bit for bit"
+                         + (f" (within the any-order summation bound for {', '.join(bounded)})" if bounded else ""))
+        else:
+            lines.append(f"  FIRST DIVERGENCE: {first}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "world_size": self.world_size, "problem": self.problem, "ok": self.ok,
+                "first_divergence": None if self.first_divergence is None else asdict(self.first_divergence),
+                "steps": [dict(step=s.step, loss=s.loss, ref_loss=s.ref_loss, loss_diff=s.loss_diff,
+                               bounded=s.bounded, divergences=[asdict(d) for d in s.divergences])
+                          for s in self.steps]}
+
+
+Workload = tuple  # (model, batch_fn): batch_fn(n, generator) -> tuple of forward arguments
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """``"package.module:function"`` -> the function (a clear error for a bad spec)."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"expected MODULE:FACTORY (e.g. mypkg.models:build), got {spec!r}")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module!r} for {spec!r}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{spec!r} is not callable")
+    return obj
+
+
+def _build(factory: Callable[..., Any], kwargs: dict) -> tuple[nn.Module, Callable]:
+    built = factory(**kwargs)
+    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module) and callable(built[1]):
+        return built
+    raise TypeError("the factory must return (model, batch_fn): an nn.Module whose forward(*batch) returns a "
+                    "scalar loss, and batch_fn(n, generator) returning that batch's tuple of tensors "
+                    f"(n samples); got {type(built).__name__}")
+
+
+def _first_difference(a: nn.Module, b: nn.Module) -> str | None:
+    sa, sb = a.state_dict(), b.state_dict()
+    if list(sa) != list(sb):
+        return "the two builds have different state_dict keys"
+    for key in sa:
+        if not torch.equal(sa[key], sb[key]):
+            return f"{key!r} differs between two builds with the same seed"
+    return None
+
+
+def verify(factory: Callable[..., Any], mesh, *, steps: int = 5, batch_per_rank: int = 2, seed: int = 0,
+           lr: float = 1e-3, optimizer: str = "adamw", factory_kwargs: dict | None = None,
+           max_grad_norm: float | None = None, **options: Any) -> VerifyReport:
+    """Train ``factory()``'s model ``steps`` steps with zerofx on ``mesh`` and unsharded (the
+    ``ShardedReference``) on the same data; report per step on this rank. Call on every rank.
+
+    ``factory(**factory_kwargs)`` returns ``(model, batch_fn)``; ``batch_fn(n, generator)``
+    returns a tuple of forward arguments with ``n`` samples, and ``model(*batch)`` a scalar
+    mean loss. Every rank draws the same global batch of ``batch_per_rank * world`` samples
+    and trains on its own slice. ``options`` go to ``zerofx.compile``.
+    """
+    import zerofx
+
+    make_opt = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=lr), "adam": lambda ps: torch.optim.Adam(ps, lr=lr),
+                "sgd": lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9)}
+    if optimizer not in make_opt:
+        raise ValueError(f"optimizer must be one of {sorted(make_opt)}, got {optimizer!r}")
+    if steps < 1 or batch_per_rank < 1:
+        raise ValueError(f"steps and batch_per_rank must be at least 1, got {steps} and {batch_per_rank}")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    report = VerifyReport(rank, world)
+    kwargs = factory_kwargs or {}
+    torch.manual_seed(seed)
+    model, batch_fn = _build(factory, kwargs)
+    torch.manual_seed(seed)
+    again, _ = _build(factory, kwargs)
+    problem = _first_difference(model, again)
+    # every rank must reach the same verdict (or the ranks that go on would wait for the others)
+    sums = torch.tensor([float(p.detach().double().sum()) for p in model.parameters()], dtype=torch.float64)
+    everyone = [torch.empty_like(sums) for _ in range(world)]
+    dist.all_gather(everyone, sums)
+    if problem is None and any(not torch.equal(everyone[0], other) for other in everyone[1:]):
+        problem = "ranks built different initial parameters (the factory depends on the rank)"
+    flags = torch.tensor([problem is not None], dtype=torch.int32)
+    dist.all_reduce(flags)
+    if int(flags) and problem is None:
+        problem = "another rank's two builds differed (see that rank's report)"
+    if problem:
+        report.problem = f"the model factory is not deterministic: {problem}; build it from a seed so that " \
+                         "two calls give the same parameters and buffers"
+        return report
+    del again
+    replica = copy.deepcopy(model)
+    zerofx.compile(model, mesh, **options)
+    opt = make_opt[optimizer](list(model.parameters()))
+    ref = ShardedReference(replica, model, make_opt[optimizer])
+    gen = torch.Generator().manual_seed(seed + 1)
+    mine = slice(rank * batch_per_rank, (rank + 1) * batch_per_rank)
+    for step in range(steps):
+        batch = batch_fn(batch_per_rank * world, gen)
+        local = tuple(t[mine] if torch.is_tensor(t) and t.dim() else t for t in batch)
+        loss = model(*local)
+        loss.backward()
+        ref_loss = ref.backward(lambda m: m(*local))
+        s = StepReport(step, float(loss.detach()), float(ref_loss))
+        d = exact_divergence(step, "loss", "loss", loss.detach(), ref_loss)
+        if d is not None:
+            s.divergences.append(d)
+        ref.reduce_gradients()
+        s.divergences += ref.check_gradients(model, step)
+        s.bounded = list(ref.bounded)
+        if max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            s.divergences += ref.clip_grad_norm_(max_grad_norm, norm, step=step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref.step()
+        s.divergences += ref.check_parameters(model, step)
+        report.steps.append(s)
+    torch._dynamo.reset()
+    return report
+
+
+def verify_ranks(spec: str, world_size: int, **kwargs: Any) -> list[VerifyReport]:
+    """``verify`` on ``world_size`` local gloo ranks started by torch's elastic launcher (what
+    ``zerofx verify`` runs); each rank's report comes back."""
+    from zerofx.launch import local_ranks
+
+    return local_ranks(_verify_rank, world_size, spec, kwargs, name="zerofx-verify")
+
+
+def _verify_rank(spec: str, kwargs: dict) -> dict:
+    import datetime
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path:  # MODULE is found as the command line found it
+        sys.path.insert(0, os.getcwd())
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        return verify(load_factory(spec), mesh, **kwargs).to_json()
+    finally:
+        dist.destroy_process_group()
+
+
+def format_json_report(r: dict) -> str:
+    """The text form of a ``VerifyReport.to_json()`` dict (what crosses the process boundary)."""
+    rep = VerifyReport(r["rank"], r["world_size"], problem=r["problem"])
+    for s in r["steps"]:
+        step = StepReport(s["step"], s["loss"], s["ref_loss"], bounded=s["bounded"])
+        step.divergences = [Divergence(**{**d, "index": tuple(d["index"])}) for d in s["divergences"]]
+        rep.steps.append(step)
+    return rep.format()
+
+
+def dumps(reports: Iterable[dict]) -> str:
+    return json.dumps(list(reports), indent=1, default=str)
