@@ -26,6 +26,7 @@ from torch import fx
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.fx.graph import _BoxedCodeGen
 
+from zerofx import stress
 from zerofx.memory import active_tracker
 from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, collective_kind, record_collectives, wire_bytes
 from zerofx.passes.pipeline import PassContext
@@ -51,6 +52,7 @@ def _counting(fn: Callable, gm: fx.GraphModule, ctx: PassContext | None = None) 
     """``fn`` plus collective counting and, when a ``zerofx.memory.MemoryTracker`` is active,
     memory tracking (torch.compile would not run compiled code under a mode entered outside)."""
     collectives = graph_collectives(gm)
+    fn = stress.wrap_graph(fn)  # seeded sleeps at collectives when ZEROFX_STRESS_DELAY is set (zerofx/stress.py)
     stage = ctx.stage if ctx is not None else "forward"
     num_user_outputs = getattr(ctx, "num_fwd_outputs", None) if stage == "forward" else None
 

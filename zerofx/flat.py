@@ -18,6 +18,7 @@ from typing import Callable, Hashable, Iterator, TypeVar
 
 import torch
 
+from zerofx import stress
 from zerofx.metrics import record_collectives, wire_bytes
 from zerofx.ops import pad_rows, padded_rows
 
@@ -59,6 +60,7 @@ def _on_gloo(group_name: str) -> bool:
     return _backend(group_name) == "gloo"
 
 
+@stress.eager  # seeded sleeps at collectives when ZEROFX_STRESS_DELAY is set (zerofx/stress.py)
 @torch.no_grad()
 def refresh(states: list) -> None:
     """All-gather every state's updated shard into its whole copy ``full`` (a collective)."""
@@ -87,6 +89,7 @@ def refresh(states: list) -> None:
             offset += n
 
 
+@stress.eager
 @torch.no_grad()
 def reduce_pending(states: list) -> None:
     """Land every pending local gradient in its parameter's gradient (a collective): dim-0
