@@ -1,9 +1,11 @@
 """Rank-side half of the memory tests: every checkpoint/offload policy trained against a reference.
 
 ``train_policies`` builds each model once per rank, keeps an unsharded eager reference (trained
-once, on the whole global batch), then trains one zerofx copy per policy on this rank's slice.
-It returns plain data: per policy the losses, the worst parameter error against the reference,
-what the plan predicted and what ``zerofx.MemoryTracker`` measured on the last step.
+once, on the whole global batch), then trains one zerofx copy per policy on this rank's slice,
+each beside its own zerofx.testing.ShardedReference (bitwise parity: its findings are the
+policy's ``failures``). It returns plain data: per policy the losses, the failures, the worst
+parameter error against the whole-batch reference, what the plan predicted and what
+``zerofx.MemoryTracker`` measured on the last step.
 
 ``train_on_disk`` is the disk-tier scenario: a GPT whose fp32 master shards + Adam state exceed
 a host-memory cap trains with that state in memory-mapped files; resident memory is measured
@@ -29,6 +31,7 @@ from zerofx.dump import Recorder
 from zerofx.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from zerofx.models import GPT, GPTConfig, random_batch
 from tests.multirank import mean_over_ranks
+from zerofx.testing import ShardedReference, exact_divergence
 
 STEPS = 3
 PER_RANK = 2
@@ -92,16 +95,24 @@ def _train_policy(model_name: str, policy: str, rank: int, world: int, mesh, ini
     opt = torch.optim.AdamW(model.parameters(), lr=case.lr)
     if options.offload_optimizer != "none":
         opt = zerofx.offload_optimizer(opt)
+    oracle = ShardedReference(copy.deepcopy(initial), model, lambda ps: torch.optim.AdamW(ps, lr=case.lr))
     gen = torch.Generator().manual_seed(1234)
-    losses, memory = [], {}
+    losses, memory, failures = [], {}, []
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     for step in range(STEPS):
         x, y = case.batch(PER_RANK * world, gen)
         with zerofx.MemoryTracker() as mem:  # measured on every step; the last one is returned
             loss = model(x[mine], y[mine])
             loss.backward()
+        ref_loss = oracle.backward(lambda m: m(x[mine], y[mine]))
+        found = [d for d in [exact_divergence(step, "loss", "loss", loss.detach(), ref_loss)] if d]
+        oracle.reduce_gradients()
+        found += oracle.check_gradients(model, step)
         opt.step()
         opt.zero_grad()
+        oracle.step()
+        found += oracle.check_parameters(model, step)
+        failures += map(str, found)
         losses.append(mean_over_ranks(loss))
         memory = mem.summary()
     plans = [dict(r) for r in _plans(recorder)]
@@ -113,7 +124,8 @@ def _train_policy(model_name: str, policy: str, rank: int, world: int, mesh, ini
         store = state_store(next(model.parameters()))[1]
         on_disk = sum(1 for p in model.parameters() if p in store)
     return {"losses": losses, "params": [p.detach().clone() for p in params], "memory": memory, "plans": plans,
-            "summary": recorder.summary(), "params_on_disk": on_disk}
+            "summary": recorder.summary(), "params_on_disk": on_disk, "failures": failures,
+            "bounded": sorted(oracle.bounded)}
 
 
 def _plans(recorder: Recorder) -> list[dict]:

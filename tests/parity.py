@@ -19,16 +19,24 @@ from torch.distributed.tensor import DTensor
 
 import zerofx
 from tests.models import CASES
+from zerofx.testing import ShardedReference, shard_rows
 from tests.multirank import mean_over_ranks
 
+# Tolerances of the loss-only and mixed-precision checks elsewhere (tests/test_memory.py); the
+# fp32 parity of this file is bitwise (zerofx.testing.ShardedReference).
 PARAM_TOL = dict(rtol=1e-5, atol=1e-6)
-GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
+# The whole-batch reference's losses may differ from zerofx's by rounding only: it sums over the
+# global batch in other shapes, so other kernels and orders. The allowed difference is measured in
+# the same run, not guessed: a sibling of the whole-batch reference trained on the same batch split
+# into 2N micro-batches (another split than zerofx's N slices) shows how far a mere re-association
+# of the batch sum moves the loss trajectory; zerofx's split may move it as far, and AdamW's
+# normalized update makes such walks grow at similar rates but not equal ones, so we allow
+# SPLIT_FACTOR times the sibling's envelope (max so far) plus LOSS_ULPS ulps of the loss.
+SPLIT_FACTOR = 4
+LOSS_ULPS = 8
 
 
-def reference_shard(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """The rows of ``full`` that ``rank`` owns under Shard(0) (torch.chunk) semantics."""
-    rows = -(-full.shape[0] // world_size)
-    return full[rank * rows: min((rank + 1) * rows, full.shape[0])]
+reference_shard = shard_rows  # the rows of a full tensor that a rank owns under Shard(0)
 
 
 def _unique_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -51,26 +59,34 @@ def numel_accounting(ref: torch.nn.Module, world_size: int) -> dict[str, int]:
     return out
 
 
-def _compare(tag: str, local: torch.Tensor, ref: torch.Tensor, tol: dict, failures: list[str]) -> None:
-    try:
-        torch.testing.assert_close(local, ref, **tol)
-    except AssertionError as e:
-        failures.append(f"{tag}: {str(e).splitlines()[0]} {' '.join(str(e).split()[-12:])}")
+def _accumulated_loss(model: torch.nn.Module, x, y, parts: int) -> float:
+    """Forward and backward of the whole batch in ``parts`` micro-batches (gradients accumulate)."""
+    total = 0.0
+    for xs, ys in zip(x.chunk(parts), y.chunk(parts)):
+        loss = model(xs, ys) / parts
+        loss.backward()
+        total += loss.item()
+    return total
 
 
 def train_case(name: str, rank: int, world_size: int, steps: int, dump_dir: str | None) -> dict:
+    """zerofx against the ShardedReference (bitwise; its divergences are the ``failures``) and
+    the whole-batch losses against the unsharded model and its 2N-split sibling."""
     case = CASES[name]
     torch.manual_seed(0)
     model = case.build()
-    ref = copy.deepcopy(model)
+    replica, whole, split = (copy.deepcopy(model) for _ in range(3))
     mesh = init_device_mesh("cpu", (world_size,))
     options = {"dump_dir": dump_dir} if dump_dir else {}
     zerofx.compile(model, mesh, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=case.lr)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=case.lr)
+    ref = ShardedReference(replica, model, lambda ps: torch.optim.AdamW(ps, lr=case.lr))
+    whole_opt = torch.optim.AdamW(whole.parameters(), lr=case.lr)
+    split_opt = torch.optim.AdamW(split.parameters(), lr=case.lr)
     gen = torch.Generator().manual_seed(1234)
     per_rank = 2
-    result = dict(losses=[], ref_losses=[], failures=[], accounting=numel_accounting(ref, world_size))
+    result = dict(losses=[], ref_losses=[], split_losses=[], failures=[], bounded=set(),
+                  accounting=numel_accounting(whole, world_size))
 
     for step in range(steps):
         x, y = case.batch(per_rank * world_size, gen)
@@ -79,39 +95,48 @@ def train_case(name: str, rank: int, world_size: int, steps: int, dump_dir: str 
             loss = model(x[mine], y[mine])
         with zerofx.CollectiveCounter() as bw_comm:
             loss.backward()
-        ref_loss = ref(x, y)
-        ref_loss.backward()
+        ref_loss = ref.backward(lambda m: m(x[mine], y[mine]))
+        found = [str(d) for d in [_loss_divergence(step, loss, ref_loss)] if d]
+        ref.reduce_gradients()
+        found += map(str, ref.check_gradients(model, step))
+        result["bounded"].update(ref.bounded)
+        for p in model.parameters():
+            assert isinstance(p, DTensor) or world_size == 1, "a parameter is not sharded"
 
         result["losses"].append(mean_over_ranks(loss))
-        result["ref_losses"].append(ref_loss.item())
-
-        named_ref = dict(_unique_params(ref))
-        for pname, p in _unique_params(model):
-            assert isinstance(p, DTensor) or world_size == 1, f"{pname} is not sharded"
-            q = named_ref[pname]
-            if q.grad is None or p.grad is None:
-                if (q.grad is None) != (p.grad is None):
-                    result["failures"].append(f"step {step} grad {pname}: presence differs")
-                continue
-            _compare(f"step {step} grad {pname}", p.grad.to_local(), reference_shard(q.grad, rank, world_size),
-                     GRAD_TOL, result["failures"])
-
+        result["ref_losses"].append(_accumulated_loss(whole, x, y, 1))
+        result["split_losses"].append(_accumulated_loss(split, x, y, 2 * world_size))
         opt.step()
-        ref_opt.step()
+        ref.step()
+        whole_opt.step()
+        split_opt.step()
         if step == steps - 1:
             result["state_bytes"] = zerofx.model_state_bytes(model, opt).total
             result["comm_forward"] = dict(fw_comm.bytes)
             result["comm_backward"] = dict(bw_comm.bytes)
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        for pname, p in _unique_params(model):
-            _compare(f"step {step} param {pname}", p.to_local(), reference_shard(named_ref[pname].detach(), rank,
-                     world_size), PARAM_TOL, result["failures"])
+        for o in (opt, whole_opt, split_opt):
+            o.zero_grad()
+        found += map(str, ref.check_parameters(model, step))
+        result["failures"] += found
 
-    for bname, buf in ref.named_buffers():
-        _compare(f"buffer {bname}", dict(model.named_buffers())[bname], buf, dict(rtol=0, atol=0), result["failures"])
+    result["bounded"] = sorted(result["bounded"])
     assert all(math.isfinite(v) for v in result["losses"])
     return result
+
+
+def _loss_divergence(step: int, loss: torch.Tensor, ref_loss: torch.Tensor):
+    from zerofx.testing import exact_divergence
+
+    return exact_divergence(step, "loss", "loss", loss.detach(), ref_loss)
+
+
+def loss_tolerances(r: dict) -> list[float]:
+    """Per step, how far zerofx's loss may be from the whole-batch reference's (see SPLIT_FACTOR)."""
+    out, envelope = [], 0.0
+    for whole, split in zip(r["ref_losses"], r["split_losses"]):
+        envelope = max(envelope, abs(split - whole))
+        out.append(SPLIT_FACTOR * envelope + LOSS_ULPS * torch.finfo(torch.float32).eps * abs(whole))
+    return out
 
 
 def train_all(rank: int, world_size: int, names: list[str], steps: int, dump_dir: str | None) -> dict:

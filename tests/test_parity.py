@@ -13,7 +13,7 @@ import pytest
 
 from tests.models import CASES
 from tests.multirank import run_ranks
-from tests.parity import train_all
+from tests.parity import loss_tolerances, train_all
 
 STEPS = 10
 WORLD_SIZES = (2, 4)
@@ -45,8 +45,13 @@ def test_loss_and_shard_parity(runs, world_size, name):
     per_rank = _case(runs, world_size, name)
     for rank, r in enumerate(per_rank):
         assert len(r["losses"]) == STEPS
-        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5), f"rank {rank}"
+        # bitwise: every loss, gradient and parameter shard, every buffer, every step
         assert not r["failures"], f"rank {rank}: " + "\n".join(r["failures"][:10])
+        # zerofx reduces every gradient itself, in rank order (gloo: the transport pass)
+        assert r["bounded"] == [], r["bounded"]
+        # the whole-batch reference, within the rounding its own re-split shows (tests/parity.py)
+        for step, (got, want, tol) in enumerate(zip(r["losses"], r["ref_losses"], loss_tolerances(r))):
+            assert abs(got - want) <= tol, f"rank {rank} step {step}: {got} vs {want} (allowed {tol:.3g})"
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

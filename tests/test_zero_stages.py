@@ -47,10 +47,14 @@ def _case(runs, world_size: int, name: str) -> list[dict]:
     return per_rank
 
 
-def _assert_parity(per_rank: list[dict], rel: float = 1e-5) -> None:
+def _assert_parity(per_rank: list[dict], bounded: tuple[str, ...] = ()) -> None:
+    """Bit for bit against zerofx.testing.ShardedReference: every micro-batch loss, gradient and
+    parameter shard, buffer, every step; only ``bounded`` parameters (reduced by a backend
+    all-reduce over more than two ranks) may instead sit within the any-order summation bound.
+    The whole-batch reference's own check, with its measured tolerance, is tests/test_parity.py."""
     for rank, r in enumerate(per_rank):
-        assert r["losses"] == pytest.approx(r["ref_losses"], rel=rel), f"rank {rank}"
         assert not r["failures"], f"rank {rank}: " + "\n".join(r["failures"][:10])
+        assert set(r["bounded"]) <= set(bounded), r["bounded"]
 
 
 PARITY = [(2, f"{m}_stage{s}") for s in STAGES for m in ("mlp", "uneven")] + \
@@ -62,14 +66,15 @@ PARITY = [(2, f"{m}_stage{s}") for s in STAGES for m in ("mlp", "uneven")] + \
 
 @pytest.mark.parametrize("world_size,name", PARITY)
 def test_every_stage_trains_like_the_unsharded_reference(runs, world_size, name):
-    """Losses, every local gradient shard and every parameter shard, every step (fp32: 1e-5)."""
+    """Losses, every local gradient shard and every parameter shard, every step, bit for bit."""
     _assert_parity(_case(runs, world_size, name))
 
 
 @pytest.mark.parametrize("world_size,stage", [(w, s) for w in (2, 4) for s in STAGES])
 def test_accumulation_with_no_sync_and_clipping_match_one_big_batch(runs, world_size, stage):
     for r in _case(runs, world_size, f"accum_clip_stage{stage}"):
-        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5)  # the unsharded global norm
+        # the global norm: checked in the failures against the reference's within the bound for
+        # a sum of squares in any order; here only that clipping really scaled the gradients
         assert max(r["norms"]) > 0.05  # clipping really scaled the gradients
     _assert_parity(_case(runs, world_size, f"accum_clip_stage{stage}"))
 
