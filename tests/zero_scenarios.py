@@ -84,8 +84,8 @@ def train(rank: int, world: int, mesh, case_name: str, steps: int, options: dict
             total_loss += loss.detach().float()
             if oracle is not None:
                 ref_loss = oracle.backward(lambda m: m(x[micro], y[micro]) / accum)
-                found += [d for d in [exact_divergence(step, "loss", f"loss (micro-batch {k})", loss.detach(), ref_loss)]
-                          if d]
+                d = exact_divergence(step, "loss", f"loss (micro-batch {k})", loss.detach(), ref_loss)
+                found += [d] if d else []
         ref_loss = ref(x, y)
         ref_loss.backward()
         dist.all_reduce(total_loss)

@@ -315,7 +315,7 @@ class ShardedReference:
             out.append(Divergence(step, "grad", "<global grad norm>", abs(theirs - exact),
                                   abs(theirs - exact) / exact if exact else math.inf, (), 1, 1,
                                   f"zerofx {theirs!r} vs reference {exact!r}"))
-        coef = torch.clamp(max_norm / (torch.tensor(zerofx_norm, dtype=torch.float32) + 1e-6), max=1.0)
+        coef = torch.clamp(max_norm / (torch.tensor(theirs, dtype=torch.float32) + 1e-6), max=1.0)  # as torch does
         for g in grads:
             g.mul_(coef)
         return out
@@ -405,7 +405,6 @@ class VerifyReport:
                           for s in self.steps]}
 
 
-Workload = tuple  # (model, batch_fn): batch_fn(n, generator) -> tuple of forward arguments
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
