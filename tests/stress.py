@@ -1,6 +1,6 @@
 """The stress regime: multi-rank scenarios, repeated, under delays, CPU contention and a poisoned heap.
 
-    python -m tests.stress --repeat 20                       # memory + parity + stages, world 2
+    python -m tests.stress --repeat 20                       # memory + parity + stages
     python -m tests.stress --repeat 5 --scenarios memory --malloc-debug
 
 Each repetition runs every chosen scenario once, as the test suite does (tests/multirank.py's
@@ -17,7 +17,9 @@ Each repetition runs every chosen scenario once, as the test suite does (tests/m
 Scenarios (rank-side entry points of the test suite, called unchanged):
 ``memory`` tests/memory_scenarios.py ``train_policies``; ``parity`` tests/parity.py
 ``train_all`` over every model of tests/models.py; ``stages`` tests/zero_scenarios.py
-``scenarios_w2``. ``--memory-policies`` / ``--parity-cases`` / ``--models`` narrow them.
+``scenarios_w4`` at 4 ranks, then ``scenarios_w2`` (which reshards the 4-rank checkpoint), as
+tests/test_zero_stages.py runs them. ``--memory-policies`` / ``--parity-cases`` / ``--models``
+narrow them; ``--world`` sets memory's and parity's world size.
 
 A repetition's outcome per scenario: ``crash`` (a rank died or raised outside its scenarios),
 ``timeout`` (no result within ``--timeout``), ``mismatch`` (a rank's scenario returned an
@@ -65,9 +67,10 @@ def parity_ranks(rank: int, world: int, cases: list[str] | None, steps: int) -> 
 
 
 def stage_ranks(rank: int, world: int, steps: int, folder: str) -> dict:
-    from tests.zero_scenarios import scenarios_w2
+    """tests/zero_scenarios.py at 4 ranks, then at 2 (which reshards the 4-rank checkpoint)."""
+    from tests.zero_scenarios import scenarios_w2, scenarios_w4
 
-    return scenarios_w2(rank, world, steps, folder)
+    return (scenarios_w4 if world == 4 else scenarios_w2)(rank, world, steps, folder)
 
 
 # -- driver side -----------------------------------------------------------------------------------
@@ -170,13 +173,16 @@ def run_one(name: str, fn: Callable, args: tuple, world: int, timeout: float, en
     return Outcome(name, repetition, "mismatch" if problems else "ok", time.monotonic() - start, problems), prints
 
 
-def scenarios(args: argparse.Namespace, folder: str) -> dict[str, tuple[Callable, tuple]]:
+def scenarios(args: argparse.Namespace, folder: str) -> dict[str, tuple[Callable, int, tuple]]:
+    """name -> (rank function, world size, its arguments), in the order they run."""
+    stages = (args.stage_steps, os.path.join(folder, "stages"))
     table = {
-        "memory": (memory_ranks, (os.path.join(folder, "memory"), args.models, args.memory_policies)),
-        "parity": (parity_ranks, (args.parity_cases, args.parity_steps)),
-        "stages": (stage_ranks, (args.stage_steps, os.path.join(folder, "stages"))),
+        "memory": {"memory": (memory_ranks, args.world, (os.path.join(folder, "memory"), args.models,
+                                                         args.memory_policies))},
+        "parity": {"parity": (parity_ranks, args.world, (args.parity_cases, args.parity_steps))},
+        "stages": {"stages_w4": (stage_ranks, 4, stages), "stages_w2": (stage_ranks, 2, stages)},
     }
-    return {k: table[k] for k in args.scenarios}
+    return {name: entry for k in args.scenarios for name, entry in table[k].items()}
 
 
 def stress(args: argparse.Namespace, log: Callable[[str], None] = print) -> list[Outcome]:
@@ -185,8 +191,8 @@ def stress(args: argparse.Namespace, log: Callable[[str], None] = print) -> list
     with Contention(args.busy), tempfile.TemporaryDirectory(prefix="zerofx-stress-") as tmp:
         for rep in range(args.repeat):
             env = rank_env(args.seed + rep, args.delay_ms, args.perturb, args.malloc_debug)
-            for name, (fn, fargs) in scenarios(args, os.path.join(tmp, f"rep{rep}")).items():
-                outcome, prints = run_one(name, fn, fargs, args.world, args.timeout, env, rep, baselines.get(name))
+            for name, (fn, world, fargs) in scenarios(args, os.path.join(tmp, f"rep{rep}")).items():
+                outcome, prints = run_one(name, fn, fargs, world, args.timeout, env, rep, baselines.get(name))
                 if prints is not None and name not in baselines:
                     baselines[name] = prints
                 outcomes.append(outcome)
