@@ -24,10 +24,12 @@ def _next_float(t: torch.Tensor, index) -> None:
         t[index] = torch.nextafter(t[index], torch.tensor(float("inf")))
 
 
-def perturbed(rank: int, world: int, mesh, options: dict, grad_scale: float = 0.0) -> dict:
-    """Train the MLP with the oracle, nudging zerofx's own values on one rank: at step 1 one
-    element of a gradient shard on the last rank (by one ulp, or by ``grad_scale`` relative), at
-    step 2 one element of a parameter shard on rank 0. Returns what the oracle found per step."""
+def perturbed(rank: int, world: int, mesh, options: dict, target: str, grad_scale: float = 0.0) -> dict:
+    """Train the MLP with the oracle and, at step 1, nudge one of zerofx's own values: with
+    ``target="grad"`` one element of a gradient shard on the last rank (by one ulp, or by
+    ``grad_scale`` of the largest entry), with ``target="param"`` one element of a parameter
+    shard on rank 0 after the optimizer step. Returns what the oracle found per step (later
+    steps see the consequences: the ranks' models then differ)."""
     torch.manual_seed(0)
     model, batch = verify_models.mlp()
     replica = copy.deepcopy(model)
@@ -37,14 +39,14 @@ def perturbed(rank: int, world: int, mesh, options: dict, grad_scale: float = 0.
     gen = torch.Generator().manual_seed(3)
     found, bounded = [], []
     mine = slice(rank * 2, rank * 2 + 2)
-    for step in range(4):
+    for step in range(3):
         x, y = batch(2 * world, gen)
         model(x[mine], y[mine]).backward()
         ref.backward(lambda m: m(x[mine], y[mine]))
         ref.reduce_gradients()
         bounded.append(list(ref.bounded))
         name, p = next(iter(model.named_parameters()))
-        if step == 1 and rank == world - 1:
+        if step == 1 and target == "grad" and rank == world - 1:
             g = p.grad.to_local()
             if grad_scale:
                 with torch.no_grad():
@@ -55,7 +57,7 @@ def perturbed(rank: int, world: int, mesh, options: dict, grad_scale: float = 0.
         opt.step()
         opt.zero_grad()
         ref.step()
-        if step == 2 and rank == 0:
+        if step == 1 and target == "param" and rank == 0:
             _next_float(p.to_local(), (1, 1))
         divs += ref.check_parameters(model, step)
         found.append([dict(kind=d.kind, name=d.name, count=d.count, index=list(d.index), note=d.note)
@@ -72,9 +74,10 @@ def scenarios(rank: int, world: int) -> dict:
         attempt(out, "noisy", lambda: _report(verify_models.noisy_mlp, mesh))
         attempt(out, "drifting", lambda: _report(verify_models.drifting_mlp, mesh))
         attempt(out, "rank_init", lambda: _report(verify_models.rank_init_mlp, mesh))
-        attempt(out, "perturbed", lambda: perturbed(rank, world, mesh, {}))
+        attempt(out, "grad_perturbed", lambda: perturbed(rank, world, mesh, {}, "grad"))
+        attempt(out, "param_perturbed", lambda: perturbed(rank, world, mesh, {}, "param"))
     else:  # 4 ranks: whole (replicated) parameters are all-reduced by gloo in its own order
         attempt(out, "persist", lambda: _report(verify_models.mlp, mesh, persistence_threshold=10 ** 6))
         attempt(out, "persist_perturbed", lambda: perturbed(rank, world, mesh, {"persistence_threshold": 10 ** 6},
-                                                            grad_scale=1e-3))
+                                                            "grad", grad_scale=1e-3))
     return out
