@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -132,8 +133,12 @@ def test_backend_ordered_reductions_are_bounded_and_teacher_forced(runs):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zerofx.cli", "verify", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    """The installed ``zerofx`` command, run from the repository root (where tests.verify_models
+    is found) as a user runs it; ``python -m`` would put the source tree's zerofx/, which lacks
+    zerofx.passes and zerofx.codegen, ahead of the installed package."""
+    command = shutil.which("zerofx", path=str(Path(sys.executable).parent)) or shutil.which("zerofx")
+    assert command, "the zerofx console script is not installed next to this Python"
+    return subprocess.run([command, "verify", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_cli_reports_bit_identical_training(tmp_path):

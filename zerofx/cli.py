@@ -71,7 +71,8 @@ def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"--kwargs is not JSON: {e}")
     if not isinstance(kwargs, dict):
         parser.error("--kwargs must be a JSON object")
-    sys.path.insert(0, os.getcwd())
+    if os.getcwd() not in sys.path:  # after the installed packages: a user's module, never a shadow of zerofx
+        sys.path.append(os.getcwd())
     try:
         testing.load_factory(args.factory)  # a bad spec fails here, before any rank starts
     except ValueError as e:

@@ -530,8 +530,8 @@ def _verify_rank(spec: str, kwargs: dict) -> dict:
     import os
     import sys
 
-    if os.getcwd() not in sys.path:  # MODULE is found as the command line found it
-        sys.path.insert(0, os.getcwd())
+    if os.getcwd() not in sys.path:  # MODULE is found as the command line found it (zerofx/cli.py)
+        sys.path.append(os.getcwd())
 
     from torch.distributed.device_mesh import init_device_mesh
 
