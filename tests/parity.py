@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import zerofx
 from tests.models import CASES
-from zerofx.testing import ShardedReference, shard_rows
+from zerofx.testing import ShardedReference, exact_divergence, shard_rows
 from tests.multirank import mean_over_ranks
 
 # Tolerances of the loss-only and mixed-precision checks elsewhere (tests/test_memory.py); the
@@ -96,7 +96,8 @@ def train_case(name: str, rank: int, world_size: int, steps: int, dump_dir: str 
         with zerofx.CollectiveCounter() as bw_comm:
             loss.backward()
         ref_loss = ref.backward(lambda m: m(x[mine], y[mine]))
-        found = [str(d) for d in [_loss_divergence(step, loss, ref_loss)] if d]
+        d = exact_divergence(step, "loss", "loss", loss.detach(), ref_loss)
+        found = [str(d)] if d else []
         ref.reduce_gradients()
         found += map(str, ref.check_gradients(model, step))
         result["bounded"].update(ref.bounded)
@@ -122,12 +123,6 @@ def train_case(name: str, rank: int, world_size: int, steps: int, dump_dir: str 
     result["bounded"] = sorted(result["bounded"])
     assert all(math.isfinite(v) for v in result["losses"])
     return result
-
-
-def _loss_divergence(step: int, loss: torch.Tensor, ref_loss: torch.Tensor):
-    from zerofx.testing import exact_divergence
-
-    return exact_divergence(step, "loss", "loss", loss.detach(), ref_loss)
 
 
 def loss_tolerances(r: dict) -> list[float]:

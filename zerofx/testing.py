@@ -47,6 +47,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from zerofx.flat import rank_ordered_sum
+
 __all__ = ["ShardedReference", "Divergence", "StepReport", "VerifyReport", "verify", "shard_rows",
            "summation_bound", "load_factory", "exact_divergence"]
 
@@ -240,10 +242,7 @@ class ShardedReference:
                 exact &= self._exact_order(lay, dim)
                 combined = {}
                 for group in groups:
-                    total = values[group[0]].clone()
-                    for r in group[1:]:
-                        total += values[r]
-                    total /= len(group)
+                    total = rank_ordered_sum(torch.stack([values[r] for r in group])) / len(group)
                     for r in group:
                         combined[r] = total
                 values = combined
@@ -285,8 +284,9 @@ class ShardedReference:
                 d = exact_divergence(step, "grad", name, got, want)
                 if d is not None:
                     out.append(d)
+        ours = dict(sharded.named_parameters())
         for name in self.bounded:  # teacher forcing: the step continues from zerofx's sum
-            p = dict(sharded.named_parameters())[name]
+            p = ours[name]
             full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             self.reduced[name] = full.detach().clone()
         return out
