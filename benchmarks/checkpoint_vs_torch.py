@@ -1,6 +1,6 @@
 """zerofx's activation budget against torch's memory-budget partitioner, on the same graph.
 
-For the benchmark GPT, one joint forward+backward graph is captured (after zerofx's ``free``
+For the benchmark GPT, one joint forward+backward graph is captured (after zerofx's ``regather``
 pass) and partitioned two ways at the same activation budgets, 100 / 50 / 25% of the
 unconstrained saved-activation bytes (what the forward saves when nothing that costs FLOPs is
 recomputed):
@@ -61,7 +61,7 @@ def clone(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def capture_joint(model: torch.nn.Module, batch) -> tuple[fx.GraphModule, int, dict]:
-    """The joint graph zerofx's backend partitions (after the joint stage's free pass)."""
+    """The joint graph zerofx's backend partitions (after the joint graph's regather pass)."""
     captured = []
 
     def partition(joint, inputs, *, num_fwd_outputs, **kwargs):

@@ -1,5 +1,5 @@
 """Optimizer-step micro-benchmark: a torch.optim step over zerofx's shards, stepped locally (the
-default, zerofx/optim.py) against the same step through DTensor, and FSDP2's step.
+default, zerofx/runtime/local_step.py) against the same step through DTensor, and FSDP2's step.
 
     python benchmarks/optimizer_step.py --world-sizes 2 4 --json optimizer_step.json
 
@@ -58,7 +58,7 @@ def _build(variant: str, size: str, mesh, make_opt):
 
 
 def _rank_main(sizes: list[str], repeats: int) -> dict:
-    from zerofx.optim import steps_locally
+    from zerofx.runtime.local_step import steps_locally
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

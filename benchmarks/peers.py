@@ -13,7 +13,7 @@ AdamW. Per method and rank it measures:
   machine's load drifting over the run falls on every method alike;
 * compile time: the first step's time minus the median;
 * peak memory: the most bytes alive during a steady-state step, counted by the allocator from
-  before the model was built (zerofx.metrics.AllocationTrace), so model state, optimizer
+  before the model was built (zerofx.measure.allocations.AllocationTrace), so model state, optimizer
   state, communication buffers and activations are all in. At the step's start only what the
   rank holds between steps counts (what existed once the model was built, and the storages of
   its parameters, gradients and optimizer state; DDP runs with ``gradient_as_bucket_view`` so
@@ -21,7 +21,7 @@ AdamW. Per method and rank it measures:
   backend's thread freed unseen in earlier steps (AllocationTrace.step_peak). The least of
   three traced steps (an unseen free can still over-count, never under-count);
 * model-state bytes: parameters + gradients + optimizer state held by the rank;
-* collective bytes per step per rank (zerofx.metrics NOTE: counting collective bytes): counted
+* collective bytes per step per rank (zerofx.ir.collectives NOTE: counting collective bytes): counted
   for zerofx and FSDP2 eager; DDP's come from its C++ reducer, which no Python hook sees, so
   they are the analytical 2·Ψ·(N-1)/N; compiled FSDP2 runs the same collectives as eager.
 
@@ -84,7 +84,7 @@ class _C10dCounter(torch.utils._python_dispatch.TorchDispatchMode):
         self.world, self.bytes = world, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from zerofx.metrics import wire_bytes
+        from zerofx.ir.collectives import wire_bytes
 
         name = str(func)
         share = lambda t: t.numel() * t.element_size()  # noqa: E731
@@ -135,7 +135,7 @@ def _build(method: str, cfg, mesh):
 
 
 def _state_bytes(model, opt) -> int:
-    from zerofx.metrics import model_state_bytes
+    from zerofx.measure.model_state import model_state_bytes
 
     return model_state_bytes(model, opt).total
 
@@ -162,7 +162,7 @@ def _held_step(model, opt, x, y) -> set[int]:
     """One step; returns the addresses of the storages its model state keeps into the next:
     parameters, optimizer state, and what gradients live in (DDP's buckets, whose gradients are
     views of them; the other methods' gradients are freed by ``zero_grad``)."""
-    from zerofx.metrics import model_state_addresses
+    from zerofx.measure.model_state import model_state_addresses
 
     model(x, y).backward()
     opt.step()
@@ -183,7 +183,8 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
     is reported.
     """
     import zerofx
-    from zerofx.metrics import AllocationTrace, model_state_addresses
+    from zerofx.measure.allocations import AllocationTrace
+    from zerofx.measure.model_state import model_state_addresses
     from zerofx.models import GPTConfig
 
     cfg = GPTConfig(**SIZES[setup.size])

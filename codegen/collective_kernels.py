@@ -2,7 +2,7 @@
 
 A bucket is a list of parameters whose collectives run as one. On every rank its flat buffer
 holds one *slot* per parameter, slots in parameter order; a slot holds that rank's dim-0 shard
-padded to ``ceil(rows / N)`` rows (the layout of ``zerofx.ops``, NOTE: shard layout)::
+padded to ``ceil(rows / N)`` rows (the layout of ``zerofx.ir.layout``, NOTE: shard layout)::
 
     rank k's segment:   [ p0 shard k | pad ][ p1 shard k | pad ] ...     (``segment`` elements)
     all-gather output:  [ segment of rank 0 ][ segment of rank 1 ] ...  (N * segment)
@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from zerofx.codegen.multi_tensor import BLOCK, addresses, blocks_for, int_table, jit, local, tl_dtype
-from zerofx.ops import local_rows, padded_rows
+from zerofx.ir.layout import local_rows, padded_rows
 
 import triton.language as tl
 

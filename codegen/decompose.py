@@ -29,7 +29,7 @@ from torch import fx
 from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from zerofx.passes.fx_nodes import fake_mode_of
+from zerofx.passes.graph import fake_mode_of
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten

@@ -12,9 +12,8 @@
                 the schedule of the whole graph, including where it puts collective waits.
 
 An executor is called as ``execute(gm, example_inputs, ctx, recorder)``; only ``gm`` is
-required. Every executor reports the graph's collectives to ``zerofx.metrics`` each time the
-graph runs (their sizes are static: they come from the graph's fake-tensor metadata), which is
-what ``CollectiveCounter`` counts.
+required, and it returns a boxed callable. Counting and measuring what the callable does is not
+the executor's business: ``zerofx.measure.instrument`` wraps whatever an executor returns.
 """
 
 from __future__ import annotations
@@ -26,46 +25,10 @@ from torch import fx
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.fx.graph import _BoxedCodeGen
 
-from zerofx import stress
-from zerofx.memory import active_tracker
-from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, collective_kind, record_collectives, wire_bytes
-from zerofx.passes.pipeline import PassContext
+from zerofx.passes.graph import fake_mode_of
+from zerofx.passes.contract import PassContext
 
 Executor = Callable[..., Callable]
-
-
-def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int]]:
-    """``(kind, wire bytes per rank)`` of every collective ``gm`` issues, in graph order."""
-    out = []
-    for node in gm.graph.nodes:
-        spec = COLLECTIVE_OPS.get(node.target)
-        if spec is None:
-            continue
-        val = (node if spec.sized == "out" else node.args[0]).meta["val"]
-        kind = collective_kind(node)
-        out.append((kind, wire_bytes(kind, val.numel() * val.element_size(),
-                                          collective_group_size(spec, node.args))))
-    return out
-
-
-def _counting(fn: Callable, gm: fx.GraphModule, ctx: PassContext | None = None) -> Callable:
-    """``fn`` plus collective counting and, when a ``zerofx.memory.MemoryTracker`` is active,
-    memory tracking (torch.compile would not run compiled code under a mode entered outside)."""
-    collectives = graph_collectives(gm)
-    fn = stress.wrap_graph(fn)  # seeded sleeps at collectives when ZEROFX_STRESS_DELAY is set (zerofx/stress.py)
-    stage = ctx.stage if ctx is not None else "forward"
-    num_user_outputs = getattr(ctx, "num_fwd_outputs", None) if stage == "forward" else None
-
-    def run(args: list) -> object:
-        if collectives:
-            record_collectives(collectives)
-        tracker = active_tracker()
-        if tracker is not None:
-            return tracker.run_graph(fn, args, stage, num_user_outputs)
-        return fn(args)
-
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
 
 
 def _aten_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
@@ -80,7 +43,7 @@ def _aten_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = No
     """
     gm.graph.set_codegen(_BoxedCodeGen())
     gm.recompile()
-    return _counting(gm, gm, ctx)
+    return gm
 
 
 def _triton_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
@@ -88,7 +51,7 @@ def _triton_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = 
     from zerofx.codegen.triton_codegen import compile_triton
 
     fused = compile_triton(gm, ctx, recorder)
-    return _counting(make_boxed_func(fused), gm, ctx)
+    return make_boxed_func(fused)
 
 
 def _placeholder_values(gm: fx.GraphModule) -> list[Any]:
@@ -102,7 +65,6 @@ def _inductor_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None 
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from zerofx.passes.fx_nodes import fake_mode_of
 
     inputs = list(example_inputs) if example_inputs is not None else _placeholder_values(gm)
     fake_mode = detect_fake_mode(inputs) or fake_mode_of(gm)
@@ -113,7 +75,7 @@ def _inductor_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None 
         ctx.messages = ["re-traced with Inductor's decompositions; Inductor compiles this graph"]
         recorder(ctx, "inductor", gm, retraced, time.perf_counter() - start)
     compiled = compile_fx_inner(retraced, inputs)
-    return _counting(compiled, gm, ctx)
+    return compiled
 
 
 _EXECUTORS: dict[str, Executor] = {"aten": _aten_executor, "triton": _triton_executor, "inductor": _inductor_executor}

@@ -36,9 +36,11 @@ import torch
 from torch import fx
 
 from zerofx.codegen.triton_emit import row_shapes
+from zerofx.passes.graph import positions
 from zerofx.codegen.triton_ops import can_lower, kind_of, reduction_keepdim
-from zerofx.metrics import COLLECTIVE_OPS
-from zerofx.passes.fx_nodes import WAIT
+from zerofx.ir.collectives import COLLECTIVE_OPS
+from zerofx.ir.collectives import WAIT
+from zerofx.ir.meta import KERNEL
 
 MAX_MEMBERS = 96
 _COMM_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d", "zerofx")
@@ -165,7 +167,7 @@ def _try(groups: list[Group], node: fx.Node, extra: list[fx.Node], segment: int,
 
 def find_groups(gm: fx.GraphModule) -> list[Group]:
     """Partition the fusible nodes of ``gm`` into legal groups of two or more ops."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = positions(gm.graph)
     segment_of: dict[fx.Node, int] = {}
     segment = 0
     group_of: dict[fx.Node, Group] = {}
@@ -234,7 +236,7 @@ def replace_groups(gm: fx.GraphModule, claimed: list[Claimed]) -> fx.GraphModule
     before its last member moves after it. Since groups never span a collective, every
     collective keeps its place relative to all compute (see the module docstring).
     """
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = positions(gm.graph)
     unit_of: dict[fx.Node, object] = {}
     for k, c in enumerate(claimed):
         for m in c.group.members:
@@ -270,7 +272,7 @@ def replace_groups(gm: fx.GraphModule, claimed: list[Claimed]) -> fx.GraphModule
             c = claimed[unit]
             call = graph.create_node("call_function", c.call, tuple(env[a] for a in c.inputs), name=c.call.__name__)
             call.meta["val"] = tuple(o.meta["val"] for o in c.outputs)
-            call.meta["zerofx_kernel"] = c.call.__name__
+            call.meta[KERNEL] = c.call.__name__
             trace = next((m.meta["stack_trace"] for m in c.group.members if m.meta.get("stack_trace")), None)
             if trace:
                 call.meta["stack_trace"] = trace

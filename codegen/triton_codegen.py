@@ -27,8 +27,8 @@ from zerofx.codegen.fusion import Claimed, find_groups, group_io, is_comm, repla
 from zerofx.codegen.triton_emit import Unsupported, emit_group
 from zerofx.codegen.triton_ops import can_lower
 from zerofx.codegen.triton_runtime import FusedKernel, group_module, interpreting, launch_problem
-from zerofx.passes.fx_nodes import is_view
-from zerofx.passes.pipeline import PassContext
+from zerofx.passes.graph import is_view
+from zerofx.passes.contract import PassContext
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,8 @@ def _fuse(gm: fx.GraphModule, ctx: PassContext, recorder: Any, autotune: bool):
 
     def on_failure(name: str, error: str) -> None:
         if recorder is not None:
-            recorder.note(ctx.graph_id, ctx.stage, f"kernel {name} failed, its ops run as ATen: {error}")
-            recorder.kernel_failed(ctx.graph_id, ctx.stage, name, error)
+            recorder.note(ctx.graph_id, ctx.kind, f"kernel {name} failed, its ops run as ATen: {error}")
+            recorder.kernel_failed(ctx.graph_id, ctx.kind, name, error)
 
     for group in find_groups(work):
         inputs, outputs = group_io(group)
@@ -88,22 +88,22 @@ def compile_triton(gm: fx.GraphModule, ctx: PassContext | None = None, recorder:
     ctx = ctx or PassContext("graph", "inference")
     ctx.messages = []
     start = time.perf_counter()
-    autotune = bool(getattr(ctx.options, "autotune", False))
+    autotune = ctx.options.codegen.autotune
     device = graph_device(gm)
     why = "the graph has no tensors" if device is None else launch_problem(device)
     if why is not None:
-        log.warning("zerofx: executor='triton': %s; %s_%s runs as ATen", why, ctx.graph_id, ctx.stage)
+        log.warning("zerofx: executor='triton': %s; %s_%s runs as ATen", why, ctx.graph_id, ctx.kind)
         if recorder is not None:
-            recorder.note(ctx.graph_id, ctx.stage, f"codegen: {why}; the graph runs as ATen")
+            recorder.note(ctx.graph_id, ctx.kind, f"codegen: {why}; the graph runs as ATen")
         return gm
 
     try:
         result, claimed, sources, opened = _fuse(gm, ctx, recorder, autotune)
     except Exception as e:  # a codegen bug must not cost the user their training step
         log.warning("zerofx: Triton codegen failed on %s_%s (%s: %s); the graph runs as ATen",
-                    ctx.graph_id, ctx.stage, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+                    ctx.graph_id, ctx.kind, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
         if recorder is not None:
-            recorder.note(ctx.graph_id, ctx.stage, f"codegen failed ({type(e).__name__}: {e}); the graph runs as ATen")
+            recorder.note(ctx.graph_id, ctx.kind, f"codegen failed ({type(e).__name__}: {e}); the graph runs as ATen")
         return gm
 
     fused_ops = sum(c.group.compute_ops for c in claimed)
@@ -115,5 +115,5 @@ def compile_triton(gm: fx.GraphModule, ctx: PassContext | None = None, recorder:
         ctx.report(f"kernel {c.call.__name__}: {', '.join(m.name for m in c.group.members)}")
     if recorder is not None:
         recorder(ctx, "codegen", gm, result, time.perf_counter() - start)
-        recorder.kernels(ctx.graph_id, ctx.stage, sources)
+        recorder.kernels(ctx.graph_id, ctx.kind, sources)
     return result

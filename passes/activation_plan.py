@@ -30,7 +30,7 @@ Values that cannot be recomputed (graph inputs, random ops, collectives that are
 parameter's gather chain, mutations, unknown custom ops, values a policy marks MUST_SAVE) are
 attached to the source; values that cannot be saved (views: their base is saved instead; tuples;
 symbolic floats) have an infinite save edge. Gathered parameters carry MUST_RECOMPUTE from the
-free pass, so the plan always re-gathers them.
+regather pass, so the plan always re-gathers them.
 
 # NOTE: offload cost
 Offloading ``v`` copies it out after its last forward use and back before its first backward
@@ -59,21 +59,12 @@ from torch._library.fake_class_registry import FakeScriptObject
 from torch.fx.experimental._backward_state import BackwardState
 from torch.utils.checkpoint import CheckpointPolicy
 
+from zerofx.ir.meta import RECOMPUTE
 from zerofx.errors import ZeroFXError
-from zerofx.passes.cost_model import ALIAS_OPS, DeviceModel, node_bytes, node_flops, storage_bytes, storage_key
-from zerofx.passes.fx_nodes import is_view
+from zerofx.passes.cost_model import DeviceModel, is_alias, node_bytes, node_flops, storage_bytes, storage_key
+from zerofx.passes.graph import positions
 
-__all__ = ["ActivationPlan", "PlanProblem", "plan_activations", "cannot_recompute", "is_alias"]
-
-
-def is_alias(node: fx.Node) -> bool:
-    """Views, ops whose output shares its input's buffer (``_unsafe_view``) and the elements of a
-    multi-output view (``split``'s getitems): never saved themselves; saving their base costs
-    the same bytes (the whole buffer) and recomputing them is free."""
-    if node.target is operator.getitem:
-        parent = node.args[0]
-        return isinstance(parent, fx.Node) and is_alias(parent)
-    return is_view(node) or node.target in ALIAS_OPS
+__all__ = ["ActivationPlan", "PlanProblem", "plan_activations", "cannot_recompute"]
 
 
 def cannot_recompute(node: fx.Node) -> str | None:
@@ -82,8 +73,8 @@ def cannot_recompute(node: fx.Node) -> str | None:
         return "graph input"
     if node.op != "call_function":
         return f"{node.op} node"
-    if node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE:
-        return node.meta.get("zerofx_reason", "marked MUST_SAVE")
+    if node.meta.get(RECOMPUTE) == CheckpointPolicy.MUST_SAVE:
+        return "marked MUST_SAVE"
     target = node.target
     if target is operator.getitem or is_sym_node(node):
         return None
@@ -95,7 +86,7 @@ def cannot_recompute(node: fx.Node) -> str | None:
         return "mutates its input"
     if target.namespace in ("_c10d_functional", "c10d_functional"):
         return "collective"
-    if target.namespace not in ("aten", "prims") and node.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
+    if target.namespace not in ("aten", "prims") and node.meta.get(RECOMPUTE) != CheckpointPolicy.MUST_RECOMPUTE:
         return f"custom op {target.namespace}::{target._schema.name.split('::')[-1]}"
     return None
 
@@ -163,7 +154,7 @@ class PlanProblem:
         self.offload_tier = offload_tier
         self.device = device or DeviceModel()
         self.nodes = [n for n in joint.graph.nodes if n.op != "output"]
-        self.order = {n: i for i, n in enumerate(joint.graph.nodes)}
+        self.order = positions(joint.graph)
         self.input_keys = {storage_key(n) for n in self.nodes if n.op == "placeholder"}
         self.flops = {n: node_flops(n) for n in self.nodes}
         self.bytes = {n: node_bytes(n) for n in self.nodes}

@@ -1,7 +1,7 @@
 """bucket: merge neighbouring all-gathers (and reduce-scatters) into one collective per bucket.
 
-Every collective pays a fixed latency (measured on this machine's gloo: ~0.25 ms per call
-whatever the size, next to ~1 ns per byte), and a transformer has many small parameters
+Every collective pays a fixed latency (the cost model's ``CommModel.latency_s``, measured by
+``calibrate_comm``), and a transformer has many small parameters
 (norm weights, biases). Merging collectives pays the latency once per bucket.
 
 How big a bucket grows (``Options.bucket_bytes``; "auto" by default):
@@ -13,11 +13,8 @@ How big a bucket grows (``Options.bucket_bytes``; "auto" by default):
   bandwidth-saturating size (four latencies' worth of bytes: ~1 MB with the default
   constants), so small blocks are gathered a few at a time and a large block is gathered
   alone, in one collective, whatever its size. A size cap cannot tell "one more parameter of
-  this layer" from "the next layer, a whole layer early"; blocks can. Measured (interleaved
-  A/B runs, step time over FSDP2 eager's, benchmarks' GPTs; FSDP2's own time moves ~10%
-  between launches): the 256-wide "medium" GPT, whose 1 MiB matrices each filled a 1 MB cap,
-  went from 0.97-1.07x to 0.84-0.96x at 2 ranks and from 1.12x to 0.82x at 4; the 128-wide
-  "small" one (786 KB blocks, now two per bucket) from 0.97x to 0.90x;
+  this layer" from "the next layer, a whole layer early"; blocks can (docs/measurements.md,
+  bucket);
 * ``host_memory_cap`` bounds "auto": gathered buckets are model state in host memory (on a CPU
   device), with up to two in flight (one waited, one prefetched) and each briefly held twice
   (flat buffer and per-parameter copies), so no bucket grows past a sixteenth of the cap (a
@@ -44,14 +41,15 @@ a bucket and where the merged collective is issued and waited:
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 from torch._inductor.fx_passes.bucketing import merge_all_gather_bucket, merge_reduce_scatter_bucket
 
-from zerofx.passes.cost_model import CostModel, tensor_bytes
-from zerofx.passes.fx_nodes import ALL_GATHER, REDUCE_SCATTER, first_user, module_block
-from zerofx.passes.graph_moves import hoist_before, positions
-from zerofx.passes.pipeline import PassContext
+from zerofx.passes.cost_model import tensor_bytes
+from zerofx.ir.collectives import ALL_GATHER, REDUCE_SCATTER
+from zerofx.passes.graph import first_user
+from zerofx.passes.modules import module_block
+from zerofx.passes.graph import hoist_before, positions, wait_of
+from zerofx.passes.contract import Pass, PassContext
 
 
 def _key(node: fx.Node) -> tuple:
@@ -92,7 +90,7 @@ def choose_buckets(gm: fx.GraphModule, target, cap: int, *, by_block: bool = Fal
     ``cap`` bytes. With ``by_block``, it takes whole blocks (``_units``) and closes once it has
     reached ``cap`` (so blocks smaller than the saturating size are gathered a few at a time,
     and a larger block is one bucket), never growing past ``ceiling``."""
-    nodes = [n for n in gm.graph.nodes if n.target is target and len(n.users) == 1]
+    nodes = [n for n in gm.graph.nodes if n.target is target and len(n.users) == 1 and wait_of(n) is not None]
     buckets: list[list[fx.Node]] = []
     current: list[fx.Node] = []
     size = 0
@@ -112,20 +110,14 @@ def choose_buckets(gm: fx.GraphModule, target, cap: int, *, by_block: bool = Fal
     return [b for b in buckets if len(b) > 1]
 
 
-def _wait_of(node: fx.Node) -> fx.Node:
-    return next(iter(node.users))
-
-
 def resolve_bucket_bytes(ctx: PassContext) -> tuple[int, bool, int | None]:
     """(size cap, whether one block's collectives may merge past it, ceiling on any bucket)."""
-    options = ctx.options
-    setting = getattr(options, "bucket_bytes", "auto") if options is not None else "auto"
+    setting = ctx.options.comm.bucket_bytes
     if setting != "auto":
         return int(setting), False, None
-    cost = getattr(options, "cost_model", None) or CostModel()
-    host_cap = getattr(options, "host_memory_cap", None)
+    host_cap = ctx.options.memory.host_memory_cap
     ceiling = host_cap // 16 if host_cap else None
-    cap = cost.comm.saturating_bytes
+    cap = ctx.cost.comm.saturating_bytes
     return (cap if ceiling is None else min(cap, ceiling)), True, ceiling
 
 
@@ -141,7 +133,7 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if not all(hoist_before(m.args[0], first) for m in members[1:]):
             continue
         order = positions(gm.graph)
-        anchor = min((first_user(_wait_of(m)) for m in members), key=order.__getitem__)
+        anchor = min((first_user(wait_of(m)) for m in members), key=order.__getitem__)
         merge_all_gather_bucket(gm.graph, members, "default", insert_before=first, wait_insertion_point=anchor)
         merged["all_gather"] += len(members)
     for members in choose_buckets(gm, REDUCE_SCATTER, cap, by_block=by_block, ceiling=ceiling):
@@ -155,3 +147,6 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                    f"{f', ceiling {ceiling} B' if ceiling else ''}: merged {merged['all_gather']} all-gathers and "
                    f"{merged['reduce_scatter']} reduce-scatters into buckets")
     return gm
+
+
+PASS = Pass("bucket", bucket_pass, kinds=("forward", "backward", "inference"), reads=(), writes=())

@@ -1,11 +1,11 @@
 """checkpoint: choose what the backward gets saved, recomputed or reloaded, under one budget.
 
-Runs on the joint graph, after ``free`` (which marks every gathered parameter MUST_RECOMPUTE).
+Runs on the joint graph, after ``regather`` (which marks every gathered parameter MUST_RECOMPUTE).
 It turns the user's options into constraints, asks ``activation_plan`` for the cheapest plan
 that fits the activation budget, and writes the plan into the graph as the partitioner's own
 vocabulary: every forward node the backward re-runs is tagged MUST_RECOMPUTE, every other
 forward node MUST_SAVE (a ban on recomputing it), and saved values chosen for offload carry
-``meta["zerofx_offload"] = "host" | "disk"`` (read by the offload pass on the partitioned
+``meta[OFFLOAD_TIER] = "host" | "disk"`` (read by the offload pass on the partitioned
 graphs; node meta travels with the partitioner's copies). With every forward node tagged the
 min-cut partitioner has no choice left: it would cut exactly where the plan says.
 
@@ -62,11 +62,14 @@ from torch._functorch.partitioners import classify_nodes
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerofx.errors import ZeroFXError
-from zerofx.ops import UNSHARD
-from zerofx.passes.activation_plan import ActivationPlan, PlanProblem, cannot_recompute, is_alias, plan_activations
-from zerofx.passes.cost_model import DeviceModel, node_bytes
-from zerofx.passes.fx_nodes import block_of, module_path
-from zerofx.passes.pipeline import PassContext
+from zerofx.ir.markers import UNSHARD
+from zerofx.passes.activation_plan import ActivationPlan, PlanProblem, cannot_recompute, plan_activations
+from zerofx.passes.graph import positions
+from zerofx.passes.cost_model import is_alias, node_bytes
+from zerofx.passes.modules import block_of, module_path
+from zerofx.options import MemoryPolicy
+from zerofx.ir.meta import ACTIVATION_PLAN, OFFLOAD_TIER, RECOMPUTE, ROLE
+from zerofx.passes.contract import Pass, PassContext
 
 __all__ = ["checkpoint_pass", "partition_by_plan", "module_path", "wants_plan", "format_bytes", "format_flops"]
 
@@ -87,9 +90,9 @@ def format_flops(n: float) -> str:
     return f"{n} FLOP"
 
 
-def wants_plan(options) -> bool:
+def wants_plan(options: MemoryPolicy) -> bool:
     """True when some option asks for a save/recompute/offload decision beyond the default."""
-    return options is not None and (
+    return (
         options.activation_budget is not None or options.checkpoint == "full" or bool(options.checkpoint_modules)
         or bool(options.checkpoint_save_ops) or options.offload_activations != "none")
 
@@ -108,7 +111,7 @@ def _op_matches(node: fx.Node, names: tuple[str, ...]) -> bool:
     return any(name in spelled for name in names)
 
 
-def _regions(fw_nodes: list[fx.Node], options) -> dict[fx.Node, str]:
+def _regions(fw_nodes: list[fx.Node], options: MemoryPolicy) -> dict[fx.Node, str]:
     """Node -> the checkpointed region (module path) it belongs to (see NOTE: blocks)."""
     patterns = list(options.checkpoint_modules)
     if options.checkpoint == "full":
@@ -130,7 +133,7 @@ def _alias_base(node: fx.Node) -> fx.Node:
     return node
 
 
-def _policy_constraints(gm: fx.GraphModule, problem: PlanProblem, options, budgeted: bool
+def _policy_constraints(gm: fx.GraphModule, problem: PlanProblem, options: MemoryPolicy, budgeted: bool
                         ) -> tuple[dict[fx.Node, str], dict[fx.Node, str]]:
     """(must recompute, must save), each node with the reason the report gives."""
     info = problem.info
@@ -138,10 +141,10 @@ def _policy_constraints(gm: fx.GraphModule, problem: PlanProblem, options, budge
     recompute: dict[fx.Node, str] = {}
     save: dict[fx.Node, str] = {}
     for n in gm.graph.nodes:
-        if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
-            recompute[n] = ("gathered parameter: re-gathered in backward (free pass)"
-                            if n.meta.get("zerofx_role") == "gather" else "tagged MUST_RECOMPUTE in the model")
-        elif n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE:
+        if n.meta.get(RECOMPUTE) == CheckpointPolicy.MUST_RECOMPUTE:
+            recompute[n] = ("gathered parameter: re-gathered in backward (regather pass)"
+                            if n.meta.get(ROLE) == "gather" else "tagged MUST_RECOMPUTE in the model")
+        elif n.meta.get(RECOMPUTE) == CheckpointPolicy.MUST_SAVE:
             save[n] = "tagged MUST_SAVE in the model"
     regions = _regions(fw, options)
     save_ops = tuple(options.checkpoint_save_ops)
@@ -263,19 +266,17 @@ def _agree_across_ranks(gm: fx.GraphModule, problem: PlanProblem, plan: Activati
 
 def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Decide save / recompute / offload for every value the backward reads, under the budget."""
-    options = ctx.options
+    options = ctx.options.memory
     if not wants_plan(options) or ctx.num_fwd_outputs is None:
         return gm
     if functorch_config.cse:  # plan on the graph the partitioner will cut (it runs CSE first)
         gm.graph = fx_graph_cse(gm.graph)
     gm.graph.eliminate_dead_code()
-    device_type = next((n.meta["val"].device.type for n in gm.graph.nodes
-                        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)), "cpu")
-    device = DeviceModel.for_device(device_type)
+    device = ctx.cost.device_for(gm)
     tier = None if options.offload_activations == "none" else options.offload_activations
 
     base = PlanProblem(gm, ctx.num_fwd_outputs, device=device,
-                       must_recompute=[n for n in gm.graph.nodes if n.meta.get("zerofx_role") == "gather"])
+                       must_recompute=[n for n in gm.graph.nodes if n.meta.get(ROLE) == "gather"])
     if not base.info.required_bw_nodes:
         return gm  # inference-only joint: nothing to save
     low, high = base.price_bounds()
@@ -302,16 +303,16 @@ def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     recomputed = set(plan.recomputed)
     info = problem.info
     for n in gm.graph.nodes:
-        if n in info.tangents_closure or n.op != "call_function" or n.meta.get("zerofx_role") == "gather":
+        if n in info.tangents_closure or n.op != "call_function" or n.meta.get(ROLE) == "gather":
             continue  # backward nodes, and gathers (always re-gathered) keep their tags
         if n in recomputed:
-            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            n.meta[RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
         elif not isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        n.meta.pop("zerofx_offload", None)
+            n.meta[RECOMPUTE] = CheckpointPolicy.MUST_SAVE
+        n.meta.pop(OFFLOAD_TIER, None)
     for n, t in plan.offloaded.items():
-        n.meta["zerofx_offload"] = t
-    gm.meta["zerofx_activation_plan"] = {
+        n.meta[OFFLOAD_TIER] = t
+    gm.meta[ACTIVATION_PLAN] = {
         "unconstrained_bytes": unconstrained.resident_bytes, "resident_bytes": plan.resident_bytes,
         "offloaded_bytes": plan.offloaded_bytes, "recompute_flops": plan.recompute_flops,
         "min_feasible_bytes": lean.resident_bytes, "budget_bytes": budget, **plan.names()}
@@ -325,7 +326,7 @@ def partition_by_plan(joint: fx.GraphModule, num_fwd_outputs: int,
     """Forward and backward graphs that save exactly the checkpoint plan's values, built with
     torch's partitioner machinery; None when ``joint`` carries no plan (or torch lacks the
     helpers), in which case the caller uses ``min_cut_rematerialization_partition``."""
-    plan = joint.meta.get("zerofx_activation_plan")
+    plan = joint.meta.get(ACTIVATION_PLAN)
     if plan is None:
         return None
     try:
@@ -344,7 +345,7 @@ def partition_by_plan(joint: fx.GraphModule, num_fwd_outputs: int,
     joint.recompile()
     info = classify_nodes(joint, static_lifetime_input_indices or [], num_fwd_outputs)
     by_name = {n.name: n for n in joint.graph.nodes}
-    order = {n: i for i, n in enumerate(joint.graph.nodes)}
+    order = positions(joint.graph)
     names = (*plan["saved"], *plan["offloaded"], *plan["saved_other"])
     saved = sorted((by_name[name] for name in names), key=order.__getitem__)
     sym = [n for n in saved if is_sym_node(n) and not _is_assert_only_symbool(n)]
@@ -356,3 +357,6 @@ def partition_by_plan(joint: fx.GraphModule, num_fwd_outputs: int,
     bw = reordering_to_mimic_autograd_engine(bw)
     fw, bw = raise_getitems(fw), raise_getitems(bw)
     return thread_graphsafe_rng_from_hops(fw, is_backward=False), thread_graphsafe_rng_from_hops(bw, is_backward=True)
+
+
+PASS = Pass("checkpoint", checkpoint_pass, kinds=("joint",), reads=(ROLE, RECOMPUTE), writes=(RECOMPUTE, OFFLOAD_TIER, ACTIVATION_PLAN))

@@ -14,8 +14,11 @@ The API is small on purpose:
     storage_bytes(node)                   bytes of that whole buffer
     estimate_memory(gm, ...)              liveness-based peak of the bytes a graph allocates
     saved_activation_bytes(fw_gm, n)      bytes a forward graph keeps alive for the backward
-    DeviceModel                           rates that turn bytes and FLOPs into seconds (planner)
-    CostModel(compute, comm)              per-node compute and per-collective time (scheduler)
+    tensor_bytes(val) / node_bytes(node)  the one byte count (symbolic on request)
+    is_alias(node)                        the one aliasing rule (views, waits, in-place, ...)
+    predict_step_peak(estimates, ids)     a step's peak from its graphs' estimates
+    DeviceModel                           the one device-rate model: FLOPs and bytes -> seconds
+    CostModel(comm, device)               device rates + collective constants, what passes price with
     calibrate_comm(group)                 measure the collective constants on the mesh, cached
 
 # NOTE: symbolic sizes
@@ -42,25 +45,20 @@ timeline: ``storage_key`` / ``storage_bytes`` (fake storages) say which buffer a
 keeps alive.
 
 Communication is ``latency + wire_bytes * seconds_per_byte`` per collective (wire bytes per
-rank, see zerofx.metrics NOTE: counting collective bytes), with constants measured on the
-actual process group by ``calibrate_comm`` and cached per (backend, world size). Compute for
-scheduling is a roofline (``ComputeModel``).
+rank, see zerofx.ir.collectives NOTE: counting collective bytes), with constants measured on the
+actual process group by ``calibrate_comm`` and cached per (backend, world size). Compute is a
+roofline over the ``DeviceModel`` of the graph's device, the same rates for every decision.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import operator
 import os
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, collective_kind, wire_bytes
-
-import operator
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import sympy
@@ -69,16 +67,18 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
-from zerofx.passes.fx_nodes import is_view
+from zerofx.ir.collectives import COLLECTIVE_OPS, WAIT, collective_group_size, collective_kind, wire_bytes
+from zerofx.passes.graph import is_view, positions
 
-__all__ = ["DeviceModel", "node_bytes", "node_flops", "storage_key",
-           "saved_activation_bytes", "saved_values", "hint", "op_flops", "storage_bytes", "ALIAS_OPS",
-           "tensor_bytes", "allocated_bytes", "is_alias", "MemoryEstimate", "estimate_memory", "ComputeModel",
-           "CommModel", "CostModel", "calibrate_comm"]
+__all__ = ["hint", "tensor_bytes", "node_bytes", "op_flops", "node_flops", "is_alias", "storage_key", "storage_root",
+           "storage_bytes", "allocated_bytes", "saved_values", "saved_activation_bytes", "MemoryEstimate",
+           "estimate_memory", "predict_step_peak", "DeviceModel", "CommModel", "CostModel", "calibrate_comm",
+           "ALIAS_OPS"]
 
+# size assumed for a data-dependent dimension with no hint (as torch does)
 UNBACKED_FALLBACK = 4096
 # ops whose output shares its input's buffer although their schema does not say so
-ALIAS_OPS = frozenset({torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default})  # size assumed for a data-dependent dimension with no hint (as torch does)
+ALIAS_OPS = frozenset({torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default})
 
 
 def hint(x: Any) -> int:
@@ -120,12 +120,20 @@ def _numel(val: torch.Tensor, symbolic: bool) -> Any:
     return _expr(n) if symbolic else hint(n)
 
 
-def node_bytes(node: fx.Node, *, symbolic: bool = False) -> Any:
-    """Bytes of the tensor(s) ``node`` produces (0 for non-tensors; a tuple sums its tensors)."""
+def tensor_bytes(val: Any, symbolic: bool = False) -> Any:
+    """Bytes of a (fake) tensor, or of every tensor in a tuple/list of them (0 for anything else).
+
+    The one byte count of zerofx (see NOTE: symbolic sizes): an int at the trace's size hints,
+    or with ``symbolic=True`` a sympy expression in the graph's size symbols."""
     total: Any = sympy.Integer(0) if symbolic else 0
-    for val in _tensor_vals(node.meta.get("val")):
-        total = total + _numel(val, symbolic) * val.element_size()
+    for v in _tensor_vals(val):
+        total = total + _numel(v, symbolic) * v.element_size()
     return total
+
+
+def node_bytes(node: fx.Node, *, symbolic: bool = False) -> Any:
+    """Bytes of the tensor(s) ``node`` produces: ``tensor_bytes`` of its ``meta["val"]``."""
+    return tensor_bytes(node.meta.get("val"), symbolic)
 
 
 def op_flops(func: Any, args: tuple, kwargs: dict, out: Any, *, symbolic: bool = False) -> Any:
@@ -191,32 +199,6 @@ def storage_bytes(node: fx.Node) -> int:
     return node_bytes(node)
 
 
-@dataclass(frozen=True)
-class DeviceModel:
-    """Rates that turn FLOPs and bytes into seconds (defaults: a modern accelerator host).
-
-    These are deliberately round numbers: the decisions they feed (does a copy hide behind
-    compute? is recompute cheaper than a transfer?) only need the right order of magnitude."""
-
-    flops_per_s: float = 100e12
-    host_link_bytes_per_s: float = 20e9   # device <-> pinned host memory (PCIe-class)
-    disk_bytes_per_s: float = 2e9         # host <-> NVMe
-
-    @classmethod
-    def for_device(cls, device_type: str) -> DeviceModel:
-        if device_type == "cpu":
-            # one CPU core's worth of matmul throughput; host "transfers" are memcpys; disk as NVMe
-            return cls(flops_per_s=50e9, host_link_bytes_per_s=10e9, disk_bytes_per_s=2e9)
-        return cls()
-
-    def compute_s(self, flops: float) -> float:
-        return flops / self.flops_per_s
-
-    def transfer_s(self, nbytes: float, tier: str) -> float:
-        rate = self.disk_bytes_per_s if tier == "disk" else self.host_link_bytes_per_s
-        return nbytes / rate
-
-
 def saved_values(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     """The forward graph's outputs that exist only to be saved for the backward."""
     (outputs,) = [n.args[0] for n in fw_gm.graph.nodes if n.op == "output"]
@@ -241,39 +223,27 @@ def saved_activation_bytes(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> int:
     return total
 
 
-aten = torch.ops.aten
-WAIT = torch.ops._c10d_functional.wait_tensor.default
-
-
 # ---------------------------------------------------------------------------------- memory --
 
-def _size(value: int | torch.SymInt, symbolic: bool):
-    if isinstance(value, torch.SymInt):
-        return value.node.expr if symbolic else value.node.hint
-    return sympy.Integer(value) if symbolic else value
-
-
-def tensor_bytes(val: object, symbolic: bool = False):
-    """Bytes of a (fake) tensor, or of every tensor in a tuple/list of them."""
-    if isinstance(val, (tuple, list)):
-        return sum((tensor_bytes(v, symbolic) for v in val), sympy.Integer(0) if symbolic else 0)
-    if not isinstance(val, torch.Tensor):
-        return sympy.Integer(0) if symbolic else 0
-    numel = math.prod(_size(s, symbolic) for s in val.shape) if val.dim() else 1
-    return numel * val.element_size()
-
-
 def is_alias(node: fx.Node) -> bool:
-    """Nodes whose output shares an input's storage allocate nothing: views, waits, and
-    in-place or ``out=`` ops (their schema's return carries an alias annotation)."""
+    """The one aliasing rule: ``node``'s output lives in a buffer one of its inputs already has,
+    so it allocates nothing, saving it costs its base's buffer and recomputing it is free.
+
+    True for views, ``ALIAS_OPS`` (``_unsafe_view``, ``alias``), the elements of a multi-output
+    alias (``split``'s getitems), waits (a wait returns its collective's buffer), and in-place
+    or ``out=`` ops (their schema's return carries an alias annotation)."""
     if node.op != "call_function":
         return False
-    if node.target is WAIT:
+    target = node.target
+    if target is operator.getitem:
+        parent = node.args[0]
+        return isinstance(parent, fx.Node) and is_alias(parent)
+    if target is WAIT or target in ALIAS_OPS:
         return True
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not isinstance(target, torch._ops.OpOverload):
         return False
-    returns = node.target._schema.returns
-    return node.target.is_view or (len(returns) == 1 and returns[0].alias_info is not None)
+    returns = target._schema.returns
+    return target.is_view or (len(returns) == 1 and returns[0].alias_info is not None)
 
 
 def allocated_bytes(node: fx.Node, symbolic: bool = False):
@@ -322,7 +292,7 @@ def estimate_memory(gm: fx.GraphModule, inputs_freed_at_last_use: bool = False,
     before the graph (owned inputs included), so the peak is what running the graph adds.
     """
     nodes = list(gm.graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
+    order = positions(gm.graph)
     output = nodes[-1]
     outputs = {storage_root(a) for a in output.all_input_nodes}
     last_use: dict[fx.Node, int] = {}
@@ -350,21 +320,65 @@ def estimate_memory(gm: fx.GraphModule, inputs_freed_at_last_use: bool = False,
     return MemoryEstimate(int(peak), peak_node, int(out_bytes))
 
 
-# --------------------------------------------------------------------------------- compute --
+def predict_step_peak(estimates: dict[tuple[str, str], MemoryEstimate], graph_ids: list[str]) -> int:
+    """Predicted peak bytes of forward + backward above the step's start, for frames run in
+    ``graph_ids`` order (backwards run in reverse), from each final graph's ``estimate_memory``
+    (``estimates``: ``(graph_id, kind) -> MemoryEstimate``, what a compile keeps): each
+    forward's transient peak on top of what earlier forwards saved, then each backward's peak
+    on top of what is still saved (a backward releases its frame's saved tensors only when it
+    returns)."""
+    live = peak = 0
+    for gid in graph_ids:
+        fw = estimates[(gid, "forward")]
+        peak = max(peak, live + fw.peak_bytes)
+        live += fw.output_bytes
+    for gid in reversed(graph_ids):
+        bw = estimates[(gid, "backward")]
+        peak = max(peak, live + bw.peak_bytes)
+        live += bw.output_bytes - estimates[(gid, "forward")].output_bytes
+    return peak
+
+
+# ---------------------------------------------------------------------------------- device --
 
 @dataclass(frozen=True)
-class ComputeModel:
-    """Roofline estimate of one op's time on this rank's device."""
+class DeviceModel:
+    """The one device-rate model: what turns FLOPs and bytes into seconds, for every decision
+    (schedule: compute between collectives; checkpoint: recompute vs transfer; offload: how
+    early a reload must start) and every report.
 
-    flops_per_s: float = 2e10
-    bytes_per_s: float = 5e9
-    op_overhead_s: float = 4e-6
+    The rates are deliberately round: the decisions they feed (does a copy hide behind compute?
+    is recompute cheaper than a transfer? how much compute covers a collective?) only need the
+    right order of magnitude. The defaults describe a modern accelerator; ``for_device("cpu")``
+    one CPU core."""
+
+    flops_per_s: float = 100e12  # matmul-class throughput
+    memory_bytes_per_s: float = 2e12  # device memory bandwidth (the roofline's other side)
+    op_overhead_s: float = 5e-6  # per op: a kernel launch, or the interpreter's dispatch on a CPU
+    host_link_bytes_per_s: float = 20e9  # device <-> pinned host memory (PCIe-class)
+    disk_bytes_per_s: float = 2e9  # host <-> NVMe
+
+    @classmethod
+    def for_device(cls, device_type: str) -> DeviceModel:
+        if device_type == "cpu":
+            # one core's matmul throughput; host "transfers" are memcpys; disk as NVMe
+            return cls(flops_per_s=50e9, memory_bytes_per_s=5e9, op_overhead_s=4e-6,
+                       host_link_bytes_per_s=10e9, disk_bytes_per_s=2e9)
+        return cls()
+
+    def compute_s(self, flops: float) -> float:
+        return flops / self.flops_per_s
+
+    def transfer_s(self, nbytes: float, tier: str) -> float:
+        rate = self.disk_bytes_per_s if tier == "disk" else self.host_link_bytes_per_s
+        return nbytes / rate
 
     def node_time(self, node: fx.Node) -> float:
+        """Roofline time of one op: the larger of its FLOPs and its bytes moved, plus overhead."""
         if node.op != "call_function" or is_alias(node) or node.target in COLLECTIVE_OPS:
             return 0.0
         moved = allocated_bytes(node) + sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
-        return max(node_flops(node) / self.flops_per_s, moved / self.bytes_per_s) + self.op_overhead_s
+        return max(node_flops(node) / self.flops_per_s, moved / self.memory_bytes_per_s) + self.op_overhead_s
 
 
 # --------------------------------------------------------------------------- communication --
@@ -393,15 +407,25 @@ class CommModel:
         return int(4 * self.latency_s / self.seconds_per_byte)
 
 
+def graph_device_type(gm: fx.GraphModule) -> str:
+    """The device type of a graph's tensor inputs ("cpu" when it has none)."""
+    return next((n.meta["val"].device.type for n in gm.graph.nodes
+                 if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)), "cpu")
+
+
 @dataclass(frozen=True)
 class CostModel:
-    compute: ComputeModel = ComputeModel()
-    comm: CommModel = CommModel()
+    """Device rates plus collective constants: what every pass prices its decisions with
+    (``PassContext.cost``). ``device=None`` takes each graph's own device's defaults."""
 
-    def node_time(self, node: fx.Node) -> float:
-        if node.target in COLLECTIVE_OPS:
-            return self.comm.node_time(node)
-        return self.compute.node_time(node)
+    comm: CommModel = field(default_factory=CommModel)
+    device: DeviceModel | None = None
+
+    def device_for(self, gm_or_type: fx.GraphModule | str) -> DeviceModel:
+        if self.device is not None:
+            return self.device
+        kind = gm_or_type if isinstance(gm_or_type, str) else graph_device_type(gm_or_type)
+        return DeviceModel.for_device(kind)
 
 
 def _cache_path(backend: str, world_size: int) -> Path:

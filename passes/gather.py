@@ -26,9 +26,12 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerofx.ops import FORWARD_MARKERS, LOCAL_GRAD, READ_FULL, UNSHARD, padded_rows
-from zerofx.passes.fx_nodes import ALL_GATHER, CONVERT, WAIT, first_user, full_args, insert_call
-from zerofx.passes.pipeline import PassContext
+from zerofx.ir.markers import FORWARD_MARKERS, LOCAL_GRAD, READ_FULL, UNSHARD
+from zerofx.ir.layout import padded_rows
+from zerofx.ir.collectives import ALL_GATHER, WAIT
+from zerofx.passes.graph import CONVERT, first_user, full_args, insert_call
+from zerofx.ir.meta import ROLE
+from zerofx.passes.contract import Pass, PassContext
 
 aten = torch.ops.aten
 
@@ -105,3 +108,6 @@ def gather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if identities:
         ctx.report(f"{identities} markers of whole values (read_full/sync_grad/local_grad) need no gather")
     return gm
+
+
+PASS = Pass("gather", gather_pass, kinds=("forward", "backward", "inference"), reads=(), writes=(ROLE,))

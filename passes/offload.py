@@ -1,9 +1,9 @@
 """offload: park chosen saved activations in host memory or on disk; page offloaded params out.
 
 The checkpoint pass decides which saved values to offload and marks them in the joint graph
-(``meta["zerofx_offload"] = "host" | "disk"``); the partitioner copies that meta onto the
+(``meta[OFFLOAD_TIER] = "host" | "disk"``); the partitioner copies that meta onto the
 forward graph's saved outputs and the backward graph's matching inputs. This pass rewrites both
-halves (ops in ``zerofx/offload.py``)::
+halves (ops in ``zerofx/ir/offload_ops.py``)::
 
     forward:   x = ...                          backward:  x_parked                (placeholder)
                ... last use of x ...                       ...
@@ -29,10 +29,12 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerofx.offload import OFFLOAD, PAGE_OUT, RELOAD, RELOAD_WAIT
-from zerofx.passes.cost_model import DeviceModel, node_bytes, node_flops, storage_key
-from zerofx.passes.fx_nodes import COLLECTIVE_OPS, WAIT, insert_call
-from zerofx.passes.pipeline import PassContext
+from zerofx.ir.offload_ops import OFFLOAD, PAGE_OUT, RELOAD, RELOAD_WAIT
+from zerofx.passes.cost_model import node_bytes, node_flops, storage_key
+from zerofx.ir.collectives import COLLECTIVE_OPS, WAIT
+from zerofx.passes.graph import insert_call, positions
+from zerofx.ir.meta import OFFLOAD_TIER, ROLE
+from zerofx.passes.contract import Pass, PassContext
 
 __all__ = ["offload_pass"]
 
@@ -43,9 +45,11 @@ def _static(val: torch.Tensor) -> bool:
 
 def _park_saved(gm: fx.GraphModule, ctx: PassContext) -> list[str]:
     output = next(n for n in gm.graph.nodes if n.op == "output")
+    if not isinstance(output.args[0], (list, tuple)):
+        return []  # not a partitioned forward (those return user outputs + saved values)
     outs = list(output.args[0])
     n_user = ctx.num_fwd_outputs if ctx.num_fwd_outputs is not None else len(outs)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = positions(gm.graph)
     by_storage: dict = {}
     for n in gm.graph.nodes:
         if n.op != "output":
@@ -54,19 +58,19 @@ def _park_saved(gm: fx.GraphModule, ctx: PassContext) -> list[str]:
     lines = []
     for i in range(n_user, len(outs)):
         node = outs[i]
-        tier = node.meta.get("zerofx_offload") if isinstance(node, fx.Node) else None
+        tier = node.meta.get(OFFLOAD_TIER) if isinstance(node, fx.Node) else None
         if tier is None:
             continue
         val = node.meta["val"]
         aliases = by_storage[storage_key(node)]
         if not _static(val) or any(a in user_outputs for a in aliases) or node.op == "placeholder":
-            node.meta.pop("zerofx_offload", None)  # stays resident; the backward sees no mark
+            node.meta.pop(OFFLOAD_TIER, None)  # stays resident; the backward sees no mark
             continue
         readers = [u for a in aliases for u in a.users if u.op != "output"]
         last = max(readers + aliases, key=order.__getitem__)
         with gm.graph.inserting_after(last):
-            parked = insert_call(gm, OFFLOAD, (node, tier, ctx.options.offload_dir or ""), role="offload")
-        parked.meta["zerofx_offload"] = tier
+            parked = insert_call(gm, OFFLOAD, (node, tier, ctx.options.memory.offload_dir or ""), role="offload")
+        parked.meta[OFFLOAD_TIER] = tier
         outs[i] = parked
         order = {n: j for j, n in enumerate(gm.graph.nodes)}
         lines.append(f"offload {node.name} -> {tier}: {node_bytes(node)} B, after its last forward use ({last.name})")
@@ -79,15 +83,15 @@ def _reload_saved(gm: fx.GraphModule, ctx: PassContext) -> list[str]:
     placeholders = [n for n in nodes if n.op == "placeholder"]
     lines = []
     for ph in placeholders:
-        tier = ph.meta.get("zerofx_offload")
+        tier = ph.meta.get(OFFLOAD_TIER)
         if tier is None or not ph.users:
             continue
         val = ph.meta["val"]
         if not _static(val):
             continue
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        order = positions(gm.graph)
         first = min(ph.users, key=order.__getitem__)
-        device = DeviceModel.for_device(val.device.type)
+        device = ctx.cost.device_for(val.device.type)
         need = device.transfer_s(node_bytes(ph), tier)
         # walk back from the first use until the compute in between covers the transfer
         issue_before, covered = first, 0.0
@@ -106,7 +110,7 @@ def _reload_saved(gm: fx.GraphModule, ctx: PassContext) -> list[str]:
         for user in list(ph.users):
             if user is not started:
                 user.replace_input_with(ph, landed)
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        order = positions(gm.graph)
         ahead = order[landed] - order[started] - 1
         lines.append(f"reload {ph.name} <- {tier}: {node_bytes(ph)} B, issued {ahead} nodes before its first "
                      f"use ({first.name}): ~{covered * 1e6:.1f} us of compute to hide ~{need * 1e6:.1f} us")
@@ -122,7 +126,7 @@ def _parked_fake(val: torch.Tensor) -> torch.Tensor:
 
 def _page_out_inputs(gm: fx.GraphModule) -> int:
     """``page_out(x)`` after the last read of each input ``x`` or of any view of it."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = positions(gm.graph)
     by_storage: dict = {}
     for n in gm.graph.nodes:
         if n.op != "output":
@@ -131,7 +135,7 @@ def _page_out_inputs(gm: fx.GraphModule) -> int:
     done: set = set()
     for ph in [n for n in gm.graph.nodes if n.op == "placeholder"]:
         key = storage_key(ph)
-        if not isinstance(ph.meta.get("val"), torch.Tensor) or ph.meta.get("zerofx_offload") or key in done:
+        if not isinstance(ph.meta.get("val"), torch.Tensor) or ph.meta.get(OFFLOAD_TIER) or key in done:
             continue
         done.add(key)
         readers = [u for a in by_storage[key] for u in a.users if u.op != "output"]
@@ -143,19 +147,17 @@ def _page_out_inputs(gm: fx.GraphModule) -> int:
         with gm.graph.inserting_after(last):
             node = gm.graph.call_function(PAGE_OUT, (ph,))
             node.meta["val"] = None
-            node.meta["zerofx_role"] = "offload"
+            node.meta[ROLE] = "offload"
     return len(after)
 
 
 def offload_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Move marked saved activations out between forward and backward; page out offloaded params."""
-    options = ctx.options
-    if options is None:
-        return gm
+    options = ctx.options.memory
     lines: list[str] = []
-    if ctx.stage == "forward":
+    if ctx.kind == "forward":
         lines = _park_saved(gm, ctx)
-    elif ctx.stage == "backward":
+    elif ctx.kind == "backward":
         lines = _reload_saved(gm, ctx)
     for line in lines:
         ctx.report(line)
@@ -164,3 +166,6 @@ def offload_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if count:
             ctx.report(f"page_out after the last use of {count} inputs (parameter shards in files leave memory)")
     return gm
+
+
+PASS = Pass("offload", offload_pass, kinds=("forward", "backward", "inference"), reads=(OFFLOAD_TIER,), writes=(OFFLOAD_TIER, ROLE))

@@ -1,107 +1,89 @@
 """The pass pipeline: one ordered list of named passes and the runner that applies them.
 
-Contract of a pass: ``fn(gm, ctx) -> gm``. It says in its docstring why it exists, does nothing
-when nothing in the graph matches, and keeps ``node.meta["val"]`` valid for every node it adds.
-The runner, not the pass, recompiles, verifies (graph lint + zerofx invariants), times, and
-records each pass for the debug dump; passes can be disabled by name (``Options.disable_passes``).
+Each pass module declares its contract (``PASS = Pass(name, fn, kinds, reads, writes)``,
+passes/contract.py); this module orders the declarations, checks them, and runs them. The
+runner, not the pass, recompiles, verifies (graph lint + zerofx invariants), stamps the nodes a
+pass created with its name (``meta["zerofx_pass"]``), times, and records each pass for the debug
+dump; passes can be disabled by name (``Options.disable_passes``).
 
-Where passes run. AOTAutograd hands zerofx three kinds of graph per dynamo frame:
-
-    joint      forward+backward before partitioning: decide what the backward recomputes
-    forward    the forward half (training)           lower markers into collectives
-    backward   the backward half                     lower markers into collectives
-    inference  forward without autograd              lower markers into collectives
-
-Each pass declares the (graph) stages it applies to. The pipeline, in order:
-
-    free        (joint)                       forward markers are recomputed in backward, never saved
-                                              (except gathers selective unsharding keeps)
-    checkpoint  (joint)                       save / recompute / offload each value the backward reads,
-                                              under the activation budget (tags for the partitioner)
-    gather      (forward, backward, inference) unshard -> [cast] all_gather + wait before first use;
-                                              read_full / sync_grad / local_grad -> their input
-    reduce      (backward)                    reduce_grad -> reduce_scatter(avg) into the shard;
-                                              all_reduce_grad -> all_reduce(avg)
-    bucket      (forward, backward, inference) neighbouring collectives merged up to a byte cap
-    schedule    (forward, backward, inference) prefetch all-gathers, defer reduce-scatter waits
-    offload     (forward, backward)           park chosen saved values in host memory / on disk and
-                                              reload them ahead of use; page offloaded params out
-    transport   (forward, backward, inference) how each collective moves on its group's backend:
-                                              gloo reduce-scatter -> all-to-all + local sum
+AOTAutograd hands zerofx up to four kinds of graph per dynamo frame (``GRAPH_KINDS``: joint,
+forward, backward, inference); each pass declares the kinds it runs on. Which passes there
+are, in which order, and what each reads and writes is described once, in docs/architecture.md
+("The pass pipeline"; a test keeps that table equal to the declarations).
 
 ZeRO stages 1/2/3, the persistence threshold, hybrid meshes and no-sync accumulation are not
-separate pipelines: they put different markers into the captured graphs (``zerofx.params``,
+separate pipelines: they put different markers into the captured graphs (``zerofx.runtime.params``,
 NOTE: markers per stage), and these same passes lower whatever markers they find.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+import warnings
 from typing import Callable
 
 from torch import fx
 
 from zerofx.errors import ZeroFXError
+from zerofx.ir.meta import PASS as PROVENANCE
+from zerofx.options import closest
+from zerofx.passes import bucket, checkpoint, gather, offload, reduce, regather, schedule, transport
+from zerofx.passes.contract import GRAPH_KINDS, Pass, PassContext
 
-STAGES = ("joint", "forward", "backward", "inference")
+__all__ = ["PASS_NAMES", "Pass", "PassContext", "default_pipeline", "check_contracts", "resolve_disabled",
+           "run_pipeline", "verify_graph"]
 
+# The order passes run in. Joint passes come first (the partitioner then splits the joint graph),
+# transport last: it rewrites collectives every earlier pass placed, moved or merged.
+_MODULES = (regather, checkpoint, gather, reduce, bucket, schedule, offload, transport)
 
-@dataclass
-class PassContext:
-    """What a pass may know about the graph it rewrites."""
-
-    graph_id: str
-    stage: str
-    options: object = None
-    num_fwd_outputs: int | None = None  # joint stage: how many joint outputs belong to the forward
-    messages: list[str] = field(default_factory=list)
-
-    def report(self, message: str) -> None:
-        """Say what the pass decided; the dump shows it under the pass (e.g. tags set)."""
-        self.messages.append(message)
+# Old pass names still accepted in disable_passes, with a DeprecationWarning.
+RENAMED = {"free": "regather"}
 
 
-@dataclass(frozen=True)
-class Pass:
-    name: str
-    fn: Callable[[fx.GraphModule, PassContext], fx.GraphModule]
-    stages: tuple[str, ...]
+def check_contracts(passes: tuple[Pass, ...]) -> None:
+    """Raise unless every meta key each pass reads is written by an earlier pass or by torch.
 
-    @property
-    def doc(self) -> str:
-        return (self.fn.__doc__ or "").strip().splitlines()[0] if self.fn.__doc__ else ""
-
-
-def _build() -> tuple[Pass, ...]:
-    from zerofx.passes.bucket import bucket_pass
-    from zerofx.passes.checkpoint import checkpoint_pass
-    from zerofx.passes.free import free_pass
-    from zerofx.passes.gather import gather_pass
-    from zerofx.passes.offload import offload_pass
-    from zerofx.passes.reduce import reduce_pass
-    from zerofx.passes.schedule import schedule_pass
-    from zerofx.passes.transport import transport_pass
-
-    return (
-        Pass("free", free_pass, ("joint",)),
-        Pass("checkpoint", checkpoint_pass, ("joint",)),
-        Pass("gather", gather_pass, ("forward", "backward", "inference")),
-        Pass("reduce", reduce_pass, ("backward",)),
-        Pass("bucket", bucket_pass, ("forward", "backward", "inference")),
-        Pass("schedule", schedule_pass, ("forward", "backward", "inference")),
-        Pass("offload", offload_pass, ("forward", "backward", "inference")),
-        Pass("transport", transport_pass, ("forward", "backward", "inference")),
-    )
-
-
-PASS_NAMES = ("free", "checkpoint", "gather", "reduce", "bucket", "schedule", "offload", "transport")
+    "Earlier" is pipeline order over graph kinds: the partitioner copies node meta from the
+    joint graph onto the forward and backward graphs, so a joint pass's writes are visible to
+    every later pass."""
+    written: set = set()
+    names: set[str] = set()
+    for p in passes:
+        if p.name in names:
+            raise ZeroFXError(f"pass {p.name!r} is declared twice in the pipeline")
+        names.add(p.name)
+        missing = [k.name for k in p.reads if not k.external and k not in written]
+        if missing:
+            raise ZeroFXError(f"pass {p.name!r} reads meta key(s) {missing} that no earlier pass writes; "
+                              "move it after their writer or declare the writer")
+        written.update(p.writes)
 
 
 def default_pipeline() -> tuple[Pass, ...]:
-    passes = _build()
-    assert tuple(p.name for p in passes) == PASS_NAMES
+    """Every pass, in order, from the pass modules' own declarations (contracts checked)."""
+    passes = tuple(m.PASS for m in _MODULES)
+    check_contracts(passes)
     return passes
+
+
+PASS_NAMES = tuple(p.name for p in default_pipeline())
+
+
+def resolve_disabled(names: tuple[str, ...]) -> tuple[str, ...]:
+    """``Options.disable_passes`` checked against the pipeline: renamed passes map to their new
+    name (with a DeprecationWarning), an unknown name raises naming the closest pass."""
+    out = []
+    for name in names:
+        if name in RENAMED:
+            warnings.warn(f"disable_passes: pass {name!r} is now called {RENAMED[name]!r}; the old name "
+                          "will stop working in a later release", DeprecationWarning, stacklevel=3)
+            name = RENAMED[name]
+        if name not in PASS_NAMES:
+            raise ZeroFXError(f"option disable_passes: unknown pass {name!r}{closest(name, PASS_NAMES)}; "
+                              f"the pipeline's passes are {list(PASS_NAMES)}")
+        out.append(name)
+    return tuple(out)
 
 
 Observer = Callable[[PassContext, str, fx.GraphModule | None, fx.GraphModule, float], None]
@@ -110,25 +92,28 @@ Observer = Callable[[PassContext, str, fx.GraphModule | None, fx.GraphModule, fl
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext, *, passes: tuple[Pass, ...] | None = None,
                  disabled: tuple[str, ...] = (), verify: bool = True,
                  observer: Observer | None = None) -> fx.GraphModule:
-    """Apply every enabled pass for ``ctx.stage`` in order.
+    """Apply every enabled pass for ``ctx.kind`` in order.
 
     ``observer(ctx, pass_name, before, after, seconds)`` is called with a snapshot of the graph
     before each pass (and once with ``pass_name="input"``) so the dump can show what changed.
     """
-    if ctx.stage not in STAGES:
-        raise ValueError(f"unknown stage {ctx.stage!r}")
+    if ctx.kind not in GRAPH_KINDS:
+        raise ValueError(f"unknown graph kind {ctx.kind!r}; kinds are {list(GRAPH_KINDS)}")
     passes = default_pipeline() if passes is None else passes
     if observer is not None:
         observer(ctx, "input", None, gm, 0.0)
     for p in passes:
-        if ctx.stage not in p.stages or p.name in disabled:
+        if ctx.kind not in p.kinds or p.name in disabled:
             continue
         before = _snapshot(gm) if observer is not None else None
-        existing = {n.name for n in gm.graph.nodes} if verify else set()
+        existing = {n.name for n in gm.graph.nodes}
         ctx.messages = []
         start = time.perf_counter()
         gm = p.fn(gm, ctx)
         gm.recompile()
+        for node in gm.graph.nodes:
+            if node.name not in existing:
+                node.meta.setdefault(PROVENANCE.name, p.name)
         if verify:
             verify_graph(gm, p.name, existing)
         if observer is not None:

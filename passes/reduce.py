@@ -31,9 +31,12 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerofx.ops import ALL_REDUCE_GRAD, GRAD_MARKERS, REDUCE_GRAD, padded_rows
-from zerofx.passes.fx_nodes import ALL_REDUCE, CONVERT, REDUCE_SCATTER, WAIT, full_args, insert_call
-from zerofx.passes.pipeline import PassContext
+from zerofx.ir.markers import ALL_REDUCE_GRAD, GRAD_MARKERS, REDUCE_GRAD
+from zerofx.ir.layout import padded_rows
+from zerofx.ir.collectives import ALL_REDUCE, REDUCE_SCATTER, WAIT
+from zerofx.passes.graph import CONVERT, full_args, insert_call, positions
+from zerofx.ir.meta import ROLE
+from zerofx.passes.contract import Pass, PassContext
 
 aten = torch.ops.aten
 
@@ -65,7 +68,7 @@ def _merge_tied(gm: fx.GraphModule, ctx: PassContext) -> None:
                 continue
             if a.args[0].meta["val"].shape != b.args[0].meta["val"].shape:
                 continue
-            order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            order = positions(gm.graph)
             later = max(a.args[0], b.args[0], key=order.__getitem__)
             with gm.graph.inserting_after(later):
                 total = insert_call(gm, aten.add.Tensor, (a.args[0], b.args[0]), role="reduce")
@@ -130,7 +133,7 @@ def reduce_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     pending = [(_issue(gm, marker), marker) for marker in [n for n in gm.graph.nodes if n.target in GRAD_MARKERS]]
     if not pending:
         return gm
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = positions(gm.graph)
     issues = sorted(pending, key=lambda pair: order[pair[0]])
     for i, (collective, marker) in enumerate(issues):
         first_use = min(marker.users, key=order.__getitem__)
@@ -141,3 +144,6 @@ def reduce_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         marker.replace_all_uses_with(result)
         gm.graph.erase_node(marker)
     return gm
+
+
+PASS = Pass("reduce", reduce_pass, kinds=("backward",), reads=(), writes=(ROLE,))

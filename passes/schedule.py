@@ -10,27 +10,20 @@ Collectives never cross each other, so every rank issues them in the same order 
 its estimates (uneven shards give ranks slightly different graphs); only the compute between
 them moves. The budget (``Options.prefetch_bytes``) bounds the growth of the graph's estimated
 peak memory (cost_model.estimate_memory) that the moves may cause; "auto" allows one largest
-gathered bucket: one block prefetched, as FSDP2 does. (It allowed two until buckets became
-whole blocks; on the benchmarks' "medium" GPT, 2 ranks, two cost 5.5 MiB more measured peak,
-93.45 vs 87.94 MiB, for no step time this machine can tell apart from its noise.)
+gathered bucket: one block prefetched, as FSDP2 does (why one: docs/measurements.md, schedule).
 """
 
 from __future__ import annotations
 
 from torch import fx
 
-from zerofx.metrics import COLLECTIVE_OPS
-from zerofx.passes.cost_model import CostModel, estimate_memory, tensor_bytes
-from zerofx.passes.fx_nodes import ALL_GATHER, WAIT
-from zerofx.passes.graph_moves import hoist_before, positions
-from zerofx.passes.pipeline import PassContext
+from zerofx.ir.collectives import COLLECTIVE_OPS
+from zerofx.passes.cost_model import CostModel, DeviceModel, estimate_memory, tensor_bytes
+from zerofx.ir.collectives import WAIT
+from zerofx.passes.graph import hoist_before, positions, wait_of
+from zerofx.passes.contract import Pass, PassContext
 
 _GATHERS = {op for op, spec in COLLECTIVE_OPS.items() if spec.kind == "all_gather"}
-
-
-def _wait_of(node: fx.Node) -> fx.Node | None:
-    waits = [u for u in node.users if u.target is WAIT]
-    return waits[0] if len(waits) == 1 else None
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
@@ -45,29 +38,29 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
 
 
 def resolve_budget(ctx: PassContext, gm: fx.GraphModule) -> int:
-    setting = getattr(ctx.options, "prefetch_bytes", "auto") if ctx.options is not None else "auto"
+    setting = ctx.options.comm.prefetch_bytes
     if setting != "auto":
         return int(setting)
     gathered = [tensor_bytes(n.meta["val"]) for n in gm.graph.nodes if n.target in _GATHERS]
     return max(gathered, default=0)
 
 
-def _compute_between(start: fx.Node, stop: fx.Node, cost: CostModel) -> float:
+def _compute_between(start: fx.Node, stop: fx.Node, device: DeviceModel) -> float:
     total, n = 0.0, start.next
     while n is not stop and n.op != "output":
-        total += cost.compute.node_time(n)
+        total += device.node_time(n)
         n = n.next
     return total
 
 
-def _prefetch(gm: fx.GraphModule, cost: CostModel, budget: int, base_peak: int) -> int:
+def _prefetch(gm: fx.GraphModule, cost: CostModel, device: DeviceModel, budget: int, base_peak: int) -> int:
     moved = 0
     for coll in [n for n in gm.graph.nodes if n.target in _GATHERS]:
-        wait = _wait_of(coll)
+        wait = wait_of(coll)
         if wait is None:
             continue
         needed = cost.comm.node_time(coll)
-        hidden = _compute_between(coll, wait, cost)
+        hidden = _compute_between(coll, wait, device)
         deps = _ancestors(coll)
         candidates: list[fx.Node] = []  # successively earlier issue points
         node = coll.prev
@@ -75,7 +68,7 @@ def _prefetch(gm: fx.GraphModule, cost: CostModel, budget: int, base_peak: int) 
             if node.op == "placeholder" or node.target in COLLECTIVE_OPS or node.target is WAIT:
                 break
             if node not in deps:
-                hidden += cost.compute.node_time(node)
+                hidden += device.node_time(node)
                 candidates.append(node)
             node = node.prev
         # the furthest point that keeps the estimated peak within budget (binary search)
@@ -97,18 +90,18 @@ def _prefetch(gm: fx.GraphModule, cost: CostModel, budget: int, base_peak: int) 
     return moved
 
 
-def _defer_waits(gm: fx.GraphModule, cost: CostModel, budget: int, base_peak: int) -> int:
+def _defer_waits(gm: fx.GraphModule, cost: CostModel, device: DeviceModel, budget: int, base_peak: int) -> int:
     moved = 0
     for coll in [n for n in gm.graph.nodes if n.target in COLLECTIVE_OPS and n.target not in _GATHERS]:
-        wait = _wait_of(coll)
+        wait = wait_of(coll)
         if wait is None:
             continue
         order = positions(gm.graph)
         first_use = min(wait.users, key=order.__getitem__)
-        needed = cost.comm.node_time(coll) - _compute_between(coll, wait, cost)
+        needed = cost.comm.node_time(coll) - _compute_between(coll, wait, device)
         target, hidden, node = None, 0.0, wait.next
         while node is not first_use and node.op != "output" and hidden < needed:
-            hidden += cost.compute.node_time(node)
+            hidden += device.node_time(node)
             node = node.next
             target = node
         if target is None:
@@ -126,12 +119,16 @@ def schedule_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Overlap collectives with compute, as far as the cost model says it helps and memory allows."""
     if not any(n.target in COLLECTIVE_OPS for n in gm.graph.nodes):
         return gm
-    cost = getattr(ctx.options, "cost_model", None) or CostModel()
+    cost = ctx.cost
     budget = resolve_budget(ctx, gm)
     before = estimate_memory(gm)
-    prefetched = _prefetch(gm, cost, budget, before.peak_bytes)
-    deferred = _defer_waits(gm, cost, budget, before.peak_bytes)
+    device = cost.device_for(gm)
+    prefetched = _prefetch(gm, cost, device, budget, before.peak_bytes)
+    deferred = _defer_waits(gm, cost, device, budget, before.peak_bytes)
     after = estimate_memory(gm)
     ctx.report(f"prefetched {prefetched} all-gathers, deferred {deferred} reduce-scatter waits; "
                f"estimated peak {before.peak_bytes} -> {after.peak_bytes} B (budget +{budget} B)")
     return gm
+
+
+PASS = Pass("schedule", schedule_pass, kinds=("forward", "backward", "inference"), reads=(), writes=())

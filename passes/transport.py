@@ -13,11 +13,8 @@ it moves. Today that means two rewrites, on gloo groups only. First:
 Why: gloo implements ``reduce_scatter_tensor`` as an all-reduce of the whole input followed by
 a copy of the shard, twice the bytes a ring reduce-scatter needs. An all-to-all sends each
 rank exactly its chunk ((N-1)/N of the input out of each rank, the reduce-scatter's own wire
-volume) and the receiver sums the N chunks it got: same result, half the traffic. Measured on
-this project's 2-core CPU machines (gloo, ``python benchmarks/collectives.py``), the all-to-all
-form took 0.23-0.55 of reduce_scatter_tensor's time from 64 KiB to 4 MiB inputs at 2 and 4
-ranks. NCCL's
-reduce-scatter is a true ring/tree reduce-scatter, so other backends are left alone.
+volume) and the receiver sums the N chunks it got: same result, half the traffic (measured:
+docs/measurements.md, transport). NCCL's reduce-scatter is a true ring/tree reduce-scatter, so other backends are left alone.
 
 The local sum adds the N chunks one after another in rank order, ((c0 + c1) + c2) + ..., on
 every rank, so results depend neither on arrival order nor on ATen: ``aten.sum`` over dim 0
@@ -28,7 +25,7 @@ bit. For N > 2 the N-1 adds keep one more R/N-sized intermediate alive than a su
 Memory: the receive buffer is as large as the input (the reduce-scatter's
 output is 1/N of it), alive from issue to the sum right after the wait; the dump's estimate
 and the counted bytes (NOTE: counting collective bytes) see the lowered graph. The counters
-keep calling it a reduce-scatter (``meta["zerofx_collective"]``): the algorithm did not change.
+keep calling it a reduce-scatter (``meta[COLLECTIVE]``): the algorithm did not change.
 
 The second rewrite, also gloo only, decides when a collective's buffers die. gloo's work
 object holds a collective's input and output, and its worker thread drops that reference
@@ -41,10 +38,9 @@ compiled path frees its all-gather buffers with): the all-gather's flat input an
 output, the all-to-all's input and received chunks. Parameters, graph inputs, values the graph
 returns or saves for backward, and anything aliasing them are never touched. Aliasing is read
 from the fake values' storages plus what fake tensors do not show: a wait returns its
-collective's tensor, an ``out=`` collective writes into ``out``. Measured (medium benchmark
-GPT, 2 ranks, ``AllocationTrace.step_peak`` of four steps per rank): zerofx's step peak went
-from 87.9-96.2 MiB (varying with thread scheduling) to 87.4-87.9 MiB. NCCL's buffers are left
-to the caching allocator's stream semantics: not changed, not measured.
+collective's tensor, an ``out=`` collective writes into ``out`` (what it changed:
+docs/measurements.md, transport). NCCL's buffers are left to the caching allocator's stream
+semantics.
 """
 
 from __future__ import annotations
@@ -52,25 +48,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from zerofx.metrics import COLLECTIVE_OPS
+from zerofx.ir.collectives import ALL_TO_ALL, COLLECTIVE_OPS, backend_of
 from zerofx.passes.cost_model import storage_root
-from zerofx.passes.fx_nodes import REDUCE_SCATTER, WAIT, insert_call
-from zerofx.passes.pipeline import PassContext
+from zerofx.ir.collectives import REDUCE_SCATTER, WAIT
+from zerofx.passes.graph import insert_call, positions
+from zerofx.ir.meta import COLLECTIVE, ROLE
+from zerofx.passes.contract import Pass, PassContext
 
 aten = torch.ops.aten
-ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 RELEASE = torch.ops.inductor.resize_storage_bytes_.default
-
-
-def _backend(group_name: str) -> str:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return str(dist.get_backend(_resolve_process_group(group_name)))
 
 
 def transport_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -84,7 +74,7 @@ def transport_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def _on_gloo(group: str, backends: dict[str, str]) -> bool:
     if group not in backends:
-        backends[group] = _backend(group)
+        backends[group] = backend_of(group)
     return backends[group] == "gloo"
 
 
@@ -102,7 +92,7 @@ def _lower_reduce_scatters(gm: fx.GraphModule, ctx: PassContext, backends: dict[
         splits = [rows] * world
         with gm.graph.inserting_before(rs):
             a2a = insert_call(gm, ALL_TO_ALL, (inp, splits, splits, group), role="reduce")
-        a2a.meta["zerofx_collective"] = "reduce_scatter"
+        a2a.meta[COLLECTIVE] = "reduce_scatter"
         for wait in waits:
             with gm.graph.inserting_after(wait):
                 landed = insert_call(gm, WAIT, (a2a,), role="reduce")
@@ -157,7 +147,7 @@ def _alias_sets(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
 
 def _release_buffers(gm: fx.GraphModule, ctx: PassContext, backends: dict[str, str]) -> None:
     graph = gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = positions(graph)
     aliases = _alias_sets(graph)
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     done: set[int] = set()
@@ -183,7 +173,10 @@ def _release_buffers(gm: fx.GraphModule, ctx: PassContext, backends: dict[str, s
             with graph.inserting_after(last):
                 free = graph.call_function(RELEASE, (buf, 0))
             free.meta["val"] = None
-            free.meta["zerofx_role"] = "release"
+            free.meta[ROLE] = "release"
             released += 1
     if released:
         ctx.report(f"{released} collective buffers freed by the graph after their last reader")
+
+
+PASS = Pass("transport", transport_pass, kinds=("forward", "backward", "inference"), reads=(), writes=(COLLECTIVE, ROLE))

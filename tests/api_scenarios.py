@@ -109,7 +109,7 @@ def scenarios(rank: int, world: int) -> dict:
     attempt("explain", explain)
     attempt("two_step_pairing", two_step_pairing)
     attempt("eager_sharded", eager_sharded)
-    for name in ("free", "gather", "reduce"):
+    for name in ("regather", "gather", "reduce"):
         attempt(f"disabled_{name}", disabled(name))
     attempt("clip_and_state_dict", clip_and_state_dict)
     return out

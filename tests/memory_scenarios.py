@@ -28,7 +28,7 @@ from tests.models import CASES
 from tests.parity import reference_shard
 from zerofx.backend import make_backend
 from zerofx.dump import Recorder
-from zerofx.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from zerofx.measure.allocations import peak_rss_bytes, reset_peak_rss, rss_bytes
 from zerofx.models import GPT, GPTConfig, random_batch
 from tests.multirank import mean_over_ranks
 from zerofx.testing import ShardedReference, exact_divergence
@@ -88,7 +88,7 @@ def _train_policy(model_name: str, policy: str, rank: int, world: int, mesh, ini
     options = zerofx.Options(**_options(policy, model_name, folder))
     recorder = Recorder()
     zerofx.shard(model, mesh)
-    from zerofx.offload import place_model_state
+    from zerofx.runtime.offload_store import place_model_state
 
     place_model_state(model, options)
     model.compile(backend=make_backend(options, recorder))
@@ -119,7 +119,7 @@ def _train_policy(model_name: str, policy: str, rank: int, world: int, mesh, ini
     params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     on_disk = 0
     if options.offload_optimizer == "disk":
-        from zerofx.offload import state_store
+        from zerofx.runtime.offload_store import state_store
 
         store = state_store(next(model.parameters()))[1]
         on_disk = sum(1 for p in model.parameters() if p in store)
@@ -200,7 +200,7 @@ def train_on_disk(rank: int, world: int, folder: str, cap_fraction: float, steps
         for p in model.parameters():
             p.grad = None
         if tier != "none":
-            from zerofx.offload import state_store
+            from zerofx.runtime.offload_store import state_store
 
             store = state_store(next(model.parameters()))[1]
             for p in model.parameters():

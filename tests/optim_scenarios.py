@@ -14,7 +14,7 @@ import zerofx
 from tests.models import GPT_CFG
 from tests.multirank import attempt
 from zerofx.models import GPT, random_batch
-from zerofx.optim import steps_locally
+from zerofx.runtime.local_step import steps_locally
 
 STEPS = 3
 

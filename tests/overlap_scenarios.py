@@ -6,14 +6,14 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerofx
 from tests.multirank import attempt as run_scenario
 from tests.models import CASES, MLP
-from zerofx.backend import predict_step_peak
-from zerofx.metrics import AllocationTrace
+from zerofx.passes.cost_model import predict_step_peak
+from zerofx.runtime.params import runtime_of
+from zerofx.measure.allocations import AllocationTrace
 from zerofx.models import GPT, GPTConfig, random_batch
 
 BENCH_GPT = GPTConfig(vocab_size=512, seq_len=128, n_layer=4, n_head=4, d_model=128)  # benchmarks' "small"
@@ -93,9 +93,9 @@ def scenarios(rank: int, world: int, dump_root: str) -> dict:
                 model(x, y).backward()
             opt.step()
             opt.zero_grad()
-        frames = sorted({gid for gid, stage in zerofx.backend.memory_estimates if stage == "backward"},
-                        key=lambda g: int(g.removeprefix("frame")))
-        return {"measured": measured, "predicted": predict_step_peak(frames[-1:])}
+        estimates = runtime_of(model).compiled.memory_estimates
+        frames = sorted({gid for gid, kind in estimates if kind == "backward"}, key=lambda g: int(g.removeprefix("frame")))
+        return {"measured": measured, "predicted": predict_step_peak(estimates, frames[-1:])}
 
     def calibration():
         import os

@@ -20,9 +20,10 @@ import zerofx
 from benchmarks.checkpoint_vs_torch import capture_joint, clone
 from tests.models import GPT_CFG, GraphBreakNet
 from zerofx import ZeroFXError
-from zerofx.memory import rss_bytes
+from zerofx.measure.allocations import rss_bytes
+from zerofx.runtime.params import runtime_of
 from zerofx.models import GPT, random_batch
-from zerofx.offload import DiskStore
+from zerofx.runtime.offload_store import DiskStore
 from zerofx.passes.checkpoint import checkpoint_pass, partition_by_plan
 from zerofx.passes.cost_model import saved_activation_bytes, saved_values
 from zerofx.passes.pipeline import PassContext
@@ -218,7 +219,7 @@ def test_disk_offloaded_optimizer_matches_in_memory_exactly(one_rank, tmp_path):
     model = GraphBreakNet()
     ref = copy.deepcopy(model)
     zerofx.compile(model, one_rank, offload_optimizer="auto", host_memory_cap=1024, offload_dir=str(tmp_path))
-    assert model._zerofx_state_tier == "disk"  # params + Adam state exceed 1 KiB: auto picks disk
+    assert runtime_of(model).state_tier == "disk"  # params + Adam state exceed 1 KiB: auto picks disk
     opt = zerofx.offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(3)
@@ -233,5 +234,5 @@ def test_disk_offloaded_optimizer_matches_in_memory_exactly(one_rank, tmp_path):
     for p in model.parameters():
         for value in opt.state[p].values():
             if value.dim() > 0:
-                assert value.untyped_storage().data_ptr() != 0 and value in zerofx.offload.state_store(p)[1]
+                assert value.untyped_storage().data_ptr() != 0 and value in zerofx.runtime.offload_store.state_store(p)[1]
     torch._dynamo.reset()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -46,13 +47,52 @@ def test_bad_mesh_and_params_are_clear_errors(one_rank):
         zerofx.shard(model, one_rank)
 
 
-def test_unknown_options_name_the_option():
-    with pytest.raises(ZeroFXError, match=r"unknown zerofx option\(s\) \['stage3'\]"):
+def test_unknown_options_name_the_option_and_the_closest_valid_one(one_rank):
+    with pytest.raises(ZeroFXError, match=r"unknown zerofx option 'stage3' \(did you mean 'stage'\?\)"):
         zerofx.Options.from_kwargs(stage3=True)
-    with pytest.raises(ZeroFXError, match="disable_passes.*'gathr'.*free"):
-        zerofx.Options(disable_passes=("gathr",))
-    with pytest.raises(ZeroFXError, match="executor"):
+    model = nn.Linear(2, 2)
+    with pytest.raises(ZeroFXError, match=r"unknown zerofx option 'bucket_byte' \(did you mean 'bucket_bytes'\?\)"):
+        zerofx.compile(model, one_rank, bucket_byte=1024)
+    assert not zerofx.sharding.is_sharded(model)  # nothing happened to the model
+    # dynamo wraps what a backend raises; the message is the same
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed,
+                       match=r"unknown zerofx option 'prefetch' \(did you mean 'prefetch_bytes'\?\)"):
+        torch.compile(model, backend="zerofx", options={"prefetch": 0})(torch.randn(1, 2))
+    with pytest.raises(ZeroFXError, match=r"unknown pass 'gathr' \(did you mean 'gather'\?\).*'regather'"):
+        zerofx.compile(nn.Linear(2, 2), one_rank, disable_passes=("gathr",))
+    with pytest.raises(ZeroFXError, match=r"executor='atne': .*\(did you mean 'aten'\?\)"):
+        zerofx.Options(executor="atne")
+    with pytest.raises(ZeroFXError, match="executor='cuda-graphs'"):
         zerofx.Options(executor="cuda-graphs")
+
+
+def test_the_old_name_of_the_regather_pass_is_accepted_with_a_deprecation_warning(one_rank):
+    from zerofx.passes.pipeline import resolve_disabled
+
+    with pytest.warns(DeprecationWarning, match="'free' is now called 'regather'"):
+        assert resolve_disabled(("free", "bucket")) == ("regather", "bucket")
+
+
+def test_option_validation_is_pure_and_the_offload_folder_is_checked_at_compile(tmp_path, one_rank):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    bad = str(blocker / "sub")
+    opts = zerofx.Options(offload_activations="disk", offload_dir=bad)  # no I/O here: builds fine
+    assert opts.memory.offload_dir == bad and opts.memory.uses_disk
+    assert not (blocker / "sub").exists()
+    with pytest.raises(ZeroFXError, match="offload_dir=.*is not a writable folder"):
+        zerofx.compile(nn.Linear(2, 2), one_rank, offload_activations="disk", offload_dir=bad)
+
+
+def test_options_are_read_by_concern_through_frozen_policies():
+    opts = zerofx.Options(stage=2, param_dtype="bf16", bucket_bytes=4096, activation_budget=0.5,
+                          disable_passes="bucket", executor="aten")
+    assert opts.layout.stage == 2 and opts.layout.param_dtype is torch.bfloat16 is opts.param_dtype
+    assert opts.comm.bucket_bytes == 4096 and opts.memory.activation_budget == 0.5
+    assert opts.debug.disable_passes == ("bucket",) and opts.codegen.executor == "aten"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.comm.bucket_bytes = 1  # type: ignore[misc]
+    assert "cost_model" not in zerofx.Options.keywords()  # internal state is not an option
 
 
 @pytest.mark.parametrize("build", [MLP, GraphBreakNet], ids=["mlp", "graph_break"])

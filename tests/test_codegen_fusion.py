@@ -17,7 +17,7 @@ from zerofx.codegen.fusion import Claimed, find_groups, group_io, is_comm, repla
 from zerofx.codegen.triton_emit import KernelSource
 from zerofx.codegen.triton_runtime import FusedKernel
 from zerofx.dump import Recorder
-from zerofx.passes.fx_nodes import ALL_GATHER, WAIT
+from zerofx.ir.collectives import ALL_GATHER, WAIT
 from zerofx.passes.pipeline import PassContext
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")

@@ -78,7 +78,7 @@ def _install(log: dict) -> None:
 
 def _free_right_after_issue() -> None:
     """Break the transport pass on purpose: every free moves to just after its collective."""
-    from zerofx.metrics import COLLECTIVE_OPS
+    from zerofx.ir.collectives import COLLECTIVE_OPS
     from zerofx.passes import transport
 
     release = transport._release_buffers

@@ -151,7 +151,6 @@ def test_recompute_cost_at_half_budget_is_no_higher_than_torchs(bench_joint):
 def test_state_beyond_the_host_cap_trains_from_disk_under_the_cap(tmp_path, monkeypatch):
     # freed tensor memory must go back to the OS for RSS to mean live bytes (see train_on_disk)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    disk, ram, param_error = None, None, None
     results = run_ranks(train_on_disk, 2, str(tmp_path), 0.6, 3, timeout=600)
     for rank, r in enumerate(results):
         disk, ram = r["disk"], r["none"]

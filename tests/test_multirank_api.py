@@ -26,7 +26,7 @@ def test_explain_reports_every_pass_and_collective(results):
     for r in _get(results, "explain"):
         report = r["report"]
         assert report == r["printed"].rstrip("\n")
-        for expected in ("_joint:", "_forward:", "_backward:", "free:", "gather:", "reduce:",
+        for expected in ("_joint:", "_forward:", "_backward:", "regather:", "gather:", "reduce:",
                          "collective all_gather", "collective reduce_scatter", "saved for backward",
                          "merged 1 gradient sum(s) of tied parameters"):
             assert expected in report, expected
@@ -43,7 +43,7 @@ def test_eager_sharded_model_without_compile_is_correct(results):
         assert loss_err < 1e-5 and param_err < 1e-5
 
 
-@pytest.mark.parametrize("pass_name", ["free", "gather", "reduce"])
+@pytest.mark.parametrize("pass_name", ["regather", "gather", "reduce"])
 def test_every_pass_can_be_disabled_without_changing_numerics(results, pass_name):
     for r in _get(results, f"disabled_{pass_name}"):
         loss_err, param_err = r["errors"]
@@ -51,16 +51,16 @@ def test_every_pass_can_be_disabled_without_changing_numerics(results, pass_name
         assert f"  {pass_name}:" not in r["summary"]
 
 
-def test_without_free_pass_gathered_parameters_are_saved(results):
-    """The reason the free pass exists, measured: without it the forward keeps full weights."""
-    with_free = _get(results, "disabled_gather")[0]["summary"]
-    without = _get(results, "disabled_free")[0]["summary"]
+def test_without_the_regather_pass_gathered_parameters_are_saved(results):
+    """The reason the regather pass exists, measured: without it the forward keeps full weights."""
+    with_regather = _get(results, "disabled_gather")[0]["summary"]
+    without = _get(results, "disabled_regather")[0]["summary"]
 
     def saved_bytes(summary):
         line = next(l for l in summary.splitlines() if "saved for backward" in l)
         return int(line.split(", ")[1].split(" B")[0])
 
-    assert saved_bytes(without) > saved_bytes(with_free)
+    assert saved_bytes(without) > saved_bytes(with_regather)
     assert "collective all_gather" in without  # the forward still gathers...
     backward = without.split("_backward:")[1]
     assert "collective all_gather" not in backward  # ...but the backward never re-gathers

@@ -1,4 +1,4 @@
-"""Optimizer steps on local shards (zerofx/optim.py) on 2 gloo ranks: bit-for-bit the same
+"""Optimizer steps on local shards (zerofx/runtime/local_step.py) on 2 gloo ranks: bit-for-bit the same
 parameters and state as stepping the DTensors, for the optimizers that take the local path,
 the stage-2 refresh after it, LR schedulers around it, the DTensor path kept for a subclass,
 and a step that raises."""

@@ -95,7 +95,7 @@ def test_step_peak_drops_blocks_freed_unseen_on_another_thread():
 
     import torch
 
-    from zerofx.metrics import AllocationTrace
+    from zerofx.measure.allocations import AllocationTrace
 
     kib = 1024
     with AllocationTrace() as trace:

@@ -10,8 +10,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import zerofx  # noqa: F401  (registers the marker ops)
 from zerofx.errors import ZeroFXError
-from zerofx.passes.free import free_pass, gather_chain
-from zerofx.passes.fx_nodes import ALL_GATHER, REDUCE_SCATTER, WAIT
+from zerofx.passes.regather import regather_pass, gather_chain
+from zerofx.ir.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
 from zerofx.passes.gather import gather_pass
 from zerofx.passes.pipeline import Pass, PassContext, run_pipeline
 from zerofx.passes.reduce import reduce_pass
@@ -122,10 +122,10 @@ def test_reduce_keeps_distinct_layouts_apart():
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_transport_lowers_only_gloo_reduce_scatters_to_all_to_all_plus_local_sum(monkeypatch, backend):
-    from codegen.executor import graph_collectives
+    from zerofx.measure.instrument import graph_collectives
     from zerofx.passes import transport
 
-    monkeypatch.setattr(transport, "_backend", lambda group: backend)
+    monkeypatch.setattr(transport, "backend_of", lambda group: backend)
     gm = reduce_pass(trace(lambda g: reduce_grad(g, 2, "g", 3) * 3, (6, 4)), ctx("backward"))
     before = graph_collectives(gm)
     gm = transport.transport_pass(gm, ctx("backward"))
@@ -160,7 +160,7 @@ def test_transport_lowers_only_gloo_reduce_scatters_to_all_to_all_plus_local_sum
 def test_transport_frees_collective_buffers_the_graph_made_after_their_last_reader(monkeypatch):
     from zerofx.passes import transport
 
-    monkeypatch.setattr(transport, "_backend", lambda group: "gloo")
+    monkeypatch.setattr(transport, "backend_of", lambda group: "gloo")
 
     def bw(g, s):
         w = unshard(s * 1, 2, "g", 6)  # the gather's input is a buffer this graph computed
@@ -184,7 +184,7 @@ def test_transport_frees_collective_buffers_the_graph_made_after_their_last_read
 
 def test_free_tags_marker_and_its_views_but_not_computed_values():
     gm = trace(lambda s, x: x @ unshard(s, 2, "g", 6).t(), (3, 5), (2, 5))
-    gm = free_pass(gm, ctx("joint"))
+    gm = regather_pass(gm, ctx("joint"))
     tagged = {n.target for n in gm.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
     assert tagged == {unshard.default, aten.t.default}
     assert not any(n.target is aten.mm.default for n in gather_chain(gm.graph))
@@ -193,7 +193,7 @@ def test_free_tags_marker_and_its_views_but_not_computed_values():
 def test_runner_skips_disabled_passes_and_records_each_pass(monkeypatch):
     from zerofx.passes import transport
 
-    monkeypatch.setattr(transport, "_backend", lambda group: "gloo")  # group "g" is made up
+    monkeypatch.setattr(transport, "backend_of", lambda group: "gloo")  # group "g" is made up
     seen = []
     gm = trace(lambda s: unshard(s, 2, "g", 6) * 2, (3, 5))
     gm = run_pipeline(gm, ctx("forward"), disabled=("gather",),
@@ -330,7 +330,7 @@ def test_reduce_merges_tied_all_reduce_grads_but_not_different_markers():
 def test_free_tags_every_forward_marker():
     gm = trace(lambda s, full, x, sink: x @ read_full(s, full, 2, "g").t() + local_grad(sync_grad(x @ full.t(), 2, "g"), sink),
                (3, 5), (6, 5), (2, 5), (2, 6))
-    gm = free_pass(gm, ctx("joint"))
+    gm = regather_pass(gm, ctx("joint"))
     tagged = {n.target for n in gm.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
     assert {read_full.default, sync_grad.default, local_grad.default, aten.t.default} <= tagged
     assert aten.mm.default not in tagged
@@ -362,7 +362,7 @@ def test_bucket_merges_one_blocks_collectives_past_the_size_cap(setting, host_ca
 
     gm = _four_layer_forward(("blocks.0", "blocks.0", "blocks.1", "blocks.1"))
     cost = CostModel(comm=CommModel(latency_s=1e-6, seconds_per_byte=1e-9))  # saturates at 4 KB
-    c = PassContext("test", "forward", Options(bucket_bytes=setting, cost_model=cost, host_memory_cap=host_cap))
+    c = PassContext("test", "forward", Options(bucket_bytes=setting, host_memory_cap=host_cap), cost=cost)
     cap, by_block, ceiling = resolve_bucket_bytes(c)
     buckets = choose_buckets(gm, ALL_GATHER, cap, by_block=by_block, ceiling=ceiling)
     assert [len(b) for b in buckets] == expect
@@ -377,7 +377,7 @@ def test_bucket_merges_one_blocks_collectives_past_the_size_cap(setting, host_ca
 
 
 def test_module_block_reads_forward_and_backward_module_stacks():
-    from zerofx.passes.fx_nodes import block_of, module_block, module_path
+    from zerofx.passes.modules import block_of, module_block, module_path
 
     assert module_path("L['fn'].__self__.blocks._modules['2'].attn") == "blocks.2.attn"
     assert [block_of(p) for p in ("blocks.2.attn.qkv", "layers.11", "wte")] == ["blocks.2", "layers.11", "wte"]

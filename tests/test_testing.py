@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("ranks", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("shape", [(1,), (7,), (33, 5), (1000,), (3, 4, 5)])
 def test_local_chunk_sum_is_a_rank_ordered_sequential_sum(ranks, shape):
-    """zerofx sums the N received chunks in rank order (flat.rank_ordered_sum; the transport
+    """zerofx sums the N received chunks in rank order (eager_buckets.rank_ordered_sum; the transport
     pass emits the same chain of adds, tests/test_passes.py), as ShardedReference does; not
     ``sum(0)``, whose association ATen picks (on torch 2.13 it differs from 5 rows on)."""
-    from zerofx.flat import rank_ordered_sum
+    from zerofx.runtime.eager_buckets import rank_ordered_sum
 
     g = torch.Generator().manual_seed(ranks * 100 + len(shape))
     chunks = torch.randn(ranks, *shape, generator=g) * torch.logspace(-6, 6, ranks).view(-1, *[1] * len(shape))

@@ -261,7 +261,7 @@ def test_export_writes_one_consolidated_state_dict_plain_models_load(runs, folde
 
 
 def test_flat_buckets_are_runs_of_one_key_within_the_byte_cap(monkeypatch):
-    from zerofx import flat
+    from zerofx.runtime import eager_buckets as flat
 
     monkeypatch.setattr(flat, "BUCKET_BYTES", 100)
     items = list(enumerate([("g", 40), ("g", 40), ("g", 40), ("h", 10), ("h", 200), ("h", 10), ("g", 10)]))

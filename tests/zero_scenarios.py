@@ -226,9 +226,9 @@ def _attempt(out: dict, name: str, fn, *args, **kwargs) -> None:
 
 
 def _small_buckets(fn, *args, **kwargs):
-    """``fn`` with zerofx/flat.py's buckets capped at 128 bytes: the refresh and the boundary reduce
+    """``fn`` with zerofx/runtime/eager_buckets.py's buckets capped at 128 bytes: the refresh and the boundary reduce
     then run in many buckets, some of one parameter, some of several."""
-    from zerofx import flat
+    from zerofx.runtime import eager_buckets as flat
 
     saved, flat.BUCKET_BYTES = flat.BUCKET_BYTES, 128
     try:

@@ -15,15 +15,16 @@ or on disk, ``offload_optimizer`` (with ``zerofx.offload_optimizer(opt)``) keeps
 and optimizer state there; ``zerofx.MemoryTracker`` measures what the compiled graphs allocate.
 """
 
-from zerofx import ops as _ops  # noqa: F401  (registers the zerofx:: marker ops)
+from zerofx import ir  # noqa: F401  (first: registers the zerofx:: ops every other layer uses)
 from zerofx import checkpoint
-from zerofx.accumulation import no_sync
+from zerofx.runtime.accumulation import no_sync
 from zerofx.api import compile, explain
 from zerofx.errors import ZeroFXError
-from zerofx.loss_scaling import loss_scaler
-from zerofx.memory import MemoryTracker
-from zerofx.metrics import CollectiveCounter, model_state_bytes
-from zerofx.offload import offload_optimizer
+from zerofx.runtime.loss_scaling import loss_scaler
+from zerofx.measure.graph_buffers import MemoryTracker
+from zerofx.ir.collectives import CollectiveCounter
+from zerofx.measure.model_state import model_state_bytes
+from zerofx.runtime.offload_store import offload_optimizer
 from zerofx.options import Options
 from zerofx.sharding import shard
 

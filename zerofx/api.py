@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from zerofx.backend import make_backend, recorder_for
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError
-from zerofx.offload import place_model_state
+from zerofx.runtime.offload_store import place_model_state, resolve_offload_dir
+from zerofx.runtime.params import runtime_of
 from zerofx.options import LAYOUT_OPTIONS, Options
 from zerofx.sharding import is_sharded, mesh_of, shard
 
@@ -42,12 +43,13 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) ->
     optimizer with :func:`zerofx.offload_optimizer` so its state follows and it steps in windows.
     """
     opts = Options.from_kwargs(**options)
+    opts = resolve_offload_dir(opts)  # before sharding: a bad folder fails with the model untouched
     if not isinstance(model, nn.Module):
         raise ZeroFXError(f"zerofx.compile takes an nn.Module, got {type(model).__name__}")
     if is_sharded(model):
         if mesh is not None and mesh is not mesh_of(model):
             raise ZeroFXError("model was sharded on a different mesh; pass the same mesh or none")
-        sharded_with = model._zerofx_options
+        sharded_with = runtime_of(model).options
         differ = [n for n in LAYOUT_OPTIONS if n in options and getattr(opts, n) != getattr(sharded_with, n)]
         if differ:
             raise ZeroFXError(f"option {differ[0]}={getattr(opts, differ[0])!r} differs from the one the model was "
@@ -55,16 +57,19 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) ->
     else:
         shard(model, mesh, opts)
     mesh = mesh_of(model)
-    if opts.calibrate and opts.cost_model is None and mesh.size() > 1:
+    runtime = runtime_of(model)
+    cost = None
+    if opts.comm.calibrate and mesh.size() > 1:
         from zerofx.passes.cost_model import CostModel, calibrate_comm
 
-        opts = Options.from_kwargs(opts, cost_model=CostModel(comm=calibrate_comm(mesh.get_group(),
-                                                                                  device=mesh.device_type)))
+        cost = CostModel(comm=calibrate_comm(mesh.get_group(), device=mesh.device_type))
     if place_model_state(model, opts) != "none":
         recorder = recorder_for(opts)
         if recorder is not None:
-            recorder.note("model", "state", model._zerofx_state_report)
-    model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=make_backend(opts))
+            recorder.note("model", "state", runtime.state_report)
+    backend = make_backend(opts, cost=cost)
+    runtime.compiled = backend.zerofx_state
+    model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=backend)
     return model
 
 
@@ -78,8 +83,9 @@ def explain(model: nn.Module, *example_inputs: Any, backward: bool = True, **opt
     """
     opts = Options.from_kwargs(**options)
     recorder = Recorder(dump_dir=opts.dump_dir)
-    if getattr(model, "_zerofx_state_report", None):
-        recorder.note("model", "state", model._zerofx_state_report)
+    runtime = runtime_of(model)
+    if runtime is not None and runtime.state_report:
+        recorder.note("model", "state", runtime.state_report)
 
     def run(*args: Any) -> Any:
         return model(*args)

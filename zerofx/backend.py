@@ -3,14 +3,18 @@
 One call of the backend per dynamo frame (a model with a graph break produces two). For each:
 
     dynamo FX graph
-      -> AOTAutograd traces the joint forward+backward graph     (markers from zerofx.ops inside)
-      -> pipeline stage "joint"     (free: what the backward must recompute; checkpoint: what it
-                                     gets saved, recomputed or reloaded, under the budget)
+      -> AOTAutograd traces the joint forward+backward graph     (markers from zerofx.ir.markers inside)
+      -> passes on the "joint" graph (regather: what the backward must recompute; checkpoint:
+                                     what it gets saved, recomputed or reloaded, under the budget)
       -> min-cut partitioner         -> forward graph, backward graph; invariants checked:
                                         no gathered parameter is saved for backward, and the
                                         partition saves what the checkpoint plan decided
-      -> pipeline stage "forward" / "backward" / "inference"  (gather, reduce: lower markers)
-      -> codegen executor             ("aten", "triton" or "inductor"; see zerofx.codegen.executor)
+      -> passes on the "forward" / "backward" / "inference" graphs  (gather, reduce: lower markers)
+      -> codegen executor             ("aten", "triton" or "inductor"; see zerofx.codegen.executor),
+                                      wrapped by zerofx.measure.instrument (collective counting)
+
+The pipeline itself (which passes, in which order, reading and writing what) is described once,
+in docs/architecture.md.
 
 Registered as ``torch.compile(model, backend="zerofx")`` through the ``torch_dynamo_backends``
 entry point; options may be given as ``torch.compile(..., options={...})``.
@@ -18,9 +22,11 @@ entry point; options may be given as ``torch.compile(..., options={...})``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -29,23 +35,23 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from zerofx.codegen.executor import make_executor
+from zerofx.ir.meta import ACTIVATION_PLAN
+from zerofx.measure.instrument import instrument
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError
 from zerofx.options import Options
 from zerofx.passes.checkpoint import format_bytes, partition_by_plan
-from zerofx.passes.cost_model import (MemoryEstimate, estimate_memory, node_bytes,
+from zerofx.passes.cost_model import (CostModel, MemoryEstimate, estimate_memory, node_bytes,
                                       saved_activation_bytes, saved_values, tensor_bytes)
-from zerofx.passes.free import check_no_gathered_saved
-from zerofx.passes.pipeline import PassContext, run_pipeline
+from zerofx.passes.regather import check_no_gathered_saved
+from zerofx.passes.pipeline import PassContext, resolve_disabled, run_pipeline
+from zerofx.runtime.offload_store import resolve_offload_dir
 
 log = logging.getLogger(__name__)
 
-__all__ = ["zerofx_backend", "make_backend", "predict_step_peak", "memory_estimates"]
+__all__ = ["zerofx_backend", "make_backend", "CompileState"]
 
 _frame_ids = itertools.count()
-# (graph_id, stage) -> the cost model's memory estimate of the final graph, for every graph
-# compiled in this process; read by predict_step_peak and the dump
-memory_estimates: dict[tuple[str, str], MemoryEstimate] = {}
 _recorders: dict[str, Recorder] = {}
 _lock = threading.Lock()
 
@@ -61,36 +67,53 @@ def recorder_for(options: Options) -> Recorder | None:
         return _recorders[key]
 
 
+@dataclass
+class CompileState:
+    """What one compile (one backend: ``zerofx.compile`` of a model, or one ``torch.compile``)
+    keeps across the frames it compiles: its options and cost model, and the cost model's
+    memory estimate of every final graph, ``(graph_id, kind) -> MemoryEstimate`` (read by
+    ``predict_step_peak`` and tests)."""
+
+    options: Options
+    cost: CostModel
+    memory_estimates: dict[tuple[str, str], MemoryEstimate] = field(default_factory=dict)
+
+
 class _FrameCompiler:
     """Compiles the graphs of one dynamo frame; AOTAutograd calls back into it."""
 
-    def __init__(self, options: Options, recorder: Recorder | None):
-        self.options = options
+    def __init__(self, state: CompileState, recorder: Recorder | None):
+        self.state = state
+        self.options = state.options
+        self.cost = state.cost
         self.recorder = recorder
         self.graph_id = f"frame{next(_frame_ids)}"
-        self.execute = make_executor(options.executor)
+        self.execute = make_executor(self.options.codegen.executor)
         self.num_fwd_outputs: int | None = None
 
-    def _run(self, gm: fx.GraphModule, stage: str, ctx: PassContext | None = None) -> fx.GraphModule:
-        ctx = ctx or PassContext(self.graph_id, stage, self.options, num_fwd_outputs=self.num_fwd_outputs)
+    def _context(self, kind: str) -> PassContext:
+        return PassContext(self.graph_id, kind, self.options, num_fwd_outputs=self.num_fwd_outputs, cost=self.cost)
+
+    def _run(self, gm: fx.GraphModule, kind: str, ctx: PassContext | None = None) -> fx.GraphModule:
+        ctx = ctx or self._context(kind)
         return run_pipeline(gm, ctx, disabled=self.options.disable_passes, verify=self.options.verify,
                             observer=self.recorder)
 
-    def _compile(self, gm: fx.GraphModule, example_inputs: Any, stage: str) -> Callable:
-        ctx = PassContext(self.graph_id, stage, self.options, num_fwd_outputs=self.num_fwd_outputs)
-        gm = self._run(gm, stage, ctx)
+    def _compile(self, gm: fx.GraphModule, example_inputs: Any, kind: str) -> Callable:
+        ctx = self._context(kind)
+        gm = self._run(gm, kind, ctx)
         # the aten executor frees a backward's saved inputs at their last use
-        estimate = estimate_memory(gm, inputs_freed_at_last_use=(stage == "backward"))
-        memory_estimates[(self.graph_id, stage)] = estimate
+        estimate = estimate_memory(gm, inputs_freed_at_last_use=(kind == "backward"))
+        self.state.memory_estimates[(self.graph_id, kind)] = estimate
         if self.recorder is not None:
-            self.recorder.note(self.graph_id, stage, f"estimated peak {estimate.peak_bytes} B at "
+            self.recorder.note(self.graph_id, kind, f"estimated peak {estimate.peak_bytes} B at "
                                                      f"{estimate.peak_node}; outputs {estimate.output_bytes} B")
-        return self.execute(gm, example_inputs, ctx, self.recorder)
+        return instrument(self.execute(gm, example_inputs, ctx, self.recorder), gm, ctx)
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
         self.num_fwd_outputs = num_fwd_outputs
         joint = self._run(joint, "joint")
-        plan = joint.meta.get("zerofx_activation_plan")
+        plan = joint.meta.get(ACTIVATION_PLAN)
         cut = partition_by_plan(joint, num_fwd_outputs, kwargs.get("static_lifetime_input_indices"))
         if cut is None:
             cut = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
@@ -112,7 +135,7 @@ class _FrameCompiler:
             resident = self._check_plan(plan, saved, activation_bytes)
             if self.recorder is not None:
                 self.recorder.plans[self.graph_id] = {**plan, "partitioned_resident_bytes": resident}
-        if self.options.verify and "free" not in self.options.disable_passes:
+        if self.options.verify and "regather" not in self.options.disable_passes:
             check_no_gathered_saved(fw, num_fwd_outputs, self.graph_id)
         return fw, bw
 
@@ -142,12 +165,19 @@ class _FrameCompiler:
         return self._compile(gm, example_inputs, "inference")
 
 
-def make_backend(options: Options | None = None, recorder: Recorder | None = None) -> Callable:
-    """A dynamo backend bound to ``options`` (and to ``recorder``, which ``explain`` uses)."""
+def make_backend(options: Options | None = None, recorder: Recorder | None = None, *,
+                 cost: CostModel | None = None) -> Callable:
+    """A dynamo backend bound to ``options`` (and to ``recorder``, which ``explain`` uses), pricing
+    its decisions with ``cost`` (default constants, or what ``calibrate`` measured). Options are
+    checked against the pipeline here (pass names) and the offload folder is proven writable, so
+    bad ones fail before anything is traced."""
     options = options or Options()
+    options = dataclasses.replace(options, disable_passes=resolve_disabled(options.disable_passes))
+    options = resolve_offload_dir(options)
+    state = CompileState(options, cost or CostModel())
 
     def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
-        frame = _FrameCompiler(options, recorder if recorder is not None else recorder_for(options))
+        frame = _FrameCompiler(state, recorder if recorder is not None else recorder_for(options))
         compile_with_aot = aot_autograd(
             fw_compiler=frame.forward,
             bw_compiler=frame.backward,
@@ -158,6 +188,7 @@ def make_backend(options: Options | None = None, recorder: Recorder | None = Non
         return compile_with_aot(gm, example_inputs)
 
     backend.zerofx_options = options  # type: ignore[attr-defined]
+    backend.zerofx_state = state  # type: ignore[attr-defined]
     return backend
 
 
@@ -176,20 +207,3 @@ def zerofx_backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor], optio
             "or use zerofx.compile(model, mesh, **options)"
         )
     return make_backend(opts)(gm, example_inputs)
-
-
-def predict_step_peak(graph_ids: list[str]) -> int:
-    """Predicted peak bytes of forward + backward above the step's start, for frames run in
-    ``graph_ids`` order (backwards run in reverse): each forward's transient peak on top of
-    what earlier forwards saved, then each backward's peak on top of what is still saved (a
-    backward releases its frame's saved tensors only when it returns)."""
-    live = peak = 0
-    for gid in graph_ids:
-        fw = memory_estimates[(gid, "forward")]
-        peak = max(peak, live + fw.peak_bytes)
-        live += fw.output_bytes
-    for gid in reversed(graph_ids):
-        bw = memory_estimates[(gid, "backward")]
-        peak = max(peak, live + bw.peak_bytes)
-        live += bw.output_bytes - memory_estimates[(gid, "forward")].output_bytes
-    return peak

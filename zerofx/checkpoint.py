@@ -9,7 +9,7 @@ the model and optimizer: parameters and optimizer state are DTensors, so each ra
 its shards and DCP records their global shapes and offsets. That is what makes loading on a
 different world size or mesh (resharding) work without any zerofx code: DCP reads every rank's
 new shards from whichever files hold them. It also makes a checkpoint portable across ZeRO
-stages, whose parameters are the same ``Shard(0)`` DTensors (``zerofx.params``). After loading,
+stages, whose parameters are the same ``Shard(0)`` DTensors (``zerofx.runtime.params``). After loading,
 stages 1 and 2 refresh their whole copies (a ``load_state_dict`` post-hook).
 
 # NOTE: crash-safe writes
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_state_dict)
 
 from zerofx.errors import ZeroFXError
-from zerofx.params import runtime_of
+from zerofx.runtime.params import runtime_of
 
 __all__ = ["save", "load", "export_full_state_dict", "COMPLETE_MARKER"]
 

@@ -5,8 +5,9 @@ shards are uneven)::
 
     summary.txt                     every graph, every pass: node deltas, collectives, saved values
     frame0_joint/00_input.py        the graph as the pass pipeline received it
-    frame0_joint/01_free.py         ... after each pass, readable with shapes
-    frame0_joint/01_free.diff       unified diff against the previous file
+    frame0_joint/01_regather.py     ... after each pass, readable with shapes, then which pass
+                                    made each node zerofx added
+    frame0_joint/01_regather.diff   unified diff against the previous file
     frame0_forward/...
     frame0_forward/NN_codegen.py    with executor="triton": the graph with its fused-kernel calls
     frame0_forward/kernels/NN_<kernel>.py   the generated Triton source of each kernel
@@ -28,9 +29,10 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import fx
 
-from zerofx.metrics import COLLECTIVE_OPS, collective_group_size, collective_kind, wire_bytes
+from zerofx.ir.collectives import COLLECTIVE_OPS, collective_group_size, collective_kind, wire_bytes
+from zerofx.ir.meta import PASS as PROVENANCE
 from zerofx.passes.cost_model import tensor_bytes
-from zerofx.passes.pipeline import PassContext
+from zerofx.passes.contract import PassContext
 
 
 def _op_name(node: fx.Node) -> str:
@@ -40,7 +42,14 @@ def _op_name(node: fx.Node) -> str:
 
 
 def _graph_code(gm: fx.GraphModule) -> str:
-    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    """The graph's readable code, then which pass made each node zerofx added (provenance)."""
+    code = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    made = [(n.name, n.meta[PROVENANCE]) for n in gm.graph.nodes if PROVENANCE in n.meta]
+    if made:
+        width = max(len(name) for name, _ in made)
+        code += "\n# made by zerofx passes (node.meta['zerofx_pass']):\n"
+        code += "".join(f"#   {name:<{width}}  {pass_name}\n" for name, pass_name in made)
+    return code
 
 
 def _collective_line(node: fx.Node) -> str:
@@ -56,7 +65,7 @@ def _collective_line(node: fx.Node) -> str:
 @dataclass
 class PassRecord:
     graph_id: str
-    stage: str
+    kind: str  # graph kind (joint, forward, backward, inference)
     pass_name: str
     code: str
     nodes: int
@@ -95,7 +104,7 @@ class Recorder:
         collectives = [_collective_line(n) for n in after.graph.nodes
                        if n.target in COLLECTIVE_OPS and n.name not in before_names]
         code = _graph_code(after) if self.dump_dir is not None else ""  # only files need the code
-        record = PassRecord(ctx.graph_id, ctx.stage, pass_name, code, len(after.graph.nodes),
+        record = PassRecord(ctx.graph_id, ctx.kind, pass_name, code, len(after.graph.nodes),
                             after_ops - before_ops if before is not None else Counter(),
                             before_ops - after_ops if before is not None else Counter(),
                             collectives if before is not None else [], seconds,
@@ -104,27 +113,27 @@ class Recorder:
         if self.dump_dir is not None:
             self._write(record)
 
-    def note(self, graph_id: str, stage: str, text: str) -> None:
+    def note(self, graph_id: str, kind: str, text: str) -> None:
         """Attach a line to a graph's summary (e.g. what the partitioner saved)."""
-        self.notes.setdefault(f"{graph_id}_{stage}", []).append(text)
+        self.notes.setdefault(f"{graph_id}_{kind}", []).append(text)
         if self.dump_dir is not None:
             self._write_summary()
 
-    def kernels(self, graph_id: str, stage: str, sources: list[tuple[str, str]]) -> None:
+    def kernels(self, graph_id: str, kind: str, sources: list[tuple[str, str]]) -> None:
         """Keep the generated kernel sources of a graph (written as ``kernels/NN_<name>.py``)."""
-        self.kernel_sources[f"{graph_id}_{stage}"] = list(sources)
+        self.kernel_sources[f"{graph_id}_{kind}"] = list(sources)
         if self.dump_dir is None:
             return
-        folder = self._rank_dir() / f"{graph_id}_{stage}" / "kernels"
+        folder = self._rank_dir() / f"{graph_id}_{kind}" / "kernels"
         folder.mkdir(parents=True, exist_ok=True)
         for i, (name, source) in enumerate(sources):
             (folder / f"{i:02d}_{name}.py").write_text(source)
 
-    def kernel_failed(self, graph_id: str, stage: str, name: str, error: str) -> None:
+    def kernel_failed(self, graph_id: str, kind: str, name: str, error: str) -> None:
         """A kernel fell back to ATen at run time: say so next to its source."""
         if self.dump_dir is None:
             return
-        folder = self._rank_dir() / f"{graph_id}_{stage}" / "kernels"
+        folder = self._rank_dir() / f"{graph_id}_{kind}" / "kernels"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{name}.FAILED.txt").write_text(error + "\n")
 
@@ -132,14 +141,14 @@ class Recorder:
         out: list[str] = []
         current = None
         for r in self.records:
-            key = f"{r.graph_id}_{r.stage}"
+            key = f"{r.graph_id}_{r.kind}"
             if key != current:
                 current = key
                 out.append(f"{key}:")
                 out += [f"  note: {line}" for line in self.notes.get(key, [])]
             out.append(r.summary())
         for key, lines in self.notes.items():
-            if not any(f"{r.graph_id}_{r.stage}" == key for r in self.records):
+            if not any(f"{r.graph_id}_{r.kind}" == key for r in self.records):
                 out.append(f"{key}:")
                 out += [f"  note: {line}" for line in lines]
         return "\n".join(out)
@@ -149,9 +158,9 @@ class Recorder:
         return Path(self.dump_dir) / f"rank{rank}"
 
     def _write(self, record: PassRecord) -> None:
-        folder = self._rank_dir() / f"{record.graph_id}_{record.stage}"
+        folder = self._rank_dir() / f"{record.graph_id}_{record.kind}"
         folder.mkdir(parents=True, exist_ok=True)
-        same_graph = [r for r in self.records if (r.graph_id, r.stage) == (record.graph_id, record.stage)]
+        same_graph = [r for r in self.records if (r.graph_id, r.kind) == (record.graph_id, record.kind)]
         index = len(same_graph) - 1
         path = folder / f"{index:02d}_{record.pass_name}.py"
         path.write_text(record.code)

@@ -1,8 +1,24 @@
-"""Compiler options: one dataclass, one place where every knob is documented and validated."""
+"""Compiler options: the flat keywords users pass, and the five typed policies zerofx reads.
+
+Users write ``zerofx.compile(model, mesh, stage=2, bucket_bytes=...)``: one flat namespace,
+documented in one place (``Options``). Code inside zerofx reads the policy of its concern
+(``options.comm.bucket_bytes``), each a small frozen dataclass that validates its own fields:
+
+    LayoutPolicy   how parameters are sharded, cast and stepped   (fixed when the model is sharded)
+    CommPolicy     bucketing, prefetch, selective unsharding, calibration
+    MemoryPolicy   activation budget, checkpointing, offload tiers, host memory cap
+    DebugPolicy    dumps, disabled passes, invariant checks
+    CodegenPolicy  which executor runs the graphs, autotuning
+
+Validation is pure (no I/O, no imports of other zerofx layers): the offload folder is checked
+where it is first used (``zerofx.runtime.offload_store.resolve_offload_dir`` at compile), and
+pass names in ``disable_passes`` by the pipeline (``zerofx.passes.pipeline.resolve_disabled``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,18 +27,25 @@ import torch
 
 from zerofx.errors import ZeroFXError
 
+__all__ = ["Options", "LayoutPolicy", "CommPolicy", "MemoryPolicy", "DebugPolicy", "CodegenPolicy", "LAYOUT_OPTIONS",
+           "EXECUTORS", "ZERO_STAGES", "closest"]
+
 EXECUTORS = ("aten", "triton", "inductor")
-STAGES = (1, 2, 3)
+ZERO_STAGES = (1, 2, 3)
+CHECKPOINT_POLICIES = ("auto", "full")
+ACTIVATION_TIERS = ("none", "host", "disk")
+OPTIMIZER_TIERS = ("none", "host", "disk", "auto")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 
-# Options that decide how parameters are laid out: they take effect where the model is sharded
-# (zerofx.compile or zerofx.shard), not in the dynamo backend, which only sees graphs.
-LAYOUT_OPTIONS = ("stage", "persistence_threshold", "param_dtype", "reduce_dtype", "loss_scale",
-                  "initial_loss_scale", "loss_scale_window", "local_optimizer_step")
+
+def closest(name: str, valid: Any) -> str:
+    """`` (did you mean 'x'?)`` for the valid name closest to a misspelt ``name``, or ''."""
+    match = difflib.get_close_matches(name, [str(v) for v in valid], n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 def _dtype(name: str, value: Any) -> torch.dtype | None:
@@ -34,105 +57,18 @@ def _dtype(name: str, value: Any) -> torch.dtype | None:
         raise ZeroFXError(f"option {name}={value!r}: choose None, torch.float32, torch.bfloat16 or torch.float16 "
                           f"(or one of {sorted(_DTYPES)})")
     return value
-CHECKPOINT_POLICIES = ("auto", "full")
-ACTIVATION_TIERS = ("none", "host", "disk")
-OPTIMIZER_TIERS = ("none", "host", "disk", "auto")
+
+
+def _byte_count(name: str, value: Any, auto: bool = False) -> None:
+    if auto and value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ZeroFXError(f"option {name}={value!r}: give a byte count >= 0" + (" or 'auto'" if auto else ""))
 
 
 @dataclass(frozen=True)
-class Options:
-    """Options accepted by ``zerofx.compile(model, mesh, **options)`` and by the backend.
-
-    Attributes:
-        stage: the ZeRO stage (docs/zero_stages.md). 3 (default): parameters, gradients and
-            optimizer state are 1/N per rank; parameters are all-gathered in forward and
-            backward. 2: every rank keeps whole parameters (refreshed by one all-gather after
-            each optimizer step); gradients and optimizer state are 1/N. 1: whole parameters and
-            a whole gradient buffer, reduced once per accumulation boundary; optimizer state 1/N.
-        persistence_threshold: stage 3 only: parameters with fewer elements than this stay
-            whole on every rank (gradients all-reduced), trading a little memory for fewer,
-            larger collectives (DeepSpeed's ``stage3_param_persistence_threshold``). 0: none.
-        param_dtype: compute dtype (``torch.bfloat16`` / ``torch.float16``, or "bf16"/"fp16").
-            Parameters are cast from their fp32 shards *before* the all-gather (half the
-            bytes move), forward inputs are cast too; the optimizer keeps fp32 master shards.
-            Buffers are never cast (BatchNorm's running stats stay fp32), and the weight and
-            bias of batch and instance norm layers keep their fp32 master dtype, so batch_norm
-            runs its bf16 input against fp32 weights and statistics (computing in fp32), as
-            under torch.autocast; a norm layer whose tensors are neither all fp32 nor all
-            ``param_dtype`` is an error naming this option (docs/zero_stages.md, norm layers).
-            None: compute in the parameters' own dtype.
-        reduce_dtype: dtype gradients are reduced (and accumulated) in; None: the master
-            (parameter) dtype, fp32 for an fp32 model, whatever ``param_dtype`` is.
-        loss_scale: "dynamic" for dynamic loss scaling (skip the step and back off on inf/nan,
-            grow after ``loss_scale_window`` good steps), through torch's ``ShardedGradScaler``;
-            get it with ``zerofx.loss_scaler(model)``. Required with fp16 (param or reduce dtype).
-        initial_loss_scale: the first loss scale (2**16, as DeepSpeed and torch.amp).
-        loss_scale_window: good steps before the scale doubles.
-        local_optimizer_step: let elementwise ``torch.optim`` optimizers (SGD, Adam, AdamW, ...)
-            built over the model step each rank's local shards directly instead of going through
-            DTensor's dispatch op by op, from their second step on (zerofx/optim.py). Same
-            arithmetic, same state dict; False keeps every step on the DTensor path.
-        dump_dir: write every graph before and after every pass, a per-pass summary and a diff
-            under this folder. Defaults to the ``ZEROFX_DUMP`` environment variable.
-        disable_passes: names of pipeline passes to skip (see ``zerofx.passes.PASS_NAMES``).
-            Every pass is an optimization over a correct baseline: the marker ops the passes
-            lower have eager implementations, so disabling any pass keeps results correct.
-        verify: lint the graph and check zerofx's invariants after every pass.
-        executor: what runs the final graphs. ``"aten"`` (default) runs them op by op.
-            ``"triton"`` replaces fusible regions (pointwise chains, last-dim reductions such
-            as softmax / LayerNorm / RMSNorm, with their neighbours) by generated Triton
-            kernels and runs the rest as ATen; it needs a CUDA GPU, or ``TRITON_INTERPRET=1``
-            on CPU (slow: for tests), and otherwise falls back to ATen with a warning.
-            ``"inductor"`` hands the final graph to Inductor, for comparison.
-            See docs/codegen.md.
-        autotune: with ``executor="triton"`` on a GPU, let Triton time a few block sizes per
-            kernel instead of using the heuristic's choice. Ignored by the interpreter.
-        bucket_bytes: cap of a collective bucket in bytes (gathered size for all-gathers, input
-            size for reduce-scatters); ``"auto"`` takes the cost model's bandwidth-saturating
-            size as a target: buckets are whole transformer blocks (FSDP2's unit), a few small
-            ones or one large one, up to ``host_memory_cap / 16`` when a host cap is set (see
-            passes/bucket.py); an int is a hard cap; 0 disables bucketing.
-        prefetch_bytes: how much the schedule pass may raise a graph's estimated peak memory to
-            overlap communication; ``"auto"`` allows the largest gathered bucket (one block
-            prefetched, as FSDP2 does).
-        keep_gathered_bytes: selective unsharding budget: bytes of gathered parameters that may
-            stay alive from forward to backward to skip their re-gather (0: pure ZeRO-3).
-        calibrate: measure the collective cost constants on the mesh at ``zerofx.compile``
-            (a short collective on every rank, cached on disk per backend and world size).
-        cost_model: the ``zerofx.passes.cost_model.CostModel`` decisions read; filled by
-            calibration, defaults otherwise.
-
-        activation_budget: most bytes of activations the forward may keep resident for the
-            backward, per compiled graph: a float in (0, 1] is a fraction of the unconstrained
-            amount (what the forward saves when nothing that costs FLOPs is recomputed), an int
-            is bytes. The checkpoint pass then recomputes (or offloads) the cheapest values
-            until the plan fits; a budget below what any plan can meet is an error that names
-            the minimum. None: torch's min-cut partitioner decides, as without zerofx.
-        checkpoint: ``"auto"`` (decide by budget and the options below) or ``"full"``: recompute
-            everything inside each block (transformer layer) and save only block boundaries.
-        checkpoint_modules: fnmatch patterns of module names (``"blocks.1"``, ``"blocks.*.attn"``)
-            to checkpoint: everything computed inside is recomputed, their boundaries saved.
-        checkpoint_save_ops: ops whose outputs are always saved (``"aten.mm"`` or ``"mm"``). Alone
-            (no budget, no checkpointed modules) everything else is recomputed: selective AC.
-        offload_activations: ``"none"``, ``"host"`` (pinned host memory; on a CPU-only machine
-            host memory is device memory, so this only exercises the mechanism) or ``"disk"``
-            (files under ``offload_dir``): saved activations whose copies hide behind compute,
-            or that the budget needs gone, are parked there between forward and backward.
-        offload_optimizer: where fp32 parameter shards (the master weights) and optimizer state
-            live between steps: ``"none"`` (device memory), ``"host"`` (host memory, streamed to
-            the device for the step), ``"disk"`` (memory-mapped files under ``offload_dir``,
-            streamed in a window at a time; ZeRO-Infinity's NVMe tier) or ``"auto"`` (disk when
-            parameters plus Adam's state would exceed ``host_memory_cap``, else host). Call
-            ``zerofx.offload_optimizer(optimizer)`` on the optimizer built over the model.
-        offload_dir: folder for disk offload files; checked (created, written) when the options
-            are built, so a bad path fails at ``zerofx.compile``, not mid-step. Defaults to a
-            ``zerofx-offload`` folder in the system temp folder.
-        host_memory_cap: bytes of host memory model state may use; sizes the optimizer's
-            streaming window (a quarter of the cap) and decides ``offload_optimizer="auto"``.
-
-    The options in ``LAYOUT_OPTIONS`` shape the parameters, so they take effect where the model
-    is sharded (``zerofx.compile`` or ``zerofx.shard``); the backend rejects them.
-    """
+class LayoutPolicy:
+    """How parameters are laid out and stepped (see ``Options`` for each field)."""
 
     stage: int = 3
     persistence_threshold: int = 0
@@ -142,52 +78,9 @@ class Options:
     initial_loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
     local_optimizer_step: bool = True
-    dump_dir: str | None = field(default_factory=lambda: os.environ.get("ZEROFX_DUMP") or None)
-    disable_passes: tuple[str, ...] = ()
-    verify: bool = True
-    executor: str = "aten"
-    bucket_bytes: int | str = "auto"
-    prefetch_bytes: int | str = "auto"
-    keep_gathered_bytes: int = 0
-    calibrate: bool = False
-    cost_model: object = None
-    autotune: bool = False
-    activation_budget: float | int | None = None
-    checkpoint: str = "auto"
-    checkpoint_modules: tuple[str, ...] = ()
-    checkpoint_save_ops: tuple[str, ...] = ()
-    offload_activations: str = "none"
-    offload_optimizer: str = "none"
-    offload_dir: str | None = None
-    host_memory_cap: int | None = None
 
     def __post_init__(self) -> None:
-        from zerofx.passes.pipeline import PASS_NAMES
-
-        if isinstance(self.disable_passes, str):
-            object.__setattr__(self, "disable_passes", (self.disable_passes,))
-        object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
-        unknown = sorted(set(self.disable_passes) - set(PASS_NAMES))
-        if unknown:
-            raise ZeroFXError(
-                f"option disable_passes: unknown pass name(s) {unknown}; "
-                f"the pipeline's passes are {list(PASS_NAMES)}"
-            )
-        if self.executor not in EXECUTORS:
-            raise ZeroFXError(f"option executor={self.executor!r}: choose one of {list(EXECUTORS)}")
-        for name in ("bucket_bytes", "prefetch_bytes"):
-            value = getattr(self, name)
-            if not (value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)):
-                raise ZeroFXError(f"option {name}={value!r}: give a byte count >= 0 or 'auto'")
-        if not isinstance(self.keep_gathered_bytes, int) or self.keep_gathered_bytes < 0:
-            raise ZeroFXError(f"option keep_gathered_bytes={self.keep_gathered_bytes!r}: give a byte count >= 0")
-        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
-            raise ZeroFXError(f"option dump_dir must be a path, got {type(self.dump_dir).__name__}")
-        self._check_layout()
-        self._check_memory_options()
-
-    def _check_layout(self) -> None:
-        if isinstance(self.stage, bool) or self.stage not in STAGES:
+        if isinstance(self.stage, bool) or self.stage not in ZERO_STAGES:
             raise ZeroFXError(f"option stage={self.stage!r}: choose 1, 2 or 3")
         threshold = self.persistence_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
@@ -217,12 +110,44 @@ class Options:
                 or self.loss_scale_window < 1:
             raise ZeroFXError(f"option loss_scale_window={self.loss_scale_window!r}: give a number of steps >= 1")
 
-    def non_default_layout(self) -> list[str]:
-        """The layout options (``LAYOUT_OPTIONS``) set to something other than their default."""
-        default = Options(dump_dir=None)
-        return [n for n in LAYOUT_OPTIONS if getattr(self, n) != getattr(default, n)]
 
-    def _check_memory_options(self) -> None:
+
+# Options that decide how parameters are laid out: they take effect where the model is sharded
+# (zerofx.compile or zerofx.shard), not in the dynamo backend, which only sees graphs.
+LAYOUT_OPTIONS = tuple(f.name for f in dataclasses.fields(LayoutPolicy))
+
+
+@dataclass(frozen=True)
+class CommPolicy:
+    """Bucketing, prefetch and selective unsharding budgets, calibration (see ``Options``)."""
+
+    bucket_bytes: int | str = "auto"
+    prefetch_bytes: int | str = "auto"
+    keep_gathered_bytes: int = 0
+    calibrate: bool = False
+
+    def __post_init__(self) -> None:
+        _byte_count("bucket_bytes", self.bucket_bytes, auto=True)
+        _byte_count("prefetch_bytes", self.prefetch_bytes, auto=True)
+        _byte_count("keep_gathered_bytes", self.keep_gathered_bytes)
+        if not isinstance(self.calibrate, bool):
+            raise ZeroFXError(f"option calibrate={self.calibrate!r}: give True or False")
+
+
+@dataclass(frozen=True)
+class MemoryPolicy:
+    """Activation budget, checkpointing and offload tiers (see ``Options``)."""
+
+    activation_budget: float | int | None = None
+    checkpoint: str = "auto"
+    checkpoint_modules: tuple[str, ...] = ()
+    checkpoint_save_ops: tuple[str, ...] = ()
+    offload_activations: str = "none"
+    offload_optimizer: str = "none"
+    offload_dir: str | None = None
+    host_memory_cap: int | None = None
+
+    def __post_init__(self) -> None:
         budget = self.activation_budget
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, (int, float)):
@@ -263,24 +188,207 @@ class Options:
                               "host_memory_cap: set host_memory_cap (bytes)")
         if self.offload_dir is not None and not isinstance(self.offload_dir, (str, os.PathLike)):
             raise ZeroFXError(f"option offload_dir must be a path, got {type(self.offload_dir).__name__}")
-        if "disk" in (self.offload_activations, self.offload_optimizer) or self.offload_optimizer == "auto":
-            from zerofx.offload import check_offload_dir, default_offload_dir
 
-            if self.offload_dir is None:
-                object.__setattr__(self, "offload_dir", default_offload_dir())
-            check_offload_dir(self.offload_dir)
+    @property
+    def uses_disk(self) -> bool:
+        """Whether anything may be written under ``offload_dir``."""
+        return "disk" in (self.offload_activations, self.offload_optimizer) or self.offload_optimizer == "auto"
+
+
+@dataclass(frozen=True)
+class DebugPolicy:
+    """Dumps, passes to skip, invariant checks (see ``Options``)."""
+
+    dump_dir: str | None = field(default_factory=lambda: os.environ.get("ZEROFX_DUMP") or None)
+    disable_passes: tuple[str, ...] = ()
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        names = (self.disable_passes,) if isinstance(self.disable_passes, str) else tuple(self.disable_passes)
+        if not all(isinstance(n, str) for n in names):
+            raise ZeroFXError(f"option disable_passes must be pass names (strings), got {self.disable_passes!r}")
+        object.__setattr__(self, "disable_passes", names)
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise ZeroFXError(f"option dump_dir must be a path, got {type(self.dump_dir).__name__}")
+        if not isinstance(self.verify, bool):
+            raise ZeroFXError(f"option verify={self.verify!r}: give True or False")
+
+
+@dataclass(frozen=True)
+class CodegenPolicy:
+    """What runs the final graphs (see ``Options``)."""
+
+    executor: str = "aten"
+    autotune: bool = False
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ZeroFXError(f"option executor={self.executor!r}: choose one of {list(EXECUTORS)}"
+                              + closest(str(self.executor), EXECUTORS))
+        if not isinstance(self.autotune, bool):
+            raise ZeroFXError(f"option autotune={self.autotune!r}: give True or False")
+
+
+_POLICIES = {"layout": LayoutPolicy, "comm": CommPolicy, "memory": MemoryPolicy, "debug": DebugPolicy,
+             "codegen": CodegenPolicy}
+
+
+def _flat_keywords(cls: type) -> type:
+    """Give ``cls`` (before @dataclass) one field per policy field, with the policy's default."""
+    annotations = {}
+    for policy in _POLICIES.values():
+        for f in dataclasses.fields(policy):
+            annotations[f.name] = f.type
+            default = (field(default_factory=f.default_factory) if f.default_factory is not dataclasses.MISSING
+                       else f.default)
+            setattr(cls, f.name, default)
+    cls.__annotations__ = {**annotations, **cls.__dict__.get("__annotations__", {})}
+    return cls
+
+
+@dataclass(frozen=True)
+@_flat_keywords
+class Options:
+    """Options accepted by ``zerofx.compile(model, mesh, **options)`` and by the backend.
+
+    Attributes:
+        stage: the ZeRO stage (docs/zero_stages.md). 3 (default): parameters, gradients and
+            optimizer state are 1/N per rank; parameters are all-gathered in forward and
+            backward. 2: every rank keeps whole parameters (refreshed by one all-gather after
+            each optimizer step); gradients and optimizer state are 1/N. 1: whole parameters and
+            a whole gradient buffer, reduced once per accumulation boundary; optimizer state 1/N.
+        persistence_threshold: stage 3 only: parameters with fewer elements than this stay
+            whole on every rank (gradients all-reduced), trading a little memory for fewer,
+            larger collectives (DeepSpeed's ``stage3_param_persistence_threshold``). 0: none.
+        param_dtype: compute dtype (``torch.bfloat16`` / ``torch.float16``, or "bf16"/"fp16").
+            Parameters are cast from their fp32 shards *before* the all-gather (half the
+            bytes move), forward inputs are cast too; the optimizer keeps fp32 master shards.
+            Buffers are never cast (BatchNorm's running stats stay fp32), and the weight and
+            bias of batch and instance norm layers keep their fp32 master dtype, so batch_norm
+            runs its bf16 input against fp32 weights and statistics (computing in fp32), as
+            under torch.autocast; a norm layer whose tensors are neither all fp32 nor all
+            ``param_dtype`` is an error naming this option (docs/zero_stages.md, norm layers).
+            None: compute in the parameters' own dtype.
+        reduce_dtype: dtype gradients are reduced (and accumulated) in; None: the master
+            (parameter) dtype, fp32 for an fp32 model, whatever ``param_dtype`` is.
+        loss_scale: "dynamic" for dynamic loss scaling (skip the step and back off on inf/nan,
+            grow after ``loss_scale_window`` good steps), through torch's ``ShardedGradScaler``;
+            get it with ``zerofx.loss_scaler(model)``. Required with fp16 (param or reduce dtype).
+        initial_loss_scale: the first loss scale (2**16, as DeepSpeed and torch.amp).
+        loss_scale_window: good steps before the scale doubles.
+        local_optimizer_step: let elementwise ``torch.optim`` optimizers (SGD, Adam, AdamW, ...)
+            built over the model step each rank's local shards directly instead of going through
+            DTensor's dispatch op by op, from their second step on (zerofx/runtime/local_step.py). Same
+            arithmetic, same state dict; False keeps every step on the DTensor path.
+        dump_dir: write every graph before and after every pass, a per-pass summary and a diff
+            under this folder. Defaults to the ``ZEROFX_DUMP`` environment variable.
+        disable_passes: names of pipeline passes to skip (see ``zerofx.passes.PASS_NAMES``).
+            Every pass is an optimization over a correct baseline: the marker ops the passes
+            lower have eager implementations, so disabling any pass keeps results correct.
+        verify: lint the graph and check zerofx's invariants after every pass.
+        executor: what runs the final graphs. ``"aten"`` (default) runs them op by op.
+            ``"triton"`` replaces fusible regions (pointwise chains, last-dim reductions such
+            as softmax / LayerNorm / RMSNorm, with their neighbours) by generated Triton
+            kernels and runs the rest as ATen; it needs a CUDA GPU, or ``TRITON_INTERPRET=1``
+            on CPU (slow: for tests), and otherwise falls back to ATen with a warning.
+            ``"inductor"`` hands the final graph to Inductor, for comparison.
+            See docs/codegen.md.
+        autotune: with ``executor="triton"`` on a GPU, let Triton time a few block sizes per
+            kernel instead of using the heuristic's choice. Ignored by the interpreter.
+        bucket_bytes: cap of a collective bucket in bytes (gathered size for all-gathers, input
+            size for reduce-scatters); ``"auto"`` takes the cost model's bandwidth-saturating
+            size as a target: buckets are whole transformer blocks (FSDP2's unit), a few small
+            ones or one large one, up to ``host_memory_cap / 16`` when a host cap is set (see
+            passes/bucket.py); an int is a hard cap; 0 disables bucketing.
+        prefetch_bytes: how much the schedule pass may raise a graph's estimated peak memory to
+            overlap communication; ``"auto"`` allows the largest gathered bucket (one block
+            prefetched, as FSDP2 does).
+        keep_gathered_bytes: selective unsharding budget: bytes of gathered parameters that may
+            stay alive from forward to backward to skip their re-gather (0: pure ZeRO-3).
+        calibrate: measure the collective cost constants on the mesh at ``zerofx.compile``
+            (a short collective on every rank, cached on disk per backend and world size).
+
+        activation_budget: most bytes of activations the forward may keep resident for the
+            backward, per compiled graph: a float in (0, 1] is a fraction of the unconstrained
+            amount (what the forward saves when nothing that costs FLOPs is recomputed), an int
+            is bytes. The checkpoint pass then recomputes (or offloads) the cheapest values
+            until the plan fits; a budget below what any plan can meet is an error that names
+            the minimum. None: torch's min-cut partitioner decides, as without zerofx.
+        checkpoint: ``"auto"`` (decide by budget and the options below) or ``"full"``: recompute
+            everything inside each block (transformer layer) and save only block boundaries.
+        checkpoint_modules: fnmatch patterns of module names (``"blocks.1"``, ``"blocks.*.attn"``)
+            to checkpoint: everything computed inside is recomputed, their boundaries saved.
+        checkpoint_save_ops: ops whose outputs are always saved (``"aten.mm"`` or ``"mm"``). Alone
+            (no budget, no checkpointed modules) everything else is recomputed: selective AC.
+        offload_activations: ``"none"``, ``"host"`` (pinned host memory; on a CPU-only machine
+            host memory is device memory, so this only exercises the mechanism) or ``"disk"``
+            (files under ``offload_dir``): saved activations whose copies hide behind compute,
+            or that the budget needs gone, are parked there between forward and backward.
+        offload_optimizer: where fp32 parameter shards (the master weights) and optimizer state
+            live between steps: ``"none"`` (device memory), ``"host"`` (host memory, streamed to
+            the device for the step), ``"disk"`` (memory-mapped files under ``offload_dir``,
+            streamed in a window at a time; ZeRO-Infinity's NVMe tier) or ``"auto"`` (disk when
+            parameters plus Adam's state would exceed ``host_memory_cap``, else host). Call
+            ``zerofx.offload_optimizer(optimizer)`` on the optimizer built over the model.
+        offload_dir: folder for disk offload files; checked (created, written) by
+            ``zerofx.compile`` (or the backend) before anything is traced, so a bad path fails
+            there, not mid-step. Defaults to a ``zerofx-offload`` folder in the system temp folder.
+        host_memory_cap: bytes of host memory model state may use; sizes the optimizer's
+            streaming window (a quarter of the cap) and decides ``offload_optimizer="auto"``.
+
+    The options in ``LAYOUT_OPTIONS`` shape the parameters, so they take effect where the model
+    is sharded (``zerofx.compile`` or ``zerofx.shard``); the backend rejects them.
+
+    Inside zerofx the options are read by concern, as five small frozen policies built (and
+    validated) from these fields: ``options.layout`` (LayoutPolicy), ``options.comm``
+    (CommPolicy), ``options.memory`` (MemoryPolicy), ``options.debug`` (DebugPolicy) and
+    ``options.codegen`` (CodegenPolicy). Validation is pure: it reads no file and imports no
+    other part of zerofx.
+    """
+
+
+    # The flat keywords are the policies' fields, in policy order (added by _flat_keywords, so
+    # each field and its default is written once, on its policy). The policies themselves are
+    # built from them and are not init fields: equality, repr and dataclasses.replace see the
+    # flat keywords only.
+    layout: LayoutPolicy = field(init=False, repr=False, compare=False)
+    comm: CommPolicy = field(init=False, repr=False, compare=False)
+    memory: MemoryPolicy = field(init=False, repr=False, compare=False)
+    debug: DebugPolicy = field(init=False, repr=False, compare=False)
+    codegen: CodegenPolicy = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for attr, cls in _POLICIES.items():
+            policy = cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+            object.__setattr__(self, attr, policy)
+            for f in dataclasses.fields(cls):  # the policy's normalized values (dtypes, tuples)
+                object.__setattr__(self, f.name, getattr(policy, f.name))
+
+    def non_default_layout(self) -> list[str]:
+        """The layout options (``LAYOUT_OPTIONS``) set to something other than their default."""
+        default = LayoutPolicy()
+        return [n for n in LAYOUT_OPTIONS if getattr(self.layout, n) != getattr(default, n)]
+
+    @classmethod
+    def keywords(cls) -> tuple[str, ...]:
+        """The option names ``zerofx.compile`` accepts."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.init)
 
     @classmethod
     def from_kwargs(cls, options: Options | dict[str, Any] | None = None, **kwargs: Any) -> Options:
-        """Build options from an Options, a dict and/or keyword arguments; unknown names raise."""
+        """Build options from an Options, a dict and/or keyword arguments; an unknown name raises
+        one error naming it and the closest valid name."""
+        names = cls.keywords()
         merged: dict[str, Any] = {}
         if isinstance(options, Options):
-            merged.update({f.name: getattr(options, f.name) for f in dataclasses.fields(cls)})
+            merged.update({n: getattr(options, n) for n in names})
         elif options:
             merged.update(options)
         merged.update(kwargs)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(merged) - names)
+        unknown = sorted(set(merged) - set(names))
         if unknown:
-            raise ZeroFXError(f"unknown zerofx option(s) {unknown}; valid options are {sorted(names)}")
+            hint = closest(unknown[0], names)
+            raise ZeroFXError(f"unknown zerofx option {unknown[0]!r}{hint}"
+                              + (f" (and {unknown[1:]})" if len(unknown) > 1 else "")
+                              + f"; valid options are {sorted(names)}")
         return cls(**merged)

@@ -3,14 +3,14 @@
 After ``shard(model, mesh, **options)``:
 
 * every parameter is a ``DTensor``: ``Shard(0)`` over the mesh (torch.chunk rows, see
-  ``zerofx.ops`` NOTE: shard layout), or ``Replicate()`` for parameters below the persistence
+  ``zerofx.ir.layout`` NOTE: shard layout), or ``Replicate()`` for parameters below the persistence
   threshold. So ``model.parameters()`` are what the optimizer steps in every ZeRO stage: any
   ``torch.optim`` optimizer keeps 1/N of the state, ``clip_grad_norm_`` computes the global
   norm, and ``state_dict()`` is ready for ``torch.distributed.checkpoint``;
 * on a 2-D mesh ``(replicate, shard)`` (hybrid sharding) placements are
   ``(Replicate(), Shard(0))``: sharded within the inner dimension, replicated across the outer;
 * reading ``module.weight`` inside ``forward`` returns the *full* weight through the stage's
-  marker ops (``zerofx.params`` NOTE: markers per stage). The module's class is swapped for a
+  marker ops (``zerofx.runtime.params`` NOTE: markers per stage). The module's class is swapped for a
   subclass whose parameter names are properties, so parameter names, ``state_dict`` keys and
   the module tree are unchanged (SimpleFSDP's parametrization idea, without
   ``torch.nn.utils.parametrize``'s renamed ``parametrizations.*.original`` keys);
@@ -40,11 +40,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils._pytree import tree_map
 
 from zerofx.errors import ZeroFXError
-from zerofx.loss_scaling import make_loss_scaler
-from zerofx.ops import row_offset
+from zerofx.runtime.loss_scaling import make_loss_scaler
+from zerofx.ir.layout import row_offset
 from zerofx.options import Options
-from zerofx.optim import install as install_local_step
-from zerofx.params import GroupInfo, ModelRuntime, ParamState, runtime_of, track
+from zerofx.runtime.local_step import install as install_local_step
+from zerofx.runtime.params import GroupInfo, ModelRuntime, ParamState, runtime_of, track
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +88,12 @@ def resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return getattr(model, "_zerofx_mesh", None) is not None
+    return runtime_of(model) is not None
 
 
 def mesh_of(model: nn.Module) -> DeviceMesh | None:
-    return getattr(model, "_zerofx_mesh", None)
+    runtime = runtime_of(model)
+    return runtime.mesh if runtime is not None else None
 
 
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -223,10 +224,8 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
         raise ZeroFXError("model is already sharded by zerofx; call zerofx.shard once per model")
     mesh = resolve_mesh(model, mesh)
     full_precision = _full_precision_params(model, opts)
-    model._zerofx_mesh = mesh
-    model._zerofx_options = opts
-    runtime = ModelRuntime(stage=opts.stage, local_step=opts.local_optimizer_step)
-    model._zerofx_runtime = runtime
+    runtime = ModelRuntime(stage=opts.stage, mesh=mesh, options=opts, local_step=opts.local_optimizer_step)
+    model._zerofx = runtime
     runtime.scaler = make_loss_scaler(opts, mesh)
     if mesh.size() == 1 and opts.param_dtype is None:
         log.info("zerofx: mesh has one rank; parameters stay whole")

@@ -16,14 +16,14 @@ as far as the ranks' own order goes):
 
 * before every functional collective is issued and before every ``wait_tensor``, inside
   zerofx's compiled graphs (every executor's callable is wrapped by ``wrap_graph``, in
-  codegen/executor.py) and in the eager flat-bucket collectives (zerofx/flat.py's
+  codegen/executor.py) and in the eager flat-bucket collectives (zerofx/runtime/eager_buckets.py's
   ``refresh`` and ``reduce_pending``, decorated with ``eager``). One TorchDispatchMode, entered only while those run, sees the
   ops as they are dispatched, so the graphs themselves are unchanged (dumps, counts and
   the memory estimate are the same with and without stress);
 * before zerofx's activation-offload waits and issues (``zerofx::offload``, ``reload``,
   ``reload_wait``), whose copies run on a background thread;
 * before and after every optimizer step (global ``torch.optim`` step pre/post hooks,
-  registered at import), around zerofx's own optimizer hooks (zerofx/optim.py, the stage-1/2
+  registered at import), around zerofx's own optimizer hooks (zerofx/runtime/local_step.py, the stage-1/2
   refresh).
 
 Why a dispatch mode rather than a graph pass inserting sleep ops: a pass would change what

@@ -11,7 +11,7 @@ the two agree **bit for bit** on any CPU:
   (the same shapes, hence the same kernels and summation orders as zerofx's graphs);
 * every rank's local gradients are all-gathered (an exact copy) and combined the way zerofx
   combines them: within a shard group, zerofx sums the ranks' chunks itself, in rank order
-  (the transport pass on gloo, ``zerofx/flat.py``), then divides by the group size; across a
+  (the transport pass on gloo, ``zerofx/runtime/eager_buckets.py``), then divides by the group size; across a
   replicate group the backend's all-reduce sums. The oracle adds in the same order;
 * the optimizer is the user's own class with the same hyperparameters, stepping one leaf tensor
   per rank shard (``torch.chunk`` rows), so each element sits at the same offset of a tensor of
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from zerofx.flat import rank_ordered_sum
+from zerofx.runtime.eager_buckets import rank_ordered_sum
 
 __all__ = ["ShardedReference", "Divergence", "StepReport", "VerifyReport", "verify", "shard_rows",
            "summation_bound", "load_factory", "exact_divergence"]

@@ -1,4 +1,5 @@
-"""Building and recognising FX nodes in ATen graphs, with fake-tensor metadata kept valid.
+"""Editing ATen FX graphs: building nodes with fake-tensor metadata kept valid, reading them,
+and moving them without breaking data dependencies.
 
 Every pass that inserts nodes goes through ``insert_call`` so that ``node.meta["val"]`` is
 always a fake tensor of the right shape, dtype and strides: later passes, the dump's byte
@@ -7,7 +8,6 @@ counts and the partitioner all read it.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -16,14 +16,10 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_arg
 
-_F = torch.ops._c10d_functional
-ALL_GATHER = _F.all_gather_into_tensor.default
-REDUCE_SCATTER = _F.reduce_scatter_tensor.default
-ALL_REDUCE = _F.all_reduce.default
-WAIT = _F.wait_tensor.default
-CONVERT = torch.ops.prims.convert_element_type.default
+from zerofx.ir.collectives import WAIT
+from zerofx.ir.meta import ROLE
 
-from zerofx.metrics import COLLECTIVE_OPS  # noqa: E402  (one table of collectives for all of zerofx)
+CONVERT = torch.ops.prims.convert_element_type.default
 
 
 def fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode:
@@ -48,7 +44,7 @@ def insert_call(gm: fx.GraphModule, target: Any, args: tuple, kwargs: dict | Non
     with fake_mode_of(gm):
         node.meta["val"] = target(*fake_args, **fake_kwargs)
     if role is not None:
-        node.meta["zerofx_role"] = role
+        node.meta[ROLE] = role
     return node
 
 
@@ -76,49 +72,50 @@ def full_args(node: fx.Node) -> tuple:
     return node.args
 
 
+def wait_of(collective: fx.Node) -> fx.Node | None:
+    """The one ``wait_tensor`` of a collective node; None when it has none, or several."""
+    waits = [u for u in collective.users if u.target is WAIT]
+    return waits[0] if len(waits) == 1 else None
+
+
 def first_user(node: fx.Node) -> fx.Node:
     """The user of ``node`` that comes first in graph order."""
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    order = positions(node.graph)
     return min(node.users, key=order.__getitem__)
 
 
-def module_path(stack_entry: str) -> str:
-    """``"L['fn'].__self__.blocks.0.attn"`` (dynamo's spelling) -> ``"blocks.0.attn"``."""
-    s = re.sub(r"^L\['[^']*'\]", "", stack_entry)
-    s = s.replace(".__self__", "")
-    s = re.sub(r"\._modules\['([^']*)'\]", r".\1", s)
-    s = re.sub(r"\[(\d+)\]", r".\1", s)
-    s = re.sub(r"\['([^']*)'\]", r".\1", s)
-    return s.strip(".")
+# -- moving nodes (bucket and schedule) ----------------------------------------------------------
+
+def positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each node's index in graph order."""
+    return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def block_of(path: str) -> str:
-    """The transformer layer (outermost indexed module: ``blocks.0``) a module path lies in, or
-    its top-level module when it lies in none (``wte``, ``ln_f``)."""
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return parts[0]
+def hoist_before(node: fx.Node, anchor: fx.Node) -> bool:
+    """Move ``node`` and those of its ancestors that sit after ``anchor`` to just before it.
+
+    Returns False (and moves nothing) when an ancestor cannot move: a placeholder, or the
+    anchor itself. Relative order of the moved nodes is kept.
+    """
+    order = positions(node.graph)
+    limit = order[anchor]
+    if order[node] < limit:
+        return True
+    to_move: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in to_move or order[n] < limit:
+            continue
+        if n.op != "call_function" or n is anchor:
+            return False
+        to_move.add(n)
+        stack.extend(n.all_input_nodes)
+    for n in sorted(to_move, key=order.__getitem__):
+        anchor.prepend(n)
+    return True
 
 
-def module_block(node: fx.Node, depth: int = 8) -> str | None:
-    """The block (see ``block_of``) whose code produced ``node``, from the module stack dynamo
-    records on forward nodes (``nn_module_stack``) and AOT autograd copies onto the backward
-    nodes derived from them (``fwd_nn_module_stack``); nodes zerofx inserted carry neither, so
-    the search walks up their inputs (breadth first, ``depth`` levels). None when nothing says."""
-    frontier, seen = [node], set()
-    for _ in range(depth):
-        nxt = []
-        for n in frontier:
-            stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack")
-            if stack:
-                path = module_path(list(stack.values())[-1][0])
-                if path:
-                    return block_of(path)
-            for i in n.all_input_nodes:
-                if i not in seen:
-                    seen.add(i)
-                    nxt.append(i)
-        frontier = nxt
-    return None
+def sink_before(node: fx.Node, anchor: fx.Node) -> None:
+    """Move ``node`` (which must have no users before ``anchor``) to just before ``anchor``."""
+    anchor.prepend(node)

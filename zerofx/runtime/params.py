@@ -8,7 +8,7 @@ mode and "gradients pending" are plain attributes it guards on, so each mode is 
 compiled graph, compiled once).
 
 # NOTE: markers per stage
-One pipeline, one set of markers (``zerofx.ops``); a stage is a choice of markers per parameter::
+One pipeline, one set of markers (``zerofx.ir.markers``); a stage is a choice of markers per parameter::
 
     stage 3       unshard(shard)           gather in forward (and backward); reduce-scatter grads
     stage 2       read_full(shard, full)   forward reads the whole copy; reduce-scatter grads
@@ -30,7 +30,7 @@ shard *is* a view of its rows of ``full``, so the copy costs nothing extra.
 micro-batch's whole, unreduced gradient in ``sink.grad`` (the reduce dtype). At the end of the
 first backward that runs outside ``zerofx.no_sync`` (an autograd end-of-backward callback),
 :meth:`ModelRuntime.reduce_pending` reduces every pending sum once — reduce-scatter into the
-shard's gradient, in flat buckets (zerofx/flat.py), plus all-reduce across replicas on a 2-D
+shard's gradient, in flat buckets (zerofx/runtime/eager_buckets.py), plus all-reduce across replicas on a 2-D
 mesh, or all-reduce for whole parameters. Once anything is pending, later micro-batches take the local route too, so a whole
 accumulation cycle costs exactly one reduction per parameter. This is ZeRO-1 by construction
 (DeepSpeed's stage 1 also reduces at the boundary) and gradient accumulation for every stage.
@@ -41,12 +41,13 @@ rank must have produced gradients for the same parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from zerofx import flat
-from zerofx.ops import local_rows, row_offset
+from zerofx.runtime import eager_buckets
+from zerofx.ir.layout import local_rows, row_offset
 
 __all__ = ["GroupInfo", "ParamState", "ModelRuntime"]
 
@@ -148,15 +149,22 @@ class ParamState:
 
 @dataclass(eq=False)
 class ModelRuntime:
-    """Per-model mode flags read by ``forward_value`` and the boundary reduce they trigger."""
+    """Everything zerofx keeps for one model (``model._zerofx``; ``runtime_of(model)``): how it
+    was sharded, its parameters' states, the mode flags ``forward_value`` and the boundary
+    reduce read, where its model state lives, and what the compile of it estimated."""
 
     stage: int
+    mesh: Any = None  # the DeviceMesh it is sharded over
+    options: Any = None  # the zerofx.Options it was sharded with
     states: list[ParamState] = field(default_factory=list)
     sync: bool = True  # False inside zerofx.no_sync
     pending: bool = False  # some sink holds an unreduced gradient
     _callback_queued: bool = False
     scaler: object | None = None  # torch's ShardedGradScaler when loss scaling is on
-    local_step: bool = True  # elementwise optimizers step the local shards (zerofx/optim.py)
+    local_step: bool = True  # elementwise optimizers step the local shards (zerofx/runtime/local_step.py)
+    state_tier: str = "none"  # where parameter shards and optimizer state live (offload_store.place_model_state)
+    state_report: str | None = None  # the line saying so, for explain() and the dump
+    compiled: Any = None  # zerofx.backend.CompileState of the compiled model (its per-graph estimates)
 
     def on_local_grad(self, sink: torch.Tensor) -> None:
         """Post-accumulate-grad hook of every sink: schedule the boundary reduce."""
@@ -169,12 +177,12 @@ class ModelRuntime:
         """Land every pending local gradient in its parameter's gradient (see NOTE: the
         accumulation boundary). A collective: every rank calls it at the same point."""
         self._callback_queued = False
-        flat.reduce_pending(self.states)
+        eager_buckets.reduce_pending(self.states)
         self.pending = False
 
     def refresh(self) -> None:
         """Bring every whole copy up to date with its shard (stages 1 and 2; a collective)."""
-        flat.refresh(self.states)
+        eager_buckets.refresh(self.states)
 
 
 _REFRESH_HOOK = None
@@ -187,7 +195,7 @@ def _refresh_after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
     is built by the user after ``zerofx.compile``; every rank steps the same parameters in
     the same order, so the all-gathers match."""
     states = [getattr(p, "_zerofx_state", None) for group in optimizer.param_groups for p in group["params"]]
-    flat.refresh([s for s in states if s is not None])
+    eager_buckets.refresh([s for s in states if s is not None])
 
 
 def track(state: ParamState) -> None:
@@ -200,5 +208,23 @@ def track(state: ParamState) -> None:
         _REFRESH_HOOK = register_optimizer_step_post_hook(_refresh_after_step)
 
 
+@dataclass(eq=False)
+class OptimizerState:
+    """What zerofx keeps for one optimizer (``optimizer._zerofx``; ``optimizer_state(opt)``)."""
+
+    local_step: bool = False  # later steps run on local shards (zerofx/runtime/local_step.py)
+    inner_step: Any = None  # the step the local step wraps (the class's, or what already wrapped it)
+    offload: tuple | None = None  # (tier, store, window) from zerofx.offload_optimizer
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, create: bool = False) -> OptimizerState | None:
+    """zerofx's state of ``optimizer``: None until zerofx first adopted it (``create`` makes it)."""
+    state = getattr(optimizer, "_zerofx", None)
+    if state is None and create:
+        state = optimizer._zerofx = OptimizerState()
+    return state
+
+
 def runtime_of(model: torch.nn.Module) -> ModelRuntime | None:
-    return getattr(model, "_zerofx_runtime", None)
+    """What zerofx keeps for ``model`` (None: not sharded by zerofx)."""
+    return getattr(model, "_zerofx", None)

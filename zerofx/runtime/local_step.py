@@ -4,10 +4,8 @@ zerofx's parameters are ``Shard(0)`` DTensors (``Replicate()`` when kept whole),
 optimizer's state is sharded too and ``state_dict`` / DCP see global tensors. The price is in
 the step: every op an optimizer runs on a DTensor goes through DTensor's Python dispatch
 (sharding propagation, unwrapping, rewrapping the result). torch's single-tensor AdamW, the
-default on CPU, runs about eight ops per parameter, so the medium benchmark GPT (76 parameters)
-pays about 600 dispatches per step: 31 ms of DTensor dispatch ("PythonSubclass" in the
-profiler) in a 60 ms optimizer step, measured on 2 gloo ranks of this 2-core machine. FSDP2
-pays the same. An elementwise optimizer does the same arithmetic on a shard as on the DTensor
+default on CPU, runs about eight ops per parameter, each a DTensor dispatch (what that costs:
+docs/measurements.md, local_step). FSDP2 pays the same. An elementwise optimizer does the same arithmetic on a shard as on the DTensor
 around it, so zerofx steps the shards directly and leaves the DTensors as they were.
 
 # NOTE: how a step runs on local shards
@@ -43,6 +41,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
+from zerofx.runtime.params import optimizer_state
+
 __all__ = ["ELEMENTWISE", "install", "steps_locally"]
 
 # Optimizers whose update of an element reads only that element of the parameter, its gradient
@@ -66,7 +66,8 @@ def install() -> None:
 
 def steps_locally(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer``'s steps after the first run on local shards (NOTE above)."""
-    return bool(getattr(optimizer, "_zerofx_local_step", False))
+    state = optimizer_state(optimizer)
+    return state is not None and state.local_step
 
 
 def _managed(p: torch.Tensor) -> bool:
@@ -75,14 +76,14 @@ def _managed(p: torch.Tensor) -> bool:
 
 
 def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    if hasattr(optimizer, "_zerofx_local_step") or torch.compiler.is_compiling():
-        return
+    if optimizer_state(optimizer) is not None or torch.compiler.is_compiling():
+        return  # decided at its first step already (or zerofx.offload_optimizer took it)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    adopt = (type(optimizer) in ELEMENTWISE and getattr(optimizer, "_zerofx_offload", None) is None
-             and any(_managed(p) for p in params))
-    optimizer._zerofx_local_step = adopt
+    adopt = type(optimizer) in ELEMENTWISE and any(_managed(p) for p in params)
+    state = optimizer_state(optimizer, create=True)
+    state.local_step = adopt
     if adopt:
-        inner = optimizer._zerofx_inner_step = optimizer.step  # the class's step, or what wraps it
+        inner = state.inner_step = optimizer.step  # the class's step, or what wraps it
 
         def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
             return _local_step(self, closure)
@@ -100,7 +101,7 @@ def _local_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None =
         with torch.enable_grad():
             loss = closure()
     with _on_local_shards(self):
-        self._zerofx_inner_step()
+        optimizer_state(self).inner_step()
     return loss
 
 

@@ -5,7 +5,7 @@
             (model(*micro_batch) / len(micro_batches)).backward()
     optimizer.step()
 
-Inside ``no_sync`` the parameters' forward goes through ``local_grad`` (``zerofx.params`` NOTE:
+Inside ``no_sync`` the parameters' forward goes through ``local_grad`` (``zerofx.runtime.params`` NOTE:
 markers per stage): each backward adds its whole, unreduced gradient to a per-parameter buffer
 and communicates nothing. The first backward outside ``no_sync`` adds its own gradient there
 too and then reduces every buffer once (NOTE: the accumulation boundary), so a whole cycle of
@@ -25,7 +25,7 @@ from typing import Iterator
 from torch import nn
 
 from zerofx.errors import ZeroFXError
-from zerofx.params import runtime_of
+from zerofx.runtime.params import runtime_of
 
 __all__ = ["no_sync"]
 

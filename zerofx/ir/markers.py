@@ -12,11 +12,11 @@ gradient. Dynamo and AOTAutograd trace them as opaque custom ops, so the capture
     local_grad(x, sink)                     ``x``                             kept local in ``sink.grad``
 
 ZeRO stages, the persistence threshold, hybrid sharding and gradient accumulation are
-compositions of these markers (see ``zerofx.params`` NOTE: markers per stage): stage 3 reads
+compositions of these markers (see ``zerofx.runtime.params`` NOTE: markers per stage): stage 3 reads
 ``unshard``, stage 2 ``read_full``, stage 1 and no-sync micro-batches ``local_grad``, small
 parameters ``sync_grad``; a 2-D mesh wraps the shard in ``sync_grad`` over the replicate group.
 ``gather`` lowers the forward markers (an all-gather, or nothing at all), ``reduce`` lowers the
-gradient markers into collectives, ``free`` makes the partitioner re-run forward markers in the
+gradient markers into collectives, ``regather`` makes the partitioner re-run forward markers in the
 backward instead of saving their results.
 
 Every marker has a real eager implementation (functional collectives, waited at once; the
@@ -29,12 +29,7 @@ each collective: ``unshard`` casts the shard to ``compute_dtype`` *before* the a
 the bytes for bf16), gradient markers cast to ``reduce_dtype`` before reducing and to the
 parameter's (master) dtype after.
 
-# NOTE: shard layout
-Parameters are split along dim 0 with ``torch.chunk`` semantics (the layout of DTensor's
-``Shard(0)``): with ``rows = ceil(full_rows / group_size)``, rank r holds rows
-``[r*rows, min((r+1)*rows, full_rows))``, possibly none. Padding every shard to ``rows`` rows
-makes all-gather inputs equal-sized, and the gathered buffer's first ``full_rows`` rows are then
-exactly the full tensor (padding only ever sits after the last real row).
+The shard layout the markers assume is zerofx.ir.layout's (NOTE: shard layout).
 """
 
 from __future__ import annotations
@@ -42,30 +37,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from zerofx.metrics import record_collectives, wire_bytes
+from zerofx.ir.collectives import record_collectives, wire_bytes
+from zerofx.ir.layout import pad_rows, padded_rows
 
-__all__ = ["padded_rows", "local_rows", "row_offset", "unshard", "reduce_grad", "read_full", "sync_grad", "all_reduce_grad",
+__all__ = ["unshard", "reduce_grad", "read_full", "sync_grad", "all_reduce_grad",
            "local_grad", "FORWARD_MARKERS", "GRAD_MARKERS"]
 
 _F = torch.ops._c10d_functional
-
-
-def padded_rows(full_rows: int, group_size: int) -> int:
-    """Rows of every rank's padded shard."""
-    return -(-full_rows // group_size)
-
-
-def local_rows(full_rows: int, group_size: int, rank: int) -> int:
-    """Real (unpadded) rows of ``rank``'s shard under torch.chunk semantics."""
-    rows = padded_rows(full_rows, group_size)
-    return max(0, min(rows, full_rows - rank * rows))
-
-
-def row_offset(full_rows: int, group_size: int, rank: int) -> int:
-    """First row of ``rank``'s shard (``full_rows`` for a rank holding none)."""
-    return min(full_rows, padded_rows(full_rows, group_size) * rank)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -74,14 +53,6 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
-
-
-def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """Zero-pad ``t`` along dim 0 up to ``rows`` rows (no copy when already that size)."""
-    missing = rows - t.shape[0]
-    if missing == 0:
-        return t
-    return F.pad(t, [0, 0] * (t.dim() - 1) + [0, missing])
 
 
 # --- unshard / reduce_grad: a dim-0 sharded parameter ------------------------------------------
@@ -214,7 +185,7 @@ def local_grad(x: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
 
     ``sink`` is a full-shape leaf that requires grad (its values are never read: zerofx makes
     it a stride-0 view of one element); autograd's own gradient accumulation sums every
-    micro-batch's local gradient into ``sink.grad``, in ``sink``'s dtype. ``zerofx.params``
+    micro-batch's local gradient into ``sink.grad``, in ``sink``'s dtype. ``zerofx.runtime.params``
     reduces that sum once, at the accumulation boundary (ZeRO-1, and ``zerofx.no_sync``)."""
     return x.clone()
 

@@ -9,18 +9,6 @@ Two tiers below device memory, as in DeepSpeed's ZeRO-Offload / ZeRO-Infinity:
 * ``disk``: files under ``Options.offload_dir`` (NVMe in practice). This is what makes offload
   real on a CPU-only machine: bytes on disk are not resident.
 
-Activations (graph ops, inserted by ``passes/offload.py``)::
-
-    parked = zerofx.offload(x, tier, dir)         # after x's last forward use; returns at once,
-                                                  # the copy/write runs asynchronously
-    y = zerofx.reload(parked, tier, dev, size, stride)   # ahead of the first backward use: starts
-    y = zerofx.reload_wait(y)                     # the read; the wait sits just before the use
-
-A disk-parked activation is a tensor backed by a memory-mapped file (``torch.from_file``) whose
-pages are written with ``pwrite`` by a background thread and never touched by this process
-until the reload, so it holds no resident memory in between. The source tensor is kept alive by
-the writer until its bytes are on disk, then freed.
-
 Model state (``place_model_state`` at ``zerofx.compile``, ``offload_optimizer`` on the optimizer):
 each parameter shard and, after the first step, each optimizer-state tensor is moved into its
 own memory-mapped file (``DiskStore``) by re-pointing the tensor at the mapping (``set_``), so
@@ -34,13 +22,11 @@ updates the current one.
 
 from __future__ import annotations
 
-import ctypes
+import dataclasses
 import mmap
 import os
 import tempfile
-import threading
 import types
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -48,16 +34,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zerofx.errors import ZeroFXError
+from zerofx.ir.offload_ops import default_offload_dir, new_file, paged_storages
+from zerofx.runtime.params import optimizer_state, runtime_of
 
-__all__ = ["default_offload_dir", "check_offload_dir", "DiskStore", "place_model_state", "offload_optimizer",
-           "state_store", "OFFLOAD", "RELOAD", "RELOAD_WAIT", "PAGE_OUT"]
+__all__ = ["check_offload_dir", "resolve_offload_dir", "DiskStore", "place_model_state", "offload_optimizer", "state_store"]
 
 
 # -- the offload folder --------------------------------------------------------------------------
-
-def default_offload_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), "zerofx-offload")
-
 
 def check_offload_dir(path: str | os.PathLike) -> None:
     """Create ``path`` if needed and prove it takes a file, or raise a ZeroFXError naming it."""
@@ -72,178 +55,20 @@ def check_offload_dir(path: str | os.PathLike) -> None:
                           "disk offload needs one: pass offload_dir=<a folder on a local disk>") from None
 
 
-def _new_file(directory: str, nbytes: int) -> int:
-    """An open, unlinked file of ``nbytes`` bytes: it disappears when the last user closes it."""
-    fd, path = tempfile.mkstemp(dir=directory, prefix="zerofx-", suffix=".bin")
-    try:
-        os.ftruncate(fd, nbytes)
-    finally:
-        os.unlink(path)
-    return fd
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int = 0) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
-
-
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (and without needing numpy); the
-    caller keeps ``t`` alive while the view is used."""
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
-
-
-# -- activation offload: ops ---------------------------------------------------------------------
-
-_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerofx-offload")
-_pending: dict[int, Any] = {}  # data_ptr of a parked or reloading tensor -> Future or CUDA event
-_pending_lock = threading.Lock()
-_side_streams: dict[torch.device, Any] = {}
-
-
-def _side_stream(device: torch.device):
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device=device)
-    return _side_streams[device]
-
-
-def _register(t: torch.Tensor, waitable: Any) -> None:
-    with _pending_lock:
-        _pending[t.data_ptr()] = waitable
-
-
-def _take(t: torch.Tensor) -> Any:
-    with _pending_lock:
-        return _pending.pop(t.data_ptr(), None)
-
-
-def _write_parked(fd: int, src: torch.Tensor, event: Any) -> None:
-    try:
-        if event is not None:
-            event.synchronize()
-        _pwrite_all(fd, _bytes_view(src))
-    finally:
-        os.close(fd)
-
-
-@torch.library.custom_op("zerofx::offload", mutates_args=())
-def offload(x: torch.Tensor, tier: str, directory: str) -> torch.Tensor:
-    """Park ``x`` in ``tier``; returns the parked tensor at once while the copy completes."""
-    if tier == "disk":
-        nbytes = x.numel() * x.element_size()
-        fd = _new_file(directory, max(nbytes, 1))
-        parked = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=x.numel(), dtype=x.dtype).view(x.shape)
-        event = None
-        if x.device.type == "cuda":
-            staged = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            stream = _side_stream(x.device)
-            stream.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(stream):
-                staged.copy_(x, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-            x.record_stream(stream)
-            src = staged
-        else:
-            src = x.contiguous()
-        _register(parked, _io.submit(_write_parked, fd, src, event))
-        return parked
-    if x.device.type == "cuda":  # host tier: pinned buffer, copied on the side stream
-        parked = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        stream = _side_stream(x.device)
-        stream.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(stream):
-            parked.copy_(x, non_blocking=True)
-        x.record_stream(stream)
-        return parked
-    return x.contiguous().clone()  # host tier on a CPU: host memory is device memory
-
-
-@offload.register_fake
-def _offload_fake(x, tier, directory):
-    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
-
-
-def _read_parked(parked: torch.Tensor, dst: torch.Tensor, written: Future | None) -> None:
-    if written is not None:
-        written.result()
-    dst.copy_(parked)
-
-
-@torch.library.custom_op("zerofx::reload", mutates_args=())
-def reload(parked: torch.Tensor, tier: str, device: torch.device, size: list[int], stride: list[int]) -> torch.Tensor:
-    """Start bringing ``parked`` back to ``device`` with its original layout; pair with reload_wait."""
-    written = _take(parked)
-    if device.type == "cuda":
-        host = parked
-        if tier == "disk":
-            host = torch.empty(parked.shape, dtype=parked.dtype, pin_memory=True)
-            _read_parked(parked, host, written)
-        dst = torch.empty_strided(size, stride, dtype=parked.dtype, device=device)
-        stream = _side_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            dst.copy_(host.view(size), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        dst.record_stream(stream)
-        _register(dst, event)
-        return dst
-    dst = torch.empty_strided(size, stride, dtype=parked.dtype, device=device)
-    if tier == "disk":
-        _register(dst, _io.submit(_read_parked, parked, dst, written))
-    else:
-        dst.copy_(parked)
-    return dst
-
-
-@reload.register_fake
-def _reload_fake(parked, tier, device, size, stride):
-    return torch.empty_strided(size, stride, dtype=parked.dtype, device=device)
-
-
-_lib = torch.library.Library("zerofx", "FRAGMENT")
-_lib.define("reload_wait(Tensor(a) t) -> Tensor(a)")
-_lib.define("page_out(Tensor t) -> ()")
-
-
-def _reload_wait(t: torch.Tensor) -> torch.Tensor:
-    """Block until ``t``'s reload has landed (an event wait on CUDA: the host does not block)."""
-    waitable = _take(t)
-    if isinstance(waitable, Future):
-        waitable.result()
-    elif waitable is not None:
-        torch.cuda.current_stream(t.device).wait_event(waitable)
-    return t
-
-
-def _page_out(t: torch.Tensor) -> None:
-    store = _store_of.get(t.untyped_storage().data_ptr())
-    if store is not None:
-        store.page_out(t)
-
-
-_lib.impl("reload_wait", _reload_wait, "CompositeExplicitAutograd")
-_lib.impl("page_out", _page_out, "CompositeExplicitAutograd")
-torch.library.register_fake("zerofx::reload_wait", lambda t: t, lib=_lib)
-torch.library.register_fake("zerofx::page_out", lambda t: None, lib=_lib)
-torch.fx.node.has_side_effect(torch.ops.zerofx.reload_wait.default)
-torch.fx.node.has_side_effect(torch.ops.zerofx.page_out.default)
-
-OFFLOAD = torch.ops.zerofx.offload.default
-RELOAD = torch.ops.zerofx.reload.default
-RELOAD_WAIT = torch.ops.zerofx.reload_wait.default
-PAGE_OUT = torch.ops.zerofx.page_out.default
+def resolve_offload_dir(options):
+    """``options`` with ``offload_dir`` filled in (the default folder when unset) and proven
+    writable, when anything may go to disk; unchanged otherwise. Called where the folder is
+    first needed (``zerofx.compile``, the backend), so a bad path fails before tracing."""
+    if not options.memory.uses_disk:
+        return options
+    folder = options.offload_dir if options.offload_dir is not None else default_offload_dir()
+    check_offload_dir(folder)
+    if folder == options.offload_dir:
+        return options
+    return dataclasses.replace(options, offload_dir=str(folder))
 
 
 # -- model state on disk -------------------------------------------------------------------------
-
-_store_of: dict[int, DiskStore] = {}  # storage data_ptr -> the store holding it
-
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -252,7 +77,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class DiskStore:
     """Tensors whose bytes live in memory-mapped files under one folder (one file per tensor)."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str | None):
+        directory = default_offload_dir() if directory is None else directory
+        check_offload_dir(directory)  # where the folder is first used: created, proven writable
         self.directory = str(directory)
         self.files: dict[int, tuple[mmap.mmap, int, int]] = {}  # data_ptr -> (mapping, fd, nbytes)
 
@@ -272,7 +99,7 @@ class DiskStore:
         if not local.is_contiguous() or local.device.type != "cpu":
             raise ZeroFXError("disk offload keeps contiguous CPU tensors; got "
                               f"{'a non-contiguous' if local.device.type == 'cpu' else local.device.type} tensor")
-        fd = _new_file(self.directory, nbytes)
+        fd = new_file(self.directory, nbytes)
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         data = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(local.dtype)
         data.copy_(local.reshape(-1))
@@ -280,7 +107,7 @@ class DiskStore:
             local.set_(data.untyped_storage(), 0, local.shape, local.stride())
         ptr = local.untyped_storage().data_ptr()
         self.files[ptr] = (mapping, fd, nbytes)
-        _store_of[ptr] = self
+        paged_storages[ptr] = self
         self.page_out(t)
 
     def page_out(self, t: torch.Tensor) -> None:
@@ -332,11 +159,12 @@ def place_model_state(model: torch.nn.Module, options) -> str:
             store.adopt(p)
     for p in params:
         _param_store[p] = (tier, store, window)
-    model._zerofx_state_tier = tier
+    runtime = runtime_of(model)
+    runtime.state_tier = tier
     where = (f"{len(store.files)} memory-mapped files under {store.directory} ({store.nbytes} B)" if store
              else "host memory" + (" (this CPU's own memory: nothing moves)" if params and
                                    _local(params[0]).device.type == "cpu" else ""))
-    model._zerofx_state_report = (
+    runtime.state_report = (
         f"model state: offload_optimizer={options.offload_optimizer!r} -> {tier}: {len(params)} parameter shards "
         f"({param_bytes} B; with Adam's two moments {3 * param_bytes} B"
         + (f", host_memory_cap {options.host_memory_cap} B" if options.host_memory_cap else "")
@@ -373,11 +201,12 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         raise ZeroFXError("zerofx.offload_optimizer: build the optimizer over a model compiled with "
                           "zerofx.compile(..., offload_optimizer='host' | 'disk' | 'auto')")
     tier, store, window = placed[0]
-    if getattr(optimizer, "_zerofx_offload", None) is not None:
+    state = optimizer_state(optimizer, create=True)
+    if state.offload is not None:
         return optimizer
     class_step: Callable = type(optimizer).step
-    optimizer._zerofx_offload = (tier, store, window)
-    optimizer._zerofx_local_step = False  # windows step through DTensor (zerofx/optim.py)
+    state.offload = (tier, store, window)
+    state.local_step = False  # windows step through DTensor (zerofx/runtime/local_step.py)
 
     def streamed_step(self: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
         loss = None

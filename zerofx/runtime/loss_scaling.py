@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zerofx.errors import ZeroFXError
 from zerofx.options import Options
-from zerofx.params import runtime_of
+from zerofx.runtime.params import runtime_of
 
 __all__ = ["make_loss_scaler", "loss_scaler"]
 

@@ -1,12 +1,12 @@
 """The collectives zerofx issues outside its graphs, in flat buckets: the stage-1/2 refresh of
-the whole copies after an optimizer step, and the accumulation-boundary reduce (zerofx/params.py,
+the whole copies after an optimizer step, and the accumulation-boundary reduce (zerofx/runtime/params.py,
 NOTE: the accumulation boundary).
 
 Issued one per parameter, these cost a collective's fixed price per parameter: ~0.25 ms on this
 machine's gloo whatever the size, a launch and NCCL's latency on a GPU. Here consecutive
 parameters of one process group and dtype travel together, in parameter order (the same on every
 rank), up to ``BUCKET_BYTES`` per collective. Inside a bucket the layout is rank-major: rank r's
-part is its padded shards of the bucket's parameters, one after the other (zerofx/ops.py, NOTE:
+part is its padded shards of the bucket's parameters, one after the other (zerofx/ir/markers.py, NOTE:
 shard layout), so one all-gather (refresh) or one reduce-scatter (boundary) moves them all. On
 gloo the reduce-scatter runs as an all-to-all plus a local sum, as the transport pass does in the
 graphs (passes/transport.py: half the bytes of gloo's all-reduce-based reduce-scatter).
@@ -19,8 +19,8 @@ from typing import Callable, Hashable, Iterator, TypeVar
 import torch
 
 from zerofx import stress
-from zerofx.metrics import record_collectives, wire_bytes
-from zerofx.ops import pad_rows, padded_rows
+from zerofx.ir.collectives import backend_of, record_collectives, wire_bytes
+from zerofx.ir.layout import pad_rows, padded_rows
 
 __all__ = ["BUCKET_BYTES", "refresh", "reduce_pending"]
 
@@ -55,9 +55,7 @@ def rank_ordered_sum(chunks: torch.Tensor) -> torch.Tensor:
 
 
 def _on_gloo(group_name: str) -> bool:
-    from zerofx.passes.transport import _backend  # the transport pass's own lookup
-
-    return _backend(group_name) == "gloo"
+    return backend_of(group_name) == "gloo"
 
 
 @stress.eager  # seeded sleeps at collectives when ZEROFX_STRESS_DELAY is set (zerofx/stress.py)

@@ -1,4 +1,4 @@
-"""Measured memory: live buffers while zerofx's graphs run, and the process's resident memory.
+"""Measured memory: the buffers zerofx's compiled graphs allocate while they run.
 
 ``MemoryTracker`` measures what the compiled program actually allocates, at dispatch level.
 torch.compile does not run compiled code under a TorchDispatchMode entered around it (a mode
@@ -27,11 +27,6 @@ shards, gradients of earlier steps, user inputs) and eager code between graphs a
 * ``peak``: the most bytes of all tracked, resident buffers at once (forward and backward
   temporaries included): the step's peak above what existed before it.
 * ``flops``: per stage, counted with ``cost_model.op_flops`` (the same convention the plan uses).
-
-``rss_bytes``/``peak_rss_bytes``/``reset_peak_rss`` read the kernel's view of this process
-(``/proc/self/status``: VmRSS, VmHWM; writing 5 to ``/proc/self/clear_refs`` resets VmHWM):
-what the disk tier's claims are checked against, since file-backed pages the process does not
-touch are not resident.
 """
 
 from __future__ import annotations
@@ -48,7 +43,7 @@ from torch.utils._pytree import tree_flatten
 from zerofx._scoped import Scoped
 from zerofx.passes.cost_model import op_flops
 
-__all__ = ["MemoryTracker", "active_tracker", "rss_bytes", "peak_rss_bytes", "reset_peak_rss"]
+__all__ = ["MemoryTracker", "active_tracker"]
 
 _OFFLOAD_OP = "zerofx::offload"
 _RELEASE = torch.ops.inductor.resize_storage_bytes_.default
@@ -167,27 +162,3 @@ class MemoryTracker(Scoped):
 def active_tracker() -> MemoryTracker | None:
     """The innermost active tracker (the executor measures into it), or None."""
     return MemoryTracker.innermost()
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process now (VmRSS)."""
-    return _status_kib("VmRSS") * 1024
-
-
-def peak_rss_bytes() -> int:
-    """Most resident memory of this process since start or the last ``reset_peak_rss`` (VmHWM)."""
-    return _status_kib("VmHWM") * 1024
-
-
-def reset_peak_rss() -> None:
-    """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")

@@ -27,11 +27,12 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerofx.errors import ZeroFXError
-from zerofx.metrics import wire_bytes
-from zerofx.ops import FORWARD_MARKERS, UNSHARD
+from zerofx.ir.collectives import wire_bytes
+from zerofx.ir.markers import FORWARD_MARKERS, UNSHARD
 from zerofx.passes.cost_model import CostModel, saved_values, tensor_bytes
-from zerofx.passes.fx_nodes import is_view
-from zerofx.passes.pipeline import PassContext
+from zerofx.passes.graph import is_view
+from zerofx.ir.meta import RECOMPUTE, ROLE
+from zerofx.passes.contract import Pass, PassContext
 
 
 def gather_chain(graph: fx.Graph) -> list[fx.Node]:
@@ -91,18 +92,16 @@ def choose_kept(graph: fx.Graph, budget: int, cost: CostModel) -> list[fx.Node]:
     return kept
 
 
-def free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def regather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Make the backward re-gather parameters instead of saving the gathered ones."""
-    options = ctx.options
-    budget = int(getattr(options, "keep_gathered_bytes", 0) or 0) if options is not None else 0
-    cost = getattr(options, "cost_model", None) or CostModel()
-    kept = choose_kept(gm.graph, budget, cost)
+    budget = ctx.options.comm.keep_gathered_bytes
+    kept = choose_kept(gm.graph, budget, ctx.cost)
     kept_nodes = {n for marker in kept for n in _chain_of(marker)}
     chain = gather_chain(gm.graph)
     for node in chain:
         keep = node in kept_nodes
-        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
-        node.meta["zerofx_role"] = "kept_gather" if keep else "gather"
+        node.meta[RECOMPUTE] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
+        node.meta[ROLE] = "kept_gather" if keep else "gather"
     if chain:
         gathers = sum(1 for n in chain if n.target is UNSHARD)
         others = sum(1 for n in chain if n.target in FORWARD_MARKERS) - gathers
@@ -118,7 +117,7 @@ def free_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def check_no_gathered_saved(fw_gm: fx.GraphModule, num_fwd_outputs: int, graph_id: str) -> None:
     """Raise if the partitioned forward saves a gathered parameter (or a view of one)."""
-    chain = {n for n in gather_chain(fw_gm.graph) if n.meta.get("zerofx_role") != "kept_gather"}
+    chain = {n for n in gather_chain(fw_gm.graph) if n.meta.get(ROLE) != "kept_gather"}
     bad = [n.name for n in saved_values(fw_gm, num_fwd_outputs) if n in chain]
     if bad:
         raise ZeroFXError(
@@ -126,3 +125,6 @@ def check_no_gathered_saved(fw_gm: fx.GraphModule, num_fwd_outputs: int, graph_i
             "this would keep full weights alive between forward and backward. "
             "Please report this graph (ZEROFX_DUMP=<dir>)."
         )
+
+
+PASS = Pass("regather", regather_pass, kinds=("joint",), reads=(), writes=(RECOMPUTE, ROLE))

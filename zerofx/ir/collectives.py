@@ -1,0 +1,122 @@
+"""The collectives zerofx's graphs and markers issue: which ops they are, how to read them, how
+their bytes on the wire are counted, and the counter that adds them up.
+
+# NOTE: counting collective bytes
+Bytes are counted per rank, as the ZeRO paper and nccl-tests' "bus bandwidth" count them for
+ring algorithms: an all-gather of an ``S``-byte output moves ``S·(N-1)/N`` bytes into each rank,
+a reduce-scatter of an ``S``-byte input moves ``S·(N-1)/N`` out of each rank, an all-reduce
+(reduce-scatter + all-gather) ``2·S·(N-1)/N``. So ZeRO-3 moves ``3·Ψ·(N-1)/N`` per step (forward
+gather, backward re-gather, gradient reduce-scatter; Ψ = parameter bytes), ZeRO-1/2 and DDP
+``2·Ψ·(N-1)/N`` (ZeRO-1/2: gradient reduce-scatter, then the all-gather of updated shards after
+the optimizer step). Collectives zerofx runs outside graphs (ZeRO-1's end-of-backward reduce,
+the post-step all-gather) go through the same marker ops and are counted the same way.
+The backend's actual traffic can differ (gloo runs reduce_scatter as an all-reduce of the whole
+input); these numbers describe the algorithm, comparable across backends.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from zerofx._scoped import Scoped
+from zerofx.ir.meta import COLLECTIVE
+
+__all__ = ["CollectiveSpec", "COLLECTIVE_OPS", "ALL_GATHER", "ALL_GATHER_OUT", "REDUCE_SCATTER", "ALL_REDUCE", "ALL_TO_ALL",
+           "WAIT", "collective_kind", "collective_group_size", "wire_bytes", "backend_of", "CollectiveCounter",
+           "record_collectives"]
+
+_F = torch.ops._c10d_functional
+ALL_GATHER = _F.all_gather_into_tensor.default
+ALL_GATHER_OUT = _F.all_gather_into_tensor_out.default
+REDUCE_SCATTER = _F.reduce_scatter_tensor.default
+ALL_REDUCE = _F.all_reduce.default
+ALL_TO_ALL = _F.all_to_all_single.default
+WAIT = _F.wait_tensor.default
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """How to read one collective op: its kind, which tensor's size counts, where its group size is."""
+
+    kind: str
+    sized: str  # "out" or "in"
+    group_size_arg: int | None  # None: resolve from the group name (all_reduce has no size arg)
+    group_name_arg: int
+
+
+COLLECTIVE_OPS: dict = {
+    ALL_GATHER: CollectiveSpec("all_gather", "out", 1, 2),
+    ALL_GATHER_OUT: CollectiveSpec("all_gather", "out", 1, 2),
+    REDUCE_SCATTER: CollectiveSpec("reduce_scatter", "in", 2, 3),
+    ALL_REDUCE: CollectiveSpec("all_reduce", "in", None, 2),
+    ALL_TO_ALL: CollectiveSpec("all_to_all", "in", None, 3),
+}
+
+
+def collective_kind(node) -> str:
+    """What a graph's collective node counts as: its op's kind, unless a pass ran the algorithm
+    on another op (passes/transport.py lowers gloo reduce-scatters to all-to-alls, recording
+    ``meta["zerofx_collective"] = "reduce_scatter"``)."""
+    return node.meta.get(COLLECTIVE) or COLLECTIVE_OPS[node.target].kind
+
+
+def collective_group_size(spec: CollectiveSpec, args: tuple) -> int:
+    if spec.group_size_arg is not None:
+        return args[spec.group_size_arg]
+    if spec.kind == "all_to_all" and args[1]:
+        return len(args[1])  # one output split per rank
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(args[spec.group_name_arg]).size()
+
+
+def backend_of(group_name: str) -> str:
+    """The backend ("gloo", "nccl", ...) of the process group registered as ``group_name``."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return str(dist.get_backend(_resolve_process_group(group_name)))
+
+
+def wire_bytes(kind: str, tensor_bytes: int, group_size: int) -> int:
+    """Per-rank bytes of one collective (see NOTE: counting collective bytes)."""
+    share = tensor_bytes * (group_size - 1) // group_size
+    return 2 * share if kind == "all_reduce" else share
+
+
+class CollectiveCounter(Scoped):
+    """Count the collectives zerofx runs, in bytes per kind (see NOTE: counting collective bytes).
+
+    Every graph zerofx compiled reports its collectives each time it runs (the executor knows
+    them from the graph's fake-tensor metadata), and the marker ops report theirs when they run
+    eagerly (no compile, a graph break, a disabled pass). Collectives issued outside zerofx
+    (say, ``clip_grad_norm_``'s all-reduce) are not counted. A dispatch mode would see those
+    too, but torch.compile does not run compiled code under a dispatch mode, so it would count
+    a different (eager) program than the one that trains. Use around forward and backward::
+
+        with CollectiveCounter() as comm:
+            model(x).backward()
+        comm.bytes["all_gather"]
+    """
+
+    def __init__(self) -> None:
+        self.bytes: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+def record_collectives(collectives: list[tuple[str, int]]) -> None:
+    """Add ``(kind, wire_bytes)`` pairs to every active CollectiveCounter (cheap when none is)."""
+    if not CollectiveCounter._scoped_entered:
+        return
+    with CollectiveCounter._scoped_lock:
+        for counter in CollectiveCounter._scoped_entered:
+            for kind, nbytes in collectives:
+                counter.bytes[kind] += nbytes
+                counter.calls[kind] += 1

@@ -1,0 +1,204 @@
+"""Offload ops: where an activation is parked between its forward and backward uses.
+
+The tiers (``host``, ``disk``) are described in zerofx.runtime.offload_store.
+
+Activations (graph ops, inserted by ``passes/offload.py``)::
+
+    parked = zerofx.offload(x, tier, dir)         # after x's last forward use; returns at once,
+                                                  # the copy/write runs asynchronously
+    y = zerofx.reload(parked, tier, dev, size, stride)   # ahead of the first backward use: starts
+    y = zerofx.reload_wait(y)                     # the read; the wait sits just before the use
+
+A disk-parked activation is a tensor backed by a memory-mapped file (``torch.from_file``) whose
+pages are written with ``pwrite`` by a background thread and never touched by this process
+until the reload, so it holds no resident memory in between. The source tensor is kept alive by
+the writer until its bytes are on disk, then freed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+__all__ = ["OFFLOAD", "RELOAD", "RELOAD_WAIT", "PAGE_OUT", "default_offload_dir", "new_file", "paged_storages"]
+
+
+def default_offload_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), "zerofx-offload")
+
+
+def new_file(directory: str, nbytes: int) -> int:
+    """An open, unlinked file of ``nbytes`` bytes: it disappears when the last user closes it."""
+    fd, path = tempfile.mkstemp(dir=directory, prefix="zerofx-", suffix=".bin")
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.unlink(path)
+    return fd
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int = 0) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (and without needing numpy); the
+    caller keeps ``t`` alive while the view is used."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerofx-offload")
+_pending: dict[int, Any] = {}  # data_ptr of a parked or reloading tensor -> Future or CUDA event
+_pending_lock = threading.Lock()
+_side_streams: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device):
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device=device)
+    return _side_streams[device]
+
+
+def _register(t: torch.Tensor, waitable: Any) -> None:
+    with _pending_lock:
+        _pending[t.data_ptr()] = waitable
+
+
+def _take(t: torch.Tensor) -> Any:
+    with _pending_lock:
+        return _pending.pop(t.data_ptr(), None)
+
+
+def _write_parked(fd: int, src: torch.Tensor, event: Any) -> None:
+    try:
+        if event is not None:
+            event.synchronize()
+        _pwrite_all(fd, _bytes_view(src))
+    finally:
+        os.close(fd)
+
+
+@torch.library.custom_op("zerofx::offload", mutates_args=())
+def offload(x: torch.Tensor, tier: str, directory: str) -> torch.Tensor:
+    """Park ``x`` in ``tier``; returns the parked tensor at once while the copy completes."""
+    if tier == "disk":
+        nbytes = x.numel() * x.element_size()
+        fd = new_file(directory or default_offload_dir(), max(nbytes, 1))
+        parked = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=x.numel(), dtype=x.dtype).view(x.shape)
+        event = None
+        if x.device.type == "cuda":
+            staged = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            stream = _side_stream(x.device)
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(stream):
+                staged.copy_(x, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            x.record_stream(stream)
+            src = staged
+        else:
+            src = x.contiguous()
+        _register(parked, _io.submit(_write_parked, fd, src, event))
+        return parked
+    if x.device.type == "cuda":  # host tier: pinned buffer, copied on the side stream
+        parked = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        stream = _side_stream(x.device)
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(stream):
+            parked.copy_(x, non_blocking=True)
+        x.record_stream(stream)
+        return parked
+    return x.contiguous().clone()  # host tier on a CPU: host memory is device memory
+
+
+@offload.register_fake
+def _offload_fake(x, tier, directory):
+    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+
+
+def _read_parked(parked: torch.Tensor, dst: torch.Tensor, written: Future | None) -> None:
+    if written is not None:
+        written.result()
+    dst.copy_(parked)
+
+
+@torch.library.custom_op("zerofx::reload", mutates_args=())
+def reload(parked: torch.Tensor, tier: str, device: torch.device, size: list[int], stride: list[int]) -> torch.Tensor:
+    """Start bringing ``parked`` back to ``device`` with its original layout; pair with reload_wait."""
+    written = _take(parked)
+    if device.type == "cuda":
+        host = parked
+        if tier == "disk":
+            host = torch.empty(parked.shape, dtype=parked.dtype, pin_memory=True)
+            _read_parked(parked, host, written)
+        dst = torch.empty_strided(size, stride, dtype=parked.dtype, device=device)
+        stream = _side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            dst.copy_(host.view(size), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        dst.record_stream(stream)
+        _register(dst, event)
+        return dst
+    dst = torch.empty_strided(size, stride, dtype=parked.dtype, device=device)
+    if tier == "disk":
+        _register(dst, _io.submit(_read_parked, parked, dst, written))
+    else:
+        dst.copy_(parked)
+    return dst
+
+
+@reload.register_fake
+def _reload_fake(parked, tier, device, size, stride):
+    return torch.empty_strided(size, stride, dtype=parked.dtype, device=device)
+
+
+_lib = torch.library.Library("zerofx", "FRAGMENT")
+_lib.define("reload_wait(Tensor(a) t) -> Tensor(a)")
+_lib.define("page_out(Tensor t) -> ()")
+
+
+def _reload_wait(t: torch.Tensor) -> torch.Tensor:
+    """Block until ``t``'s reload has landed (an event wait on CUDA: the host does not block)."""
+    waitable = _take(t)
+    if isinstance(waitable, Future):
+        waitable.result()
+    elif waitable is not None:
+        torch.cuda.current_stream(t.device).wait_event(waitable)
+    return t
+
+
+# storage data_ptr -> the object holding that storage's file mapping (zerofx.runtime.offload_store's
+# DiskStore registers its tensors here); page_out is a no-op on any other tensor
+paged_storages: dict[int, Any] = {}
+
+
+def _page_out(t: torch.Tensor) -> None:
+    store = paged_storages.get(t.untyped_storage().data_ptr())
+    if store is not None:
+        store.page_out(t)
+
+
+_lib.impl("reload_wait", _reload_wait, "CompositeExplicitAutograd")
+_lib.impl("page_out", _page_out, "CompositeExplicitAutograd")
+torch.library.register_fake("zerofx::reload_wait", lambda t: t, lib=_lib)
+torch.library.register_fake("zerofx::page_out", lambda t: None, lib=_lib)
+torch.fx.node.has_side_effect(torch.ops.zerofx.reload_wait.default)
+torch.fx.node.has_side_effect(torch.ops.zerofx.page_out.default)
+
+OFFLOAD = torch.ops.zerofx.offload.default
+RELOAD = torch.ops.zerofx.reload.default
+RELOAD_WAIT = torch.ops.zerofx.reload_wait.default
+PAGE_OUT = torch.ops.zerofx.page_out.default
