@@ -53,8 +53,15 @@ def _rank_main(args) -> list[dict]:
 
             comm(), compute(), overlapped()  # warm up
             t_comm, t_comp, t_both = (median_time(f, args.repeats) for f in (comm, compute, overlapped))
-            rows.append({"gather_mib": mib, "comm_ms": t_comm * 1e3, "compute_ms": t_comp * 1e3,
-                         "overlapped_ms": t_both * 1e3, "ratio": t_both / (t_comm + t_comp)})
+            rows.append(
+                {
+                    "gather_mib": mib,
+                    "comm_ms": t_comm * 1e3,
+                    "compute_ms": t_comp * 1e3,
+                    "overlapped_ms": t_both * 1e3,
+                    "ratio": t_both / (t_comm + t_comp),
+                }
+            )
     finally:
         dist.destroy_process_group()
     return rows
@@ -72,8 +79,10 @@ def main(argv=None) -> int:
     print("| all-gather MiB | comm ms | compute ms | overlapped ms | overlapped / (comm + compute) |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['gather_mib']:g} | {r['comm_ms']:.1f} | {r['compute_ms']:.1f} | {r['overlapped_ms']:.1f} | "
-              f"{r['ratio']:.2f} |")
+        print(
+            f"| {r['gather_mib']:g} | {r['comm_ms']:.1f} | {r['compute_ms']:.1f} | {r['overlapped_ms']:.1f} | "
+            f"{r['ratio']:.2f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"world_size": args.world_size, "rows": rows}, f, indent=2)

@@ -74,7 +74,7 @@ def capture_joint(model: torch.nn.Module, batch) -> tuple[fx.GraphModule, int, d
     fn = torch.compile(model, backend=aot_autograd(fw_compiler=noop, bw_compiler=noop, partition_fn=partition))
     fn(*batch).backward()
     torch._dynamo.reset()
-    (joint, n, kwargs), = captured
+    ((joint, n, kwargs),) = captured
     return joint, n, kwargs
 
 
@@ -162,8 +162,16 @@ def main(argv: list[str] | None = None) -> dict:
     joint, n, kwargs = capture_joint(model_fn(), batch)
     info = classify_nodes(joint, [], n)
     forward_names = {node.name for node in joint.graph.nodes if info.is_required_fw(node)}
-    backward_only = sum(op_flops(node.target, fx.node.map_aggregate(node.args, lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a), {}, node.meta.get("val"))
-                        for node in joint.graph.nodes if node in info.tangents_closure and node.op == "call_function")
+    backward_only = sum(
+        op_flops(
+            node.target,
+            fx.node.map_aggregate(node.args, lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a),
+            {},
+            node.meta.get("val"),
+        )
+        for node in joint.graph.nodes
+        if node in info.tangents_closure and node.op == "call_function"
+    )
     unconstrained = evaluate(*zerofx_partition(joint, n, kwargs, 10**15), n, forward_names)["saved_bytes"]
     rows = []
     for fraction in BUDGETS:
@@ -175,27 +183,48 @@ def main(argv: list[str] | None = None) -> dict:
         literal = evaluate(*torch_partition(joint, n, kwargs, fraction), n, forward_names)
         for who, r in (("zerofx", ours), ("torch", theirs)):
             r["measured_recompute_flops"] = r["measured_backward_flops"] - backward_only
-        rows.append({"budget_fraction": fraction, "budget_bytes": budget, "zerofx": ours,
-                     "torch": {"activation_memory_budget": knob, **theirs},
-                     "torch_literal_knob": {"activation_memory_budget": fraction, **literal}})
-    result = {"model": {"layers": args.layers, "d_model": args.d_model, "seq_len": args.seq_len, "batch": args.batch,
-                        "params": sum(p.numel() for p in GPT(cfg).parameters())},
-              "unconstrained_saved_bytes": unconstrained, "backward_only_flops": backward_only, "rows": rows,
-              "seconds": round(time.perf_counter() - started, 1)}
-    print(f"GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}, batch {args.batch}: unconstrained "
-          f"saved activations {unconstrained} B")
-    header = (f"{'budget':>7} {'bytes':>9} | {'zerofx saved':>12} {'measured':>9} {'recompute FLOP':>15} "
-              f"{'measured':>12} | {'torch knob':>10} {'saved':>9} {'measured':>9} {'recompute FLOP':>15} "
-              f"{'measured':>12} | {'torch@knob=budget':>22}")
+        rows.append(
+            {
+                "budget_fraction": fraction,
+                "budget_bytes": budget,
+                "zerofx": ours,
+                "torch": {"activation_memory_budget": knob, **theirs},
+                "torch_literal_knob": {"activation_memory_budget": fraction, **literal},
+            }
+        )
+    result = {
+        "model": {
+            "layers": args.layers,
+            "d_model": args.d_model,
+            "seq_len": args.seq_len,
+            "batch": args.batch,
+            "params": sum(p.numel() for p in GPT(cfg).parameters()),
+        },
+        "unconstrained_saved_bytes": unconstrained,
+        "backward_only_flops": backward_only,
+        "rows": rows,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    print(
+        f"GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}, batch {args.batch}: unconstrained "
+        f"saved activations {unconstrained} B"
+    )
+    header = (
+        f"{'budget':>7} {'bytes':>9} | {'zerofx saved':>12} {'measured':>9} {'recompute FLOP':>15} "
+        f"{'measured':>12} | {'torch knob':>10} {'saved':>9} {'measured':>9} {'recompute FLOP':>15} "
+        f"{'measured':>12} | {'torch@knob=budget':>22}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         z, t, lit = r["zerofx"], r["torch"], r["torch_literal_knob"]
-        print(f"{r['budget_fraction']:>6.0%} {r['budget_bytes']:>9} | {z['saved_bytes']:>12} {z['measured_activation_bytes']:>9} "
-              f"{z['recompute_flops']:>15,} {z['measured_recompute_flops']:>12,} | "
-              f"{t['activation_memory_budget']:>10.4f} {t['saved_bytes']:>9} {t['measured_activation_bytes']:>9} "
-              f"{t['recompute_flops']:>15,} {t['measured_recompute_flops']:>12,} | "
-              f"{lit['saved_bytes']:>8} B {lit['recompute_flops']:>11,} F")
+        print(
+            f"{r['budget_fraction']:>6.0%} {r['budget_bytes']:>9} | {z['saved_bytes']:>12} {z['measured_activation_bytes']:>9} "
+            f"{z['recompute_flops']:>15,} {z['measured_recompute_flops']:>12,} | "
+            f"{t['activation_memory_budget']:>10.4f} {t['saved_bytes']:>9} {t['measured_activation_bytes']:>9} "
+            f"{t['recompute_flops']:>15,} {t['measured_recompute_flops']:>12,} | "
+            f"{lit['saved_bytes']:>8} B {lit['recompute_flops']:>11,} F"
+        )
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -54,10 +54,12 @@ def _rank_main(sizes: tuple[int, ...], repeats: int) -> dict:
                 dist.all_to_all_single(recv, x)
                 torch.sum(recv.view(world, -1), 0, out=shard)
 
-            fns = {"reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, x),
-                   "all_to_all+sum": a2a_sum,
-                   "all_reduce": lambda: dist.all_reduce(x.clone()),
-                   "all_gather": lambda: dist.all_gather_into_tensor(gathered, x[: n // world])}
+            fns = {
+                "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, x),
+                "all_to_all+sum": a2a_sum,
+                "all_reduce": lambda: dist.all_reduce(x.clone()),
+                "all_gather": lambda: dist.all_gather_into_tensor(gathered, x[: n // world]),
+            }
             for kind in KINDS:
                 _measure(fns[kind], 3)  # warm-up: connections, buffers
                 out[f"{kind}@{nbytes}"] = _measure(fns[kind], repeats)

@@ -58,8 +58,9 @@ def _import_checkout() -> None:
         return
 
     def load(name: str, folder: Path):
-        spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
-                                                      submodule_search_locations=[str(folder)])
+        spec = importlib.util.spec_from_file_location(
+            name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         return spec, module
@@ -132,6 +133,7 @@ def _fmt(v: Any) -> str:
 
 # --- 1. regions -------------------------------------------------------------------------------
 
+
 def _regions(small: bool) -> list[tuple[str, Callable, list[torch.Tensor], float]]:
     """(name, fn, inputs, tolerance) for each fused region, at training-like sizes."""
     rows, hidden, vocab, seq, heads = (64, 96, 200, 24, 2) if small else (8192, 4096, 8192, 1024, 32)
@@ -157,10 +159,23 @@ def _regions(small: bool) -> list[tuple[str, Callable, list[torch.Tensor], float
     attn_rows = 4 if small else 16
     return [
         ("add+layernorm fp32", add_layer_norm, [x, rnd(rows, hidden), rnd(hidden), rnd(hidden)], 1e-4),
-        ("add+layernorm bf16", add_layer_norm, [rnd(rows, hidden, dtype=bf16), rnd(rows, hidden, dtype=bf16),
-                                                rnd(hidden, dtype=bf16), rnd(hidden, dtype=bf16)], 5e-2),
-        ("layernorm bwd fp32", layer_norm_backward, [rnd(rows, hidden), x, mean, rstd, rnd(hidden), rnd(hidden),
-                                                     rnd(rows, hidden)], 1e-3),
+        (
+            "add+layernorm bf16",
+            add_layer_norm,
+            [
+                rnd(rows, hidden, dtype=bf16),
+                rnd(rows, hidden, dtype=bf16),
+                rnd(hidden, dtype=bf16),
+                rnd(hidden, dtype=bf16),
+            ],
+            5e-2,
+        ),
+        (
+            "layernorm bwd fp32",
+            layer_norm_backward,
+            [rnd(rows, hidden), x, mean, rstd, rnd(hidden), rnd(hidden), rnd(rows, hidden)],
+            1e-3,
+        ),
         ("softmax bf16", lambda s: torch.softmax(s * 0.125, -1), [rnd(attn_rows, heads, seq, seq, dtype=bf16)], 2e-2),
         ("log_softmax fp32", lambda z: torch.log_softmax(z, -1), [rnd(rows, vocab)], 1e-4),
         ("rmsnorm bf16", rms_norm, [rnd(rows, hidden, dtype=bf16), rnd(hidden, dtype=bf16)], 5e-2),
@@ -207,13 +222,27 @@ def run_regions() -> list[dict]:
             traceback.print_exc()
         rows.append(row)
         torch._dynamo.reset()
-    table("fused regions: zerofx Triton vs ATen eager vs Inductor (ms, ratios >1: Triton faster)", rows,
-          ["region", "kernels", "eager_ms", "triton_ms", "inductor_ms", "eager/triton", "inductor/triton",
-           "triton_GB/s", "max_err", "note"])
+    table(
+        "fused regions: zerofx Triton vs ATen eager vs Inductor (ms, ratios >1: Triton faster)",
+        rows,
+        [
+            "region",
+            "kernels",
+            "eager_ms",
+            "triton_ms",
+            "inductor_ms",
+            "eager/triton",
+            "inductor/triton",
+            "triton_GB/s",
+            "max_err",
+            "note",
+        ],
+    )
     return rows
 
 
 # --- 2. fused AdamW ---------------------------------------------------------------------------
+
 
 def _gpt2_shapes(small: bool) -> list[tuple[int, ...]]:
     d, layers, vocab = (64, 2, 300) if small else (768, 12, 50257)
@@ -257,12 +286,16 @@ def run_adamw() -> list[dict]:
     for r in rows:
         if base and "step_ms" in r:
             r["vs zerofx"] = r["step_ms"] / base
-    table("AdamW step over GPT-2-small shapes (ms; 'vs zerofx' >1: FusedAdamW faster)", rows,
-          ["optimizer", "params_M", "tensors", "step_ms", "vs zerofx", "max_diff_after_1_step", "note"])
+    table(
+        "AdamW step over GPT-2-small shapes (ms; 'vs zerofx' >1: FusedAdamW faster)",
+        rows,
+        ["optimizer", "params_M", "tensors", "step_ms", "vs zerofx", "max_diff_after_1_step", "note"],
+    )
     return rows
 
 
 # --- 3. GPT training step per executor --------------------------------------------------------
+
 
 def run_gpt() -> list[dict]:
     import torch.distributed as dist
@@ -272,10 +305,14 @@ def run_gpt() -> list[dict]:
 
     if not dist.is_initialized():
         store = Path(tempfile.mkdtemp()) / "store"
-        dist.init_process_group("gloo" if DEVICE.type == "cpu" else "nccl", init_method=f"file://{store}",
-                                rank=0, world_size=1)
-    cfg = (GPTConfig(vocab_size=96, seq_len=16, n_layer=2, n_head=4, d_model=32) if ARGS.cpu_smoke
-           else GPTConfig(vocab_size=8192, seq_len=512, n_layer=4, n_head=12, d_model=768))
+        dist.init_process_group(
+            "gloo" if DEVICE.type == "cpu" else "nccl", init_method=f"file://{store}", rank=0, world_size=1
+        )
+    cfg = (
+        GPTConfig(vocab_size=96, seq_len=16, n_layer=2, n_head=4, d_model=32)
+        if ARGS.cpu_smoke
+        else GPTConfig(vocab_size=8192, seq_len=512, n_layer=4, n_head=12, d_model=768)
+    )
     batch = 2 if ARGS.cpu_smoke else 8
     executors = ["aten", "triton"] + ([] if ARGS.skip_inductor else ["inductor"])
     rows = []
@@ -314,8 +351,11 @@ def run_gpt() -> list[dict]:
     for r in rows:
         if base and "step_ms" in r:
             r["vs triton"] = r["step_ms"] / base
-    table(f"GPT training step, 1-rank mesh ({cfg}, batch {batch}; 'vs triton' >1: triton faster)", rows,
-          ["executor", "compile_s", "step_ms", "vs triton", "loss_step1", "loss_step2", "note"])
+    table(
+        f"GPT training step, 1-rank mesh ({cfg}, batch {batch}; 'vs triton' >1: triton faster)",
+        rows,
+        ["executor", "compile_s", "step_ms", "vs triton", "loss_step1", "loss_step2", "note"],
+    )
     return rows
 
 
@@ -324,9 +364,12 @@ def main() -> None:
 
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run on a GPU machine, or pass --cpu-smoke to check the script on CPU")
-    info = {"torch": torch.__version__, "triton": triton.__version__,
-            "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (Triton interpreter)",
-            "cpu_smoke": ARGS.cpu_smoke}
+    info = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (Triton interpreter)",
+        "cpu_smoke": ARGS.cpu_smoke,
+    }
     print(json.dumps(info))
     results: dict = {"info": info}
     sections = {"regions": run_regions, "adamw": run_adamw, "gpt": run_gpt}

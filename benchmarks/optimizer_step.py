@@ -37,8 +37,9 @@ VARIANTS = ("fsdp2", "zerofx_dtensor", "zerofx_local")
 
 
 def _build(variant: str, size: str, mesh, make_opt):
-    import zerofx
     from torch.distributed.fsdp import fully_shard
+
+    import zerofx
     from zerofx.models import GPT, GPTConfig, random_batch
 
     cfg = GPTConfig(**SIZES[size])
@@ -96,8 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     for world in args.world_sizes:
         times = launch_local(_rank_main, world, args.sizes, args.repeats)[0]
         for (size, opt_name, v), t in times.items():
-            rows.append({"world": world, "size": size, "optimizer": opt_name, "variant": v, "ms": t * 1e3,
-                         "ratio": t / times[(size, opt_name, "fsdp2")]})
+            rows.append(
+                {
+                    "world": world,
+                    "size": size,
+                    "optimizer": opt_name,
+                    "variant": v,
+                    "ms": t * 1e3,
+                    "ratio": t / times[(size, opt_name, "fsdp2")],
+                }
+            )
     lines = []
     for world in args.world_sizes:
         for size in args.sizes:

@@ -254,8 +254,11 @@ def time_round_robin(prepared: dict[str, Prepared], steps: int) -> None:
 
 def result(p: Prepared) -> dict:
     median = statistics.median(p.times)
-    return {"step_s": median, "compile_s": max(p.stats["first_s"] - median, 0.0),
-            **{k: v for k, v in p.stats.items() if k != "first_s"}}
+    return {
+        "step_s": median,
+        "compile_s": max(p.stats["first_s"] - median, 0.0),
+        **{k: v for k, v in p.stats.items() if k != "first_s"},
+    }
 
 
 def _rank_main(setup: Setup) -> dict:
@@ -320,8 +323,15 @@ def summarize(size: str, world: int, per_rank: list[dict], single: dict | None) 
     base = max(r["step_s"] for r in fsdp2) if all("step_s" in r for r in fsdp2) else None
     methods = list(per_rank[0])
     if single is not None:
-        rows.append({"size": size, "world": world, "method": "single (1 process, global batch)", **single,
-                     "ratio_to_fsdp2": single["step_s"] / base if base else None})
+        rows.append(
+            {
+                "size": size,
+                "world": world,
+                "method": "single (1 process, global batch)",
+                **single,
+                "ratio_to_fsdp2": single["step_s"] / base if base else None,
+            }
+        )
     for m in methods:
         ok = [r[m] for r in per_rank if "error" not in r[m]]
         if len(ok) != len(per_rank):
@@ -329,19 +339,28 @@ def summarize(size: str, world: int, per_rank: list[dict], single: dict | None) 
             rows.append({"size": size, "world": world, "method": m, "error": err.strip().splitlines()[-1]})
             continue
         step = max(r["step_s"] for r in ok)  # the slowest rank sets the pace
-        rows.append({"size": size, "world": world, "method": m, "step_s": step,
-                     "compile_s": max(r["compile_s"] for r in ok),
-                     "peak_bytes": max(r["peak_bytes"] for r in ok),
-                     "state_bytes": max(r["state_bytes"] for r in ok),
-                     "comm_bytes": ok[0]["comm_bytes"],
-                     "ratio_to_fsdp2": step / base if base else None})
+        rows.append(
+            {
+                "size": size,
+                "world": world,
+                "method": m,
+                "step_s": step,
+                "compile_s": max(r["compile_s"] for r in ok),
+                "peak_bytes": max(r["peak_bytes"] for r in ok),
+                "state_bytes": max(r["state_bytes"] for r in ok),
+                "comm_bytes": ok[0]["comm_bytes"],
+                "ratio_to_fsdp2": step / base if base else None,
+            }
+        )
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     mib = lambda b: "n/a" if b is None else f"{b / 2**20:.2f}"  # noqa: E731
-    lines = ["| size | N | method | step ms | ×FSDP2 eager | compile s | peak MiB/rank | state MiB/rank | comm MiB/step/rank |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| size | N | method | step ms | ×FSDP2 eager | compile s | peak MiB/rank | state MiB/rank | comm MiB/step/rank |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['size']} | {r['world']} | {r['method']} | failed: {r['error']} | | | | | |")
@@ -349,8 +368,10 @@ def markdown(rows: list[dict]) -> str:
         ratio = "n/a" if r.get("ratio_to_fsdp2") is None else f"{r['ratio_to_fsdp2']:.2f}"
         if r.get("launches", 1) > 1 and r.get("ratio_lo") is not None:
             ratio += f" ({r['ratio_lo']:.2f}-{r['ratio_hi']:.2f})"
-        lines.append(f"| {r['size']} | {r['world']} | {r['method']} | {r['step_s'] * 1e3:.1f} | {ratio} | "
-                     f"{r['compile_s']:.1f} | {mib(r['peak_bytes'])} | {mib(r['state_bytes'])} | {mib(r['comm_bytes'])} |")
+        lines.append(
+            f"| {r['size']} | {r['world']} | {r['method']} | {r['step_s'] * 1e3:.1f} | {ratio} | "
+            f"{r['compile_s']:.1f} | {mib(r['peak_bytes'])} | {mib(r['state_bytes'])} | {mib(r['comm_bytes'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -371,8 +392,10 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(len(sizes), 2, figsize=(11, 3.6 * len(sizes)), squeeze=False)
     width = 0.8 / max(len(methods), 1)
     for row_axes, size in zip(axes, sizes):
-        for ax, key, label in ((row_axes[0], "ratio_to_fsdp2", "step time / FSDP2 eager"),
-                               (row_axes[1], "peak_bytes", "peak MiB per rank")):
+        for ax, key, label in (
+            (row_axes[0], "ratio_to_fsdp2", "step time / FSDP2 eager"),
+            (row_axes[1], "peak_bytes", "peak MiB per rank"),
+        ):
             for i, method in enumerate(methods):
                 values, spread = [], [[], []]
                 for world in worlds:
@@ -383,8 +406,14 @@ def plot(rows: list[dict], path: str) -> None:
                     ranged = key == "ratio_to_fsdp2" and lo is not None and v is not None
                     spread[0].append(v - lo if ranged else 0.0)
                     spread[1].append(hi - v if ranged else 0.0)
-                ax.bar([w + i * width for w in range(len(worlds))], values, width, label=method,
-                       yerr=spread if key == "ratio_to_fsdp2" else None, capsize=3)
+                ax.bar(
+                    [w + i * width for w in range(len(worlds))],
+                    values,
+                    width,
+                    label=method,
+                    yerr=spread if key == "ratio_to_fsdp2" else None,
+                    capsize=3,
+                )
             if key == "ratio_to_fsdp2":
                 ax.axhline(1.0, color="black", linewidth=0.8)
                 ax.axhline(0.9, color="gray", linewidth=0.8, linestyle="--")
@@ -403,10 +432,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", default=["small"], choices=sorted(SIZES))
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2, help="steps before measuring (>= 2: the last notes what model state a step keeps)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="steps before measuring (>= 2: the last notes what model state a step keeps)",
+    )
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + OPTIONAL_METHODS)
-    parser.add_argument("--launches", type=int, default=1,
-                        help="run each world size this many times (fresh processes); report median ratios and range")
+    parser.add_argument(
+        "--launches",
+        type=int,
+        default=1,
+        help="run each world size this many times (fresh processes); report median ratios and range",
+    )
     parser.add_argument("--json", help="write the rows as JSON here")
     parser.add_argument("--markdown", help="write the table here")
     parser.add_argument("--plot", help="draw step-time ratios and peak memory here (PNG; needs matplotlib)")
@@ -440,8 +478,11 @@ def run(args: argparse.Namespace) -> list[dict]:
             setup = Setup(size, args.batch, args.steps, args.warmup, tuple(args.methods))
             print(f"{size}, world size {world}:", flush=True)
             torch.set_num_threads(1)
-            alone = {"single": prepare("single", Setup(size, args.batch * world, args.steps, args.warmup, ("single",)),
-                                       0, 1, None)}
+            alone = {
+                "single": prepare(
+                    "single", Setup(size, args.batch * world, args.steps, args.warmup, ("single",)), 0, 1, None
+                )
+            }
             time_round_robin(alone, args.steps)
             single = {**result(alone["single"]), "batch": args.batch * world}
             del alone

@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import triton.language as tl
 
 from zerofx.codegen.multi_tensor import BLOCK, addresses, blocks_for, int_table, jit, local, tl_dtype
 from zerofx.ir.layout import local_rows, padded_rows
-
-import triton.language as tl
 
 
 @dataclass(frozen=True)
@@ -75,8 +74,9 @@ class BucketLayout:
         return (local_rows(self.shapes[i][0], self.group_size, rank), *self.shapes[i][1:])
 
 
-def _pack_shards_kernel(dst, src_ptrs, numels, slots, offsets, block_tensor, block_start,
-                        SRC: tl.constexpr, BLOCK: tl.constexpr):
+def _pack_shards_kernel(
+    dst, src_ptrs, numels, slots, offsets, block_tensor, block_start, SRC: tl.constexpr, BLOCK: tl.constexpr
+):
     b = tl.program_id(0)
     t = tl.load(block_tensor + b)
     e = tl.load(block_start + b) + tl.arange(0, BLOCK)
@@ -85,8 +85,9 @@ def _pack_shards_kernel(dst, src_ptrs, numels, slots, offsets, block_tensor, blo
     tl.store(dst + tl.load(offsets + t) + e, x.to(dst.dtype.element_ty), mask=e < tl.load(slots + t))
 
 
-def _unpack_kernel(out, gathered, numels, slots, src_offsets, dst_offsets, block_tensor, block_start, segment,
-                   BLOCK: tl.constexpr):
+def _unpack_kernel(
+    out, gathered, numels, slots, src_offsets, dst_offsets, block_tensor, block_start, segment, BLOCK: tl.constexpr
+):
     b = tl.program_id(0)
     t = tl.load(block_tensor + b)
     e = tl.load(block_start + b) + tl.arange(0, BLOCK)
@@ -97,8 +98,19 @@ def _unpack_kernel(out, gathered, numels, slots, src_offsets, dst_offsets, block
     tl.store(out + tl.load(dst_offsets + t) + e, x.to(out.dtype.element_ty), mask=mask)
 
 
-def _pack_grads_kernel(dst, src_ptrs, numels, slots, offsets, block_tensor, block_start, segment, group_size,
-                       SRC: tl.constexpr, BLOCK: tl.constexpr):
+def _pack_grads_kernel(
+    dst,
+    src_ptrs,
+    numels,
+    slots,
+    offsets,
+    block_tensor,
+    block_start,
+    segment,
+    group_size,
+    SRC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     b = tl.program_id(0)
     t = tl.load(block_tensor + b)
     e = tl.load(block_start + b) + tl.arange(0, BLOCK)
@@ -106,12 +118,23 @@ def _pack_grads_kernel(dst, src_ptrs, numels, slots, offsets, block_tensor, bloc
     src = tl.load(src_ptrs + t).to(tl.pointer_type(SRC))
     x = tl.load(src + e, mask=e < tl.load(numels + t), other=0.0)
     rank = e // slot  # rows [rank*r, (rank+1)*r) of the padded gradient go to that rank
-    tl.store(dst + rank * segment + tl.load(offsets + t) + e % slot, x.to(dst.dtype.element_ty),
-             mask=e < slot * group_size)
+    tl.store(
+        dst + rank * segment + tl.load(offsets + t) + e % slot, x.to(dst.dtype.element_ty), mask=e < slot * group_size
+    )
 
 
-def _average_kernel(reduced, dst_ptrs, numels, offsets, block_tensor, block_start, scale,
-                    DST: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+def _average_kernel(
+    reduced,
+    dst_ptrs,
+    numels,
+    offsets,
+    block_tensor,
+    block_start,
+    scale,
+    DST: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     b = tl.program_id(0)
     t = tl.load(block_tensor + b)
     e = tl.load(block_start + b) + tl.arange(0, BLOCK)
@@ -138,12 +161,22 @@ def pack_shards(shards: Sequence[torch.Tensor], layout: BucketLayout, dtype: tor
     out = torch.empty(layout.segment, dtype=dtype or src_dtype, device=device)
     blocks = blocks_for(layout.slots, device)
     jit(_pack_shards_kernel)[(blocks.count,)](
-        out, addresses(shards, device), int_table([s.numel() for s in shards], device), int_table(layout.slots, device),
-        int_table(layout.offsets, device), blocks.tensor, blocks.start, SRC=tl_dtype(src_dtype), BLOCK=BLOCK)
+        out,
+        addresses(shards, device),
+        int_table([s.numel() for s in shards], device),
+        int_table(layout.slots, device),
+        int_table(layout.offsets, device),
+        blocks.tensor,
+        blocks.start,
+        SRC=tl_dtype(src_dtype),
+        BLOCK=BLOCK,
+    )
     return out
 
 
-def unpack_gathered(gathered: torch.Tensor, layout: BucketLayout, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def unpack_gathered(
+    gathered: torch.Tensor, layout: BucketLayout, dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
     """Every full parameter from an all-gather output, as views of one new flat buffer."""
     if gathered.numel() != layout.segment * layout.group_size:
         raise ValueError(f"gathered has {gathered.numel()} elements, layout needs {layout.segment * layout.group_size}")
@@ -154,10 +187,18 @@ def unpack_gathered(gathered: torch.Tensor, layout: BucketLayout, dtype: torch.d
     blocks = blocks_for(numels, device)
     if blocks.count:
         jit(_unpack_kernel)[(blocks.count,)](
-            out, gathered.contiguous(), int_table(numels, device), int_table(layout.slots, device),
-            int_table(layout.offsets, device), int_table(dst_offsets, device), blocks.tensor, blocks.start,
-            layout.segment, BLOCK=BLOCK)
-    return [out[o:o + n].view(shape) for o, n, shape in zip(dst_offsets, numels, layout.shapes)]
+            out,
+            gathered.contiguous(),
+            int_table(numels, device),
+            int_table(layout.slots, device),
+            int_table(layout.offsets, device),
+            int_table(dst_offsets, device),
+            blocks.tensor,
+            blocks.start,
+            layout.segment,
+            BLOCK=BLOCK,
+        )
+    return [out[o : o + n].view(shape) for o, n, shape in zip(dst_offsets, numels, layout.shapes)]
 
 
 def pack_grads(grads: Sequence[torch.Tensor], layout: BucketLayout, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -169,15 +210,30 @@ def pack_grads(grads: Sequence[torch.Tensor], layout: BucketLayout, dtype: torch
     totals = [slot * layout.group_size for slot in layout.slots]
     blocks = blocks_for(totals, device)
     jit(_pack_grads_kernel)[(blocks.count,)](
-        out, addresses(grads, device), int_table([g.numel() for g in grads], device), int_table(layout.slots, device),
-        int_table(layout.offsets, device), blocks.tensor, blocks.start, layout.segment, layout.group_size,
-        SRC=tl_dtype(src_dtype), BLOCK=BLOCK)
+        out,
+        addresses(grads, device),
+        int_table([g.numel() for g in grads], device),
+        int_table(layout.slots, device),
+        int_table(layout.offsets, device),
+        blocks.tensor,
+        blocks.start,
+        layout.segment,
+        layout.group_size,
+        SRC=tl_dtype(src_dtype),
+        BLOCK=BLOCK,
+    )
     return out
 
 
-def average_into_shards(reduced: torch.Tensor, layout: BucketLayout, rank: int,
-                        grads: Sequence[torch.Tensor | None] | None = None, *, dtype: torch.dtype = torch.float32,
-                        scale: float | None = None) -> list[torch.Tensor]:
+def average_into_shards(
+    reduced: torch.Tensor,
+    layout: BucketLayout,
+    rank: int,
+    grads: Sequence[torch.Tensor | None] | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    scale: float | None = None,
+) -> list[torch.Tensor]:
     """Each shard's gradient from a sum reduce-scatter output: ``grad (+)= reduced * scale``.
 
     ``scale`` defaults to ``1 / group_size`` (the average). Where ``grads[i]`` is a tensor the
@@ -205,13 +261,22 @@ def average_into_shards(reduced: torch.Tensor, layout: BucketLayout, rank: int,
         numels = [layout.shard_numel(i, rank) for i in indices]
         for i, t in zip(indices, targets):
             if t.numel() != layout.shard_numel(i, rank):
-                raise ValueError(f"gradient {i} has {t.numel()} elements, rank {rank}'s shard has "
-                                 f"{layout.shard_numel(i, rank)}")
+                raise ValueError(
+                    f"gradient {i} has {t.numel()} elements, rank {rank}'s shard has {layout.shard_numel(i, rank)}"
+                )
         blocks = blocks_for(numels, device)
         if not blocks.count:
             continue
         jit(_average_kernel)[(blocks.count,)](
-            reduced.contiguous(), addresses(targets, device), int_table(numels, device),
-            int_table([layout.offsets[i] for i in indices], device), blocks.tensor, blocks.start, scale,
-            DST=tl_dtype(_same_dtype(targets)), ACCUMULATE=accumulate, BLOCK=BLOCK)
+            reduced.contiguous(),
+            addresses(targets, device),
+            int_table(numels, device),
+            int_table([layout.offsets[i] for i in indices], device),
+            blocks.tensor,
+            blocks.start,
+            scale,
+            DST=tl_dtype(_same_dtype(targets)),
+            ACCUMULATE=accumulate,
+            BLOCK=BLOCK,
+        )
     return results  # type: ignore[return-value]

@@ -140,11 +140,15 @@ def decompose_for_codegen(gm: fx.GraphModule, can_lower: Callable[[fx.Node], boo
         ops = [n for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
         if any(n.op != "call_function" for n in ops) or not _outputs_match(node, sub):
             continue
-        refused = [n for n in ops if n.target is not operator.getitem and not can_lower(n)
-                   and n.target not in _ATEN_LEFTOVERS]
+        refused = [
+            n for n in ops if n.target is not operator.getitem and not can_lower(n) and n.target not in _ATEN_LEFTOVERS
+        ]
         if refused:
-            log.debug("zerofx codegen: keeping %s native: %s cannot be lowered", node.name,
-                      ", ".join(str(n.target) for n in refused))
+            log.debug(
+                "zerofx codegen: keeping %s native: %s cannot be lowered",
+                node.name,
+                ", ".join(str(n.target) for n in refused),
+            )
             continue
         _inline(gm, node, sub)
         opened.append(node.name)

@@ -25,14 +25,18 @@ from torch import fx
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.fx.graph import _BoxedCodeGen
 
-from zerofx.passes.graph import fake_mode_of
 from zerofx.passes.contract import PassContext
+from zerofx.passes.graph import fake_mode_of
 
 Executor = Callable[..., Callable]
 
 
-def _aten_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
-                   ctx: PassContext | None = None, recorder: Any = None) -> Callable:
+def _aten_executor(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any] | None = None,
+    ctx: PassContext | None = None,
+    recorder: Any = None,
+) -> Callable:
     """Run the graph's FX-generated Python op by op, with the boxed calling convention.
 
     ``make_boxed_func`` would only wrap the graph, leaving AOTAutograd's argument list holding
@@ -46,8 +50,12 @@ def _aten_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = No
     return gm
 
 
-def _triton_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
-                     ctx: PassContext | None = None, recorder: Any = None) -> Callable:
+def _triton_executor(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any] | None = None,
+    ctx: PassContext | None = None,
+    recorder: Any = None,
+) -> Callable:
     from zerofx.codegen.triton_codegen import compile_triton
 
     fused = compile_triton(gm, ctx, recorder)
@@ -58,13 +66,16 @@ def _placeholder_values(gm: fx.GraphModule) -> list[Any]:
     return [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _inductor_executor(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
-                       ctx: PassContext | None = None, recorder: Any = None) -> Callable:
+def _inductor_executor(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any] | None = None,
+    ctx: PassContext | None = None,
+    recorder: Any = None,
+) -> Callable:
     from torch._guards import detect_fake_mode
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
-
 
     inputs = list(example_inputs) if example_inputs is not None else _placeholder_values(gm)
     fake_mode = detect_fake_mode(inputs) or fake_mode_of(gm)

@@ -22,16 +22,35 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable
 
 import torch
+import triton.language as tl
 
 from zerofx.codegen.multi_tensor import BLOCK, addresses, blocks_for, int_table, jit, local, tl_dtype
 
-import triton.language as tl
 
-
-def _adamw_kernel(p_ptrs, g_ptrs, m_ptrs, v_ptrs, vmax_ptrs, numels, block_tensor, block_start,
-                  decay, lerp_weight, beta2, one_minus_beta2, neg_step_size, bias_correction2_sqrt, eps,
-                  P: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
-                  AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_LOW: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(
+    p_ptrs,
+    g_ptrs,
+    m_ptrs,
+    v_ptrs,
+    vmax_ptrs,
+    numels,
+    block_tensor,
+    block_start,
+    decay,
+    lerp_weight,
+    beta2,
+    one_minus_beta2,
+    neg_step_size,
+    bias_correction2_sqrt,
+    eps,
+    P: tl.constexpr,
+    G: tl.constexpr,
+    S: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    LERP_LOW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     b = tl.program_id(0)
     t = tl.load(block_tensor + b)
     e = tl.load(block_start + b) + tl.arange(0, BLOCK)
@@ -64,10 +83,21 @@ def _adamw_kernel(p_ptrs, g_ptrs, m_ptrs, v_ptrs, vmax_ptrs, numels, block_tenso
     tl.store(v_ptr + e, v.to(S), mask=mask)
 
 
-def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-               exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor] | None, *, step: int,
-               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-               maximize: bool = False) -> None:
+def adamw_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor] | None,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool = False,
+) -> None:
     """One AdamW update of every tensor in the lists, in a single launch (all updated in place).
 
     Every list must hold contiguous tensors of one dtype on one device; ``step`` is the step
@@ -83,17 +113,35 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
     blocks = blocks_for(numels, device)
     if not blocks.count:
         return
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
     lerp_weight = 1 - beta1
     p_table = addresses(params, device)
     vmax_table = addresses([local(v) for v in max_exp_avg_sqs], device) if amsgrad else p_table
     jit(_adamw_kernel)[(blocks.count,)](
-        p_table, addresses(grads, device), addresses(exp_avgs, device), addresses(exp_avg_sqs, device), vmax_table,
-        int_table(numels, device), blocks.tensor, blocks.start,
-        1 - lr * weight_decay, lerp_weight, beta2, 1 - beta2, -(lr / bias_correction1), bias_correction2 ** 0.5, eps,
-        P=tl_dtype(params[0].dtype), G=tl_dtype(grads[0].dtype), S=tl_dtype(exp_avgs[0].dtype),
-        AMSGRAD=amsgrad, MAXIMIZE=maximize, LERP_LOW=lerp_weight < 0.5, BLOCK=BLOCK)
+        p_table,
+        addresses(grads, device),
+        addresses(exp_avgs, device),
+        addresses(exp_avg_sqs, device),
+        vmax_table,
+        int_table(numels, device),
+        blocks.tensor,
+        blocks.start,
+        1 - lr * weight_decay,
+        lerp_weight,
+        beta2,
+        1 - beta2,
+        -(lr / bias_correction1),
+        bias_correction2**0.5,
+        eps,
+        P=tl_dtype(params[0].dtype),
+        G=tl_dtype(grads[0].dtype),
+        S=tl_dtype(exp_avgs[0].dtype),
+        AMSGRAD=amsgrad,
+        MAXIMIZE=maximize,
+        LERP_LOW=lerp_weight < 0.5,
+        BLOCK=BLOCK,
+    )
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -102,11 +150,21 @@ class FusedAdamW(torch.optim.Optimizer):
     Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (for tests).
     """
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        amsgrad: bool = False,
+        maximize: bool = False,
+    ):
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"invalid AdamW hyperparameters lr={lr} betas={betas} eps={eps} "
-                             f"weight_decay={weight_decay}")
+            raise ValueError(
+                f"invalid AdamW hyperparameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}"
+            )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
         super().__init__(params, defaults)
 
@@ -140,8 +198,18 @@ class FusedAdamW(torch.optim.Optimizer):
                 buckets[key].append(p)
             for (_, _, _, _, step), ps in buckets.items():
                 states = [self.state[p] for p in ps]
-                adamw_step(ps, [p.grad for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                           [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else None,
-                           step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"], maximize=group["maximize"])
+                adamw_step(
+                    ps,
+                    [p.grad for p in ps],
+                    [s["exp_avg"] for s in states],
+                    [s["exp_avg_sq"] for s in states],
+                    [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else None,
+                    step=step,
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    maximize=group["maximize"],
+                )
         return loss

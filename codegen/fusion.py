@@ -36,11 +36,10 @@ import torch
 from torch import fx
 
 from zerofx.codegen.triton_emit import row_shapes
-from zerofx.passes.graph import positions
 from zerofx.codegen.triton_ops import can_lower, kind_of, reduction_keepdim
-from zerofx.ir.collectives import COLLECTIVE_OPS
-from zerofx.ir.collectives import WAIT
+from zerofx.ir.collectives import COLLECTIVE_OPS, WAIT
 from zerofx.ir.meta import KERNEL
+from zerofx.passes.graph import positions
 
 MAX_MEMBERS = 96
 _COMM_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d", "zerofx")
@@ -146,8 +145,9 @@ def _acyclic(members: set[fx.Node], order: dict[fx.Node, int]) -> bool:
     return True
 
 
-def _try(groups: list[Group], node: fx.Node, extra: list[fx.Node], segment: int,
-         order: dict[fx.Node, int]) -> Group | None:
+def _try(
+    groups: list[Group], node: fx.Node, extra: list[fx.Node], segment: int, order: dict[fx.Node, int]
+) -> Group | None:
     """The group made of ``groups`` plus ``node`` (and ``extra``), if every rule holds."""
     members = sorted({m for g in groups for m in g.members} | {node, *extra}, key=order.__getitem__)
     if len(members) > MAX_MEMBERS:
@@ -177,8 +177,11 @@ def find_groups(gm: fx.GraphModule) -> list[Group]:
         segment_of[node] = segment
         if node.target is operator.getitem or not can_lower(node):
             continue
-        extra = [u for u in node.users if u.target is operator.getitem] if isinstance(
-            node.meta["val"], (tuple, list)) else []
+        extra = (
+            [u for u in node.users if u.target is operator.getitem]
+            if isinstance(node.meta["val"], (tuple, list))
+            else []
+        )
         producers: list[Group] = []
         for a in node.all_input_nodes:
             g = group_of.get(a)
@@ -213,8 +216,11 @@ def group_io(group: Group) -> tuple[list[fx.Node], list[fx.Node]]:
         for a in m.all_input_nodes:
             if a not in inside:
                 inputs.setdefault(a)
-    outputs = [m for m in group.members
-               if not isinstance(m.meta["val"], (tuple, list)) and any(u not in inside for u in m.users)]
+    outputs = [
+        m
+        for m in group.members
+        if not isinstance(m.meta["val"], (tuple, list)) and any(u not in inside for u in m.users)
+    ]
     return list(inputs), outputs
 
 

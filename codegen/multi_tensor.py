@@ -48,8 +48,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def tl_dtype(dtype: torch.dtype):
     import triton.language as tl
 
-    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
-            torch.float64: tl.float64}[dtype]
+    return {
+        torch.float32: tl.float32,
+        torch.float16: tl.float16,
+        torch.bfloat16: tl.bfloat16,
+        torch.float64: tl.float64,
+    }[dtype]
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,11 @@ def blocks_for(numels: Sequence[int], device: torch.device, block: int = BLOCK) 
         for s in range(0, n, block):
             which.append(i)
             start.append(s)
-    result = Blocks(torch.tensor(which, dtype=torch.int32, device=device),
-                    torch.tensor(start, dtype=torch.int64, device=device), len(which))
+    result = Blocks(
+        torch.tensor(which, dtype=torch.int32, device=device),
+        torch.tensor(start, dtype=torch.int64, device=device),
+        len(which),
+    )
     with _lock:
         _blocks[key] = result
     return result

@@ -27,8 +27,8 @@ from zerofx.codegen.fusion import Claimed, find_groups, group_io, is_comm, repla
 from zerofx.codegen.triton_emit import Unsupported, emit_group
 from zerofx.codegen.triton_ops import can_lower
 from zerofx.codegen.triton_runtime import FusedKernel, group_module, interpreting, launch_problem
-from zerofx.passes.graph import is_view
 from zerofx.passes.contract import PassContext
+from zerofx.passes.graph import is_view
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,14 @@ def compile_triton(gm: fx.GraphModule, ctx: PassContext | None = None, recorder:
     try:
         result, claimed, sources, opened = _fuse(gm, ctx, recorder, autotune)
     except Exception as e:  # a codegen bug must not cost the user their training step
-        log.warning("zerofx: Triton codegen failed on %s_%s (%s: %s); the graph runs as ATen",
-                    ctx.graph_id, ctx.kind, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+        log.warning(
+            "zerofx: Triton codegen failed on %s_%s (%s: %s); the graph runs as ATen",
+            ctx.graph_id,
+            ctx.kind,
+            type(e).__name__,
+            e,
+            exc_info=log.isEnabledFor(logging.DEBUG),
+        )
         if recorder is not None:
             recorder.note(ctx.graph_id, ctx.kind, f"codegen failed ({type(e).__name__}: {e}); the graph runs as ATen")
         return gm
@@ -109,8 +115,10 @@ def compile_triton(gm: fx.GraphModule, ctx: PassContext | None = None, recorder:
     fused_ops = sum(c.group.compute_ops for c in claimed)
     if opened:
         ctx.report(f"decomposed {len(opened)} composite ops for fusion ({', '.join(opened)})")
-    ctx.report(f"{len(claimed)} Triton kernels covering {fused_ops} ATen ops"
-               + (" (run by the Triton interpreter)" if interpreting() else ""))
+    ctx.report(
+        f"{len(claimed)} Triton kernels covering {fused_ops} ATen ops"
+        + (" (run by the Triton interpreter)" if interpreting() else "")
+    )
     for c in claimed:
         ctx.report(f"kernel {c.call.__name__}: {', '.join(m.name for m in c.group.members)}")
     if recorder is not None:

@@ -152,7 +152,7 @@ class _Writer:
             var, shape = "rows", shape[:-1]
         key = (var, shape, dim)
         if key not in self.coords:
-            inner = math.prod(shape[dim + 1:])
+            inner = math.prod(shape[dim + 1 :])
             expr = var if inner == 1 else f"{var} // {inner}"
             if dim > 0:
                 expr = f"({expr}) % {shape[dim]}" if inner != 1 else f"{expr} % {shape[dim]}"
@@ -168,8 +168,13 @@ class _Writer:
         linear_ok = all(st == r for st, r, s in zip(strides, _rowmajor(shape), shape) if s != 1)
         if linear_ok and any(s != 1 for s in shape):
             return var
-        if self.rows and cls == "full" and strides[-1] == 0 and any(s != 1 for s in shape[:-1]) and all(
-                st == r for st, r, s in zip(strides, _rowmajor(shape[:-1]), shape[:-1]) if s != 1):
+        if (
+            self.rows
+            and cls == "full"
+            and strides[-1] == 0
+            and any(s != 1 for s in shape[:-1])
+            and all(st == r for st, r, s in zip(strides, _rowmajor(shape[:-1]), shape[:-1]) if s != 1)
+        ):
             return "rows"  # a per-row tensor read by a full-row op: same offset along the row
         terms = []
         for d, (size, st) in enumerate(zip(shape, strides)):
@@ -299,8 +304,15 @@ def _check_sizes(group_shape: tuple[int, ...], tensors: Sequence[torch.Tensor]) 
             raise Unsupported(f"dtype {t.dtype}")
 
 
-def emit_group(members: Sequence[fx.Node], shape: tuple[int, ...], classes: dict[fx.Node, str],
-               inputs: Sequence[fx.Node], outputs: Sequence[fx.Node], *, autotune: bool = False) -> KernelSource:
+def emit_group(
+    members: Sequence[fx.Node],
+    shape: tuple[int, ...],
+    classes: dict[fx.Node, str],
+    inputs: Sequence[fx.Node],
+    outputs: Sequence[fx.Node],
+    *,
+    autotune: bool = False,
+) -> KernelSource:
     """The Triton source of one group (see ``zerofx.codegen.fusion`` for how groups are made)."""
     rows = any(c == "row" for c in classes.values()) or any(kind_of(n) == "reduction" for n in members)
     tensors = [n.meta["val"] for n in (*inputs, *outputs)]
@@ -357,7 +369,10 @@ def emit_group(members: Sequence[fx.Node], shape: tuple[int, ...], classes: dict
         ops = [f"    {_comment(n)}" for n in members if kind_of(n) != "getitem"]
         text = (
             f'"""{name}: {len(members)} ATen ops fused by zerofx.codegen ({kind} kernel).\n\n'
-            + "\n".join(ops) + "\n\n" + "\n".join(doc_rows) + '\n"""\n'
+            + "\n".join(ops)
+            + "\n\n"
+            + "\n".join(doc_rows)
+            + '\n"""\n'
             "import triton\nimport triton.language as tl\n\n\n"
             f"{decorator}@triton.jit\ndef {name}({', '.join(params + constexprs)}):\n{body}\n\n\n"
             f"def launch({', '.join(params)}):\n"
@@ -381,9 +396,14 @@ def _describe(node: fx.Node) -> str:
 def _autotune_decorator(kind: str, blocks: dict) -> str:
     """GPU only: let Triton time a few block shapes around the heuristic's choice, once per layout."""
     if kind == "pointwise":
-        configs = [f"triton.Config({{'BLOCK': {b}}}, num_warps={max(1, min(8, b // 256))})" for b in (256, 512, 1024, 2048)]
+        configs = [
+            f"triton.Config({{'BLOCK': {b}}}, num_warps={max(1, min(8, b // 256))})" for b in (256, 512, 1024, 2048)
+        ]
     else:
         bc = blocks["BLOCK_C"]
-        configs = [f"triton.Config({{'BLOCK_R': {br}, 'BLOCK_C': {bc}}}, num_warps={nw})"
-                   for br in sorted({1, max(1, blocks["BLOCK_R"] // 2), blocks["BLOCK_R"]}) for nw in (4, 8)]
+        configs = [
+            f"triton.Config({{'BLOCK_R': {br}, 'BLOCK_C': {bc}}}, num_warps={nw})"
+            for br in sorted({1, max(1, blocks["BLOCK_R"] // 2), blocks["BLOCK_R"]})
+            for nw in (4, 8)
+        ]
     return "@triton.autotune(configs=[\n    " + ",\n    ".join(configs) + "\n], key=[])\n"

@@ -31,8 +31,12 @@ prims = torch.ops.prims
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 VALUE_DTYPES = FLOAT_DTYPES + (torch.bool,)
-TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
-             torch.bool: "tl.int1"}
+TL_DTYPES = {
+    torch.float32: "tl.float32",
+    torch.float16: "tl.float16",
+    torch.bfloat16: "tl.bfloat16",
+    torch.bool: "tl.int1",
+}
 
 
 def literal(x: Any) -> str:
@@ -78,8 +82,17 @@ _NAN_ALL = "propagate_nan=tl.PropagateNan.ALL"  # torch propagates NaN through m
 
 def _pow(n: fx.Node, x: Callable[[Any], str]) -> str:
     base, exp = x(n.args[0]), n.args[1]
-    small = {0: "({0} * 0.0 + 1.0)", 1: "{0}", 2: "({0} * {0})", 3: "({0} * {0} * {0})", 4: "({0} * {0} * ({0} * {0}))",
-             0.5: "tl.sqrt({0})", -0.5: "tl.rsqrt({0})", -1: "(1.0 / {0})", -2: "(1.0 / ({0} * {0}))"}
+    small = {
+        0: "({0} * 0.0 + 1.0)",
+        1: "{0}",
+        2: "({0} * {0})",
+        3: "({0} * {0} * {0})",
+        4: "({0} * {0} * ({0} * {0}))",
+        0.5: "tl.sqrt({0})",
+        -0.5: "tl.rsqrt({0})",
+        -1: "(1.0 / {0})",
+        -2: "(1.0 / ({0} * {0}))",
+    }
     return small[exp].format(base)
 
 
@@ -118,9 +131,12 @@ def _cast_supported(n: fx.Node) -> bool:
     kw.pop("memory_format", None)  # the output's strides come from its metadata anyway
     kw.pop("non_blocking", None)
     layout = kw.pop("layout", None)
-    return (not kw and len(n.args) <= (2 if n.target is prims.convert_element_type.default else 1)
-            and (device is None or device == n.args[0].meta["val"].device)
-            and layout in (None, torch.strided))
+    return (
+        not kw
+        and len(n.args) <= (2 if n.target is prims.convert_element_type.default else 1)
+        and (device is None or device == n.args[0].meta["val"].device)
+        and layout in (None, torch.strided)
+    )
 
 
 POINTWISE: dict[Any, Pointwise] = {
@@ -226,7 +242,7 @@ def _value_ok(val: Any) -> bool:
 
 
 def kind_of(node: fx.Node) -> str | None:
-    """"pointwise", "reduction", "identity", "expand" or "getitem"; None when not lowerable."""
+    """ "pointwise", "reduction", "identity", "expand" or "getitem"; None when not lowerable."""
     target = node.target
     if target is operator.getitem:
         return "getitem"
@@ -257,8 +273,23 @@ def can_lower(node: fx.Node) -> bool:
     if len(devices) != 1:
         return False  # e.g. a CPU scalar tensor in a CUDA op: ATen allows it, a kernel cannot read it
     for a in (*node.args, *node.kwargs.values()):
-        if not isinstance(a, (fx.Node, int, float, bool, type(None), torch.dtype, torch.device, torch.layout,
-                              torch.memory_format, list, tuple, str)):
+        if not isinstance(
+            a,
+            (
+                fx.Node,
+                int,
+                float,
+                bool,
+                type(None),
+                torch.dtype,
+                torch.device,
+                torch.layout,
+                torch.memory_format,
+                list,
+                tuple,
+                str,
+            ),
+        ):
             return False
     if node.target is aten.div.Tensor or node.target is aten.div.Scalar:
         if node.kwargs.get("rounding_mode") is not None:

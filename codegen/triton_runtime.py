@@ -66,8 +66,8 @@ def launch_problem(device: torch.device) -> str | None:
     if not triton_available():
         return "triton is not installed"
     if interpreting():
-        from triton.runtime.interpreter import InterpretedFunction
         import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
 
         if not isinstance(tl.sum, InterpretedFunction):
             return "TRITON_INTERPRET=1 was set after triton was imported (set it before)"
@@ -138,15 +138,20 @@ def _quiet_masked_lanes():
 
 def _layout(val: torch.Tensor) -> tuple:
     """What a kernel was specialised to: device type, shape, dtype, strides of non-trivial dims."""
-    return (val.device.type, tuple(val.shape), val.dtype,
-            tuple(st for st, s in zip(val.stride(), val.shape) if s != 1))
+    return (val.device.type, tuple(val.shape), val.dtype, tuple(st for st, s in zip(val.stride(), val.shape) if s != 1))
 
 
 class FusedKernel:
     """A fused group at run time (see the module docstring for its fallback contract)."""
 
-    def __init__(self, kernel: KernelSource, inputs: Sequence[fx.Node], outputs: Sequence[fx.Node],
-                 fallback: Callable, on_failure: Callable[[str, str], None] | None = None):
+    def __init__(
+        self,
+        kernel: KernelSource,
+        inputs: Sequence[fx.Node],
+        outputs: Sequence[fx.Node],
+        fallback: Callable,
+        on_failure: Callable[[str, str], None] | None = None,
+    ):
         self.kernel = kernel
         self.__name__ = self.__qualname__ = kernel.name
         self.__module__ = "zerofx_kernels"
@@ -167,8 +172,9 @@ class FusedKernel:
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.error is None and [_layout(a) for a in args] == self.input_layouts:
             device = args[0].device
-            outs = tuple(torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                         for shape, stride, dtype in self.outputs)
+            outs = tuple(
+                torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self.outputs
+            )
             try:
                 launch = self._ready()
                 if device.type == "cuda":
@@ -182,8 +188,9 @@ class FusedKernel:
                 return outs
             except Exception as e:  # compile or launch failure: this kernel runs as ATen from now on
                 self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                log.warning("zerofx: Triton kernel %s failed (%s); running its ATen ops instead",
-                            self.kernel.name, self.error)
+                log.warning(
+                    "zerofx: Triton kernel %s failed (%s); running its ATen ops instead", self.kernel.name, self.error
+                )
                 if self.on_failure is not None:
                     self.on_failure(self.kernel.name, self.error)
         elif self.error is None:

@@ -59,8 +59,8 @@ from torch._library.fake_class_registry import FakeScriptObject
 from torch.fx.experimental._backward_state import BackwardState
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerofx.ir.meta import RECOMPUTE
 from zerofx.errors import ZeroFXError
+from zerofx.ir.meta import RECOMPUTE
 from zerofx.passes.cost_model import DeviceModel, is_alias, node_bytes, node_flops, storage_bytes, storage_key
 from zerofx.passes.graph import positions
 
@@ -123,29 +123,39 @@ def _cannot_save(node: fx.Node) -> str | None:
 class ActivationPlan:
     """What the backward of one joint graph gets, and what that costs (bytes at size hints)."""
 
-    saved: list[fx.Node]                  # kept resident between forward and backward
-    offloaded: dict[fx.Node, str]         # saved, parked in a tier ("host" / "disk") meanwhile
-    recomputed: list[fx.Node]             # forward nodes the backward runs again
+    saved: list[fx.Node]  # kept resident between forward and backward
+    offloaded: dict[fx.Node, str]  # saved, parked in a tier ("host" / "disk") meanwhile
+    recomputed: list[fx.Node]  # forward nodes the backward runs again
     resident_bytes: int
     offloaded_bytes: int
     recompute_flops: int
-    price: float                          # λ of the plan (bytes per FLOP)
+    price: float  # λ of the plan (bytes per FLOP)
     backward_side: frozenset = frozenset()  # the cut's backward side (what the plan would recompute)
 
     def names(self) -> dict[str, list[str]]:
         """Node names per decision; saved sizes (SymInts) and opaque objects are listed apart."""
         tensor = lambda n: isinstance(n.meta.get("val"), torch.Tensor)  # noqa: E731
-        return {"saved": [n.name for n in self.saved if tensor(n)], "offloaded": [n.name for n in self.offloaded],
-                "recomputed": [n.name for n in self.recomputed],
-                "saved_other": [n.name for n in self.saved if not tensor(n)]}
+        return {
+            "saved": [n.name for n in self.saved if tensor(n)],
+            "offloaded": [n.name for n in self.offloaded],
+            "recomputed": [n.name for n in self.recomputed],
+            "saved_other": [n.name for n in self.saved if not tensor(n)],
+        }
 
 
 class PlanProblem:
     """One joint graph, its constraints and its costs: ``solve(λ)`` returns the plan at price λ."""
 
-    def __init__(self, joint: fx.GraphModule, num_fwd_outputs: int, *,
-                 must_recompute: Iterable[fx.Node] = (), must_save: Iterable[fx.Node] = (),
-                 offload_tier: str | None = None, device: DeviceModel | None = None):
+    def __init__(
+        self,
+        joint: fx.GraphModule,
+        num_fwd_outputs: int,
+        *,
+        must_recompute: Iterable[fx.Node] = (),
+        must_save: Iterable[fx.Node] = (),
+        offload_tier: str | None = None,
+        device: DeviceModel | None = None,
+    ):
         self.joint = joint
         self.info = classify_nodes(joint, [], num_fwd_outputs)
         self.must_recompute = set(must_recompute)
@@ -262,14 +272,17 @@ class PlanProblem:
         try:
             _, (_, sink_side) = nx.minimum_cut(g, "source", "sink", flow_func=boykov_kolmogorov)
         except nx.NetworkXUnbounded as e:
-            raise ZeroFXError("no partition satisfies the checkpoint constraints: a value the backward "
-                              "needs can neither be saved nor recomputed (e.g. a policy forces "
-                              "recomputing a random op's consumer); please report this graph") from e
+            raise ZeroFXError(
+                "no partition satisfies the checkpoint constraints: a value the backward "
+                "needs can neither be saved nor recomputed (e.g. a policy forces "
+                "recomputing a random op's consumer); please report this graph"
+            ) from e
         on_backward_side = {n for n in self.nodes if n.name + "_in" in sink_side}
         return self._account(on_backward_side, price)
 
-    def _account(self, on_backward_side: set[fx.Node], price: float,
-                 offload: set[fx.Node] | None = None) -> ActivationPlan:
+    def _account(
+        self, on_backward_side: set[fx.Node], price: float, offload: set[fx.Node] | None = None
+    ) -> ActivationPlan:
         """Exactly what a partition recomputing ``on_backward_side`` saves and recomputes.
 
         The backward graph is the backward nodes plus every forward node they need that is not
@@ -308,8 +321,16 @@ class PlanProblem:
             else:
                 resident += nbytes
         flops = sum(self.flops[n] for n in recomputed)
-        return ActivationPlan([n for n in saved if n not in offloaded], offloaded, recomputed, resident,
-                              off_bytes, flops, price, frozenset(on_backward_side))
+        return ActivationPlan(
+            [n for n in saved if n not in offloaded],
+            offloaded,
+            recomputed,
+            resident,
+            off_bytes,
+            flops,
+            price,
+            frozenset(on_backward_side),
+        )
 
     # -- prices --------------------------------------------------------------------------------
     def price_bounds(self) -> tuple[float, float]:
@@ -356,8 +377,14 @@ def plan_activations(problem: PlanProblem, budget_bytes: int | None) -> tuple[Ac
     filled = []
     for start in starts:
         gap = sorted(start.backward_side - over.backward_side, key=problem.order.__getitem__)
-        moves = _pieces(gap) + [{n} for n in start.recomputed if n not in problem.must_recompute
-                                and n not in problem.no_save and n.op == "call_function" and problem.flops[n] > 0]
+        moves = _pieces(gap) + [
+            {n}
+            for n in start.recomputed
+            if n not in problem.must_recompute
+            and n not in problem.no_save
+            and n.op == "call_function"
+            and problem.flops[n] > 0
+        ]
         filled += [_fill(problem, start, moves, budget_bytes, by_ratio) for by_ratio in (True, False)]
     best = min(filled, key=lambda p: (p.recompute_flops, p.resident_bytes))
     return _keep_resident(problem, best, budget_bytes), lean
@@ -380,12 +407,12 @@ def _keep_resident(problem: PlanProblem, plan: ActivationPlan, budget: int) -> A
             resident += nbytes
             off_bytes -= nbytes
     saved.sort(key=problem.order.__getitem__)
-    return ActivationPlan(saved, offloaded, plan.recomputed, resident, off_bytes, plan.recompute_flops, plan.price,
-                          plan.backward_side)
+    return ActivationPlan(
+        saved, offloaded, plan.recomputed, resident, off_bytes, plan.recompute_flops, plan.price, plan.backward_side
+    )
 
 
-def _fill(problem: PlanProblem, start: ActivationPlan, moves: list[set], budget: int, by_ratio: bool
-          ) -> ActivationPlan:
+def _fill(problem: PlanProblem, start: ActivationPlan, moves: list[set], budget: int, by_ratio: bool) -> ActivationPlan:
     """Close the Lagrangian gap: spend the budget ``start`` leaves (see NOTE: one min-cut ...).
 
     Between the last price that fits and the first that does not, plans jump: values with
@@ -445,5 +472,12 @@ def _with_offloads(problem: PlanProblem, plan: ActivationPlan, nodes: list[fx.No
     saved = [n for n in plan.saved if n not in moved]
     keys = {storage_key(n) for n in saved}
     moved_bytes = sum(problem.save_bytes(n) for n in moved if storage_key(n) not in keys)
-    return ActivationPlan(saved, {**plan.offloaded, **moved}, plan.recomputed, plan.resident_bytes - moved_bytes,
-                          plan.offloaded_bytes + moved_bytes, plan.recompute_flops, plan.price)
+    return ActivationPlan(
+        saved,
+        {**plan.offloaded, **moved},
+        plan.recomputed,
+        plan.resident_bytes - moved_bytes,
+        plan.offloaded_bytes + moved_bytes,
+        plan.recompute_flops,
+        plan.price,
+    )

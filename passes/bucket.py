@@ -44,12 +44,11 @@ from __future__ import annotations
 from torch import fx
 from torch._inductor.fx_passes.bucketing import merge_all_gather_bucket, merge_reduce_scatter_bucket
 
-from zerofx.passes.cost_model import tensor_bytes
 from zerofx.ir.collectives import ALL_GATHER, REDUCE_SCATTER
-from zerofx.passes.graph import first_user
-from zerofx.passes.modules import module_block
-from zerofx.passes.graph import hoist_before, positions, wait_of
 from zerofx.passes.contract import Pass, PassContext
+from zerofx.passes.cost_model import tensor_bytes
+from zerofx.passes.graph import first_user, hoist_before, positions, wait_of
+from zerofx.passes.modules import module_block
 
 
 def _key(node: fx.Node) -> tuple:
@@ -71,8 +70,13 @@ def _units(nodes: list[fx.Node], by_block: bool, ceiling: int | None) -> list[li
     last_block, unit_size = None, 0
     for node in nodes:
         block = module_block(node) if by_block else None
-        if (units and block is not None and block == last_block and _key(node) == _key(units[-1][0])
-                and (ceiling is None or unit_size + _size(node) <= ceiling)):
+        if (
+            units
+            and block is not None
+            and block == last_block
+            and _key(node) == _key(units[-1][0])
+            and (ceiling is None or unit_size + _size(node) <= ceiling)
+        ):
             units[-1].append(node)
             unit_size += _size(node)
         else:
@@ -82,8 +86,9 @@ def _units(nodes: list[fx.Node], by_block: bool, ceiling: int | None) -> list[li
     return units
 
 
-def choose_buckets(gm: fx.GraphModule, target, cap: int, *, by_block: bool = False,
-                   ceiling: int | None = None) -> list[list[fx.Node]]:
+def choose_buckets(
+    gm: fx.GraphModule, target, cap: int, *, by_block: bool = False, ceiling: int | None = None
+) -> list[list[fx.Node]]:
     """Buckets of consecutive same-key collectives, in graph order.
 
     With a fixed cap (``by_block=False``), a bucket takes collectives while it stays within
@@ -143,9 +148,11 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         merged["reduce_scatter"] += len(members)
     gm.graph.eliminate_dead_code()
     if any(merged.values()):
-        ctx.report(f"bucket {'target' if by_block else 'cap'} {cap} B{' (whole blocks)' if by_block else ''}"
-                   f"{f', ceiling {ceiling} B' if ceiling else ''}: merged {merged['all_gather']} all-gathers and "
-                   f"{merged['reduce_scatter']} reduce-scatters into buckets")
+        ctx.report(
+            f"bucket {'target' if by_block else 'cap'} {cap} B{' (whole blocks)' if by_block else ''}"
+            f"{f', ceiling {ceiling} B' if ceiling else ''}: merged {merged['all_gather']} all-gathers and "
+            f"{merged['reduce_scatter']} reduce-scatters into buckets"
+        )
     return gm
 
 

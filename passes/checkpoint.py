@@ -63,13 +63,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from zerofx.errors import ZeroFXError
 from zerofx.ir.markers import UNSHARD
-from zerofx.passes.activation_plan import ActivationPlan, PlanProblem, cannot_recompute, plan_activations
-from zerofx.passes.graph import positions
-from zerofx.passes.cost_model import is_alias, node_bytes
-from zerofx.passes.modules import block_of, module_path
-from zerofx.options import MemoryPolicy
 from zerofx.ir.meta import ACTIVATION_PLAN, OFFLOAD_TIER, RECOMPUTE, ROLE
+from zerofx.options import MemoryPolicy
+from zerofx.passes.activation_plan import ActivationPlan, PlanProblem, cannot_recompute, plan_activations
 from zerofx.passes.contract import Pass, PassContext
+from zerofx.passes.cost_model import is_alias, node_bytes
+from zerofx.passes.graph import positions
+from zerofx.passes.modules import block_of, module_path
 
 __all__ = ["checkpoint_pass", "partition_by_plan", "module_path", "wants_plan", "format_bytes", "format_flops"]
 
@@ -93,8 +93,12 @@ def format_flops(n: float) -> str:
 def wants_plan(options: MemoryPolicy) -> bool:
     """True when some option asks for a save/recompute/offload decision beyond the default."""
     return (
-        options.activation_budget is not None or options.checkpoint == "full" or bool(options.checkpoint_modules)
-        or bool(options.checkpoint_save_ops) or options.offload_activations != "none")
+        options.activation_budget is not None
+        or options.checkpoint == "full"
+        or bool(options.checkpoint_modules)
+        or bool(options.checkpoint_save_ops)
+        or options.offload_activations != "none"
+    )
 
 
 def _paths(node: fx.Node) -> list[str]:
@@ -133,8 +137,9 @@ def _alias_base(node: fx.Node) -> fx.Node:
     return node
 
 
-def _policy_constraints(gm: fx.GraphModule, problem: PlanProblem, options: MemoryPolicy, budgeted: bool
-                        ) -> tuple[dict[fx.Node, str], dict[fx.Node, str]]:
+def _policy_constraints(
+    gm: fx.GraphModule, problem: PlanProblem, options: MemoryPolicy, budgeted: bool
+) -> tuple[dict[fx.Node, str], dict[fx.Node, str]]:
     """(must recompute, must save), each node with the reason the report gives."""
     info = problem.info
     fw = [n for n in gm.graph.nodes if info.is_required_fw(n) and n.op == "call_function"]
@@ -142,8 +147,11 @@ def _policy_constraints(gm: fx.GraphModule, problem: PlanProblem, options: Memor
     save: dict[fx.Node, str] = {}
     for n in gm.graph.nodes:
         if n.meta.get(RECOMPUTE) == CheckpointPolicy.MUST_RECOMPUTE:
-            recompute[n] = ("gathered parameter: re-gathered in backward (regather pass)"
-                            if n.meta.get(ROLE) == "gather" else "tagged MUST_RECOMPUTE in the model")
+            recompute[n] = (
+                "gathered parameter: re-gathered in backward (regather pass)"
+                if n.meta.get(ROLE) == "gather"
+                else "tagged MUST_RECOMPUTE in the model"
+            )
         elif n.meta.get(RECOMPUTE) == CheckpointPolicy.MUST_SAVE:
             save[n] = "tagged MUST_SAVE in the model"
     regions = _regions(fw, options)
@@ -185,17 +193,27 @@ def _describe(node: fx.Node) -> str:
     return type(val).__name__
 
 
-def _report(ctx: PassContext, problem: PlanProblem, plan: ActivationPlan, unconstrained: ActivationPlan,
-            lean: ActivationPlan, budget: int | None, reasons: dict[fx.Node, str]) -> None:
+def _report(
+    ctx: PassContext,
+    problem: PlanProblem,
+    plan: ActivationPlan,
+    unconstrained: ActivationPlan,
+    lean: ActivationPlan,
+    budget: int | None,
+    reasons: dict[fx.Node, str],
+) -> None:
     u = unconstrained.resident_bytes or 1
     pct = lambda b: f"{100 * b / u:.0f}%"  # noqa: E731
-    head = (f"budget {format_bytes(budget)} ({pct(budget)} of unconstrained)" if budget is not None
-            else "no budget")
-    ctx.report(f"activation plan: {head}; resident {format_bytes(plan.resident_bytes)} ({pct(plan.resident_bytes)}), "
-               f"offloaded {format_bytes(plan.offloaded_bytes)}, recompute {format_flops(plan.recompute_flops)}; "
-               f"minimum feasible budget {format_bytes(lean.resident_bytes)} ({pct(lean.resident_bytes)})")
-    ctx.report(f"predicted activation peak (saved for backward, resident): before "
-               f"{format_bytes(unconstrained.resident_bytes)}, after {format_bytes(plan.resident_bytes)}")
+    head = f"budget {format_bytes(budget)} ({pct(budget)} of unconstrained)" if budget is not None else "no budget"
+    ctx.report(
+        f"activation plan: {head}; resident {format_bytes(plan.resident_bytes)} ({pct(plan.resident_bytes)}), "
+        f"offloaded {format_bytes(plan.offloaded_bytes)}, recompute {format_flops(plan.recompute_flops)}; "
+        f"minimum feasible budget {format_bytes(lean.resident_bytes)} ({pct(lean.resident_bytes)})"
+    )
+    ctx.report(
+        f"predicted activation peak (saved for backward, resident): before "
+        f"{format_bytes(unconstrained.resident_bytes)}, after {format_bytes(plan.resident_bytes)}"
+    )
     for n in plan.saved:
         nbytes = problem.save_bytes(n)
         if n.op == "placeholder":
@@ -205,15 +223,20 @@ def _report(ctx: PassContext, problem: PlanProblem, plan: ActivationPlan, uncons
         elif problem.why_kept(n) is not None:
             why = f"cannot recompute: {problem.why_kept(n)}"
         else:
-            why = reasons.get(n, f"keeping it is cheaper than recomputing ({format_flops(problem.flops[n])} for "
-                                 f"this node alone)")
+            why = reasons.get(
+                n, f"keeping it is cheaper than recomputing ({format_flops(problem.flops[n])} for this node alone)"
+            )
         ctx.report(f"  saved       {n.name:<32} {_describe(n):<24} {format_bytes(nbytes):>10}  {why}")
     for n, tier in plan.offloaded.items():
         cost = problem.offload_cost.get(n, 1.0)
-        why = ("copies hide behind compute" if cost <= 1.0 else
-               f"exposed transfer ~{(cost - 1) / problem.device.flops_per_s * 1e6:.0f} us is worth its bytes")
-        ctx.report(f"  offloaded   {n.name:<32} {_describe(n):<24} {format_bytes(problem.save_bytes(n)):>10}  "
-                   f"to {tier}: {why}")
+        why = (
+            "copies hide behind compute"
+            if cost <= 1.0
+            else f"exposed transfer ~{(cost - 1) / problem.device.flops_per_s * 1e6:.0f} us is worth its bytes"
+        )
+        ctx.report(
+            f"  offloaded   {n.name:<32} {_describe(n):<24} {format_bytes(problem.save_bytes(n)):>10}  to {tier}: {why}"
+        )
     for n in plan.recomputed:
         why = reasons.get(n) or f"frees memory; recompute costs {format_flops(problem.flops[n])}"
         ctx.report(f"  recomputed  {n.name:<32} {_describe(n):<24} {format_bytes(node_bytes(n)):>10}  {why}")
@@ -236,8 +259,11 @@ def _agree_across_ranks(gm: fx.GraphModule, problem: PlanProblem, plan: Activati
         return plan
     structure = hashlib.sha256("/".join(f"{n.name}:{n.op}:{n.target}" for n in gm.graph.nodes).encode()).hexdigest()
     order = problem.order
-    mine = (structure, [n.name for n in sorted(plan.backward_side, key=order.__getitem__)],
-            [n.name for n in plan.offloaded])
+    mine = (
+        structure,
+        [n.name for n in sorted(plan.backward_side, key=order.__getitem__)],
+        [n.name for n in plan.offloaded],
+    )
     # compile runs with torch's Python dispatcher on, which would route this blocking collective
     # through Python while holding the GIL; gloo's worker thread needs the GIL to release the
     # previous work's tensors: a deadlock. Plain dispatch releases the GIL as usual.
@@ -255,8 +281,10 @@ def _agree_across_ranks(gm: fx.GraphModule, problem: PlanProblem, plan: Activati
         dist.all_gather(chunks, padded, group=group)
         decisions = [pickle.loads(bytes(c[: int(n.item())].tolist())) for c, n in zip(chunks, sizes)]
     if any(d[0] != structure for d in decisions):
-        raise ZeroFXError("ranks traced structurally different joint graphs; their checkpoint plans (and "
-                          "collectives) cannot match. Compile the same model on every rank.")
+        raise ZeroFXError(
+            "ranks traced structurally different joint graphs; their checkpoint plans (and "
+            "collectives) cannot match. Compile the same model on every rank."
+        )
     first = decisions[0]
     if first[1:] == mine[1:]:
         return plan
@@ -275,16 +303,21 @@ def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     device = ctx.cost.device_for(gm)
     tier = None if options.offload_activations == "none" else options.offload_activations
 
-    base = PlanProblem(gm, ctx.num_fwd_outputs, device=device,
-                       must_recompute=[n for n in gm.graph.nodes if n.meta.get(ROLE) == "gather"])
+    base = PlanProblem(
+        gm,
+        ctx.num_fwd_outputs,
+        device=device,
+        must_recompute=[n for n in gm.graph.nodes if n.meta.get(ROLE) == "gather"],
+    )
     if not base.info.required_bw_nodes:
         return gm  # inference-only joint: nothing to save
     low, high = base.price_bounds()
     unconstrained = base.solve(high)
     budget = _budget_bytes(options.activation_budget, unconstrained.resident_bytes)
     recompute, save = _policy_constraints(gm, base, options, budget is not None)
-    problem = PlanProblem(gm, ctx.num_fwd_outputs, must_recompute=recompute, must_save=save,
-                          offload_tier=tier, device=device)
+    problem = PlanProblem(
+        gm, ctx.num_fwd_outputs, must_recompute=recompute, must_save=save, offload_tier=tier, device=device
+    )
     try:
         plan, lean = plan_activations(problem, budget)
     except ZeroFXError:
@@ -296,8 +329,12 @@ def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             f"({lean.resident_bytes / u:.1%} of the unconstrained {unconstrained.resident_bytes} B"
             + (", with the checkpoint policies given" if recompute.keys() - base.must_recompute or save else "")
             + "). Values that must stay resident: "
-            + ", ".join(f"{n.name} ({problem.why_kept(n) or 'cheapest to keep'})" for n in lean.saved
-                        if problem.save_bytes(n) > 0)[:600]) from None
+            + ", ".join(
+                f"{n.name} ({problem.why_kept(n) or 'cheapest to keep'})"
+                for n in lean.saved
+                if problem.save_bytes(n) > 0
+            )[:600]
+        ) from None
 
     plan = _agree_across_ranks(gm, problem, plan)
     recomputed = set(plan.recomputed)
@@ -313,16 +350,21 @@ def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for n, t in plan.offloaded.items():
         n.meta[OFFLOAD_TIER] = t
     gm.meta[ACTIVATION_PLAN] = {
-        "unconstrained_bytes": unconstrained.resident_bytes, "resident_bytes": plan.resident_bytes,
-        "offloaded_bytes": plan.offloaded_bytes, "recompute_flops": plan.recompute_flops,
-        "min_feasible_bytes": lean.resident_bytes, "budget_bytes": budget, **plan.names()}
+        "unconstrained_bytes": unconstrained.resident_bytes,
+        "resident_bytes": plan.resident_bytes,
+        "offloaded_bytes": plan.offloaded_bytes,
+        "recompute_flops": plan.recompute_flops,
+        "min_feasible_bytes": lean.resident_bytes,
+        "budget_bytes": budget,
+        **plan.names(),
+    }
     _report(ctx, problem, plan, unconstrained, lean, budget, {**recompute, **save})
     return gm
 
 
-def partition_by_plan(joint: fx.GraphModule, num_fwd_outputs: int,
-                      static_lifetime_input_indices: list[int] | None = None
-                      ) -> tuple[fx.GraphModule, fx.GraphModule] | None:
+def partition_by_plan(
+    joint: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_indices: list[int] | None = None
+) -> tuple[fx.GraphModule, fx.GraphModule] | None:
     """Forward and backward graphs that save exactly the checkpoint plan's values, built with
     torch's partitioner machinery; None when ``joint`` carries no plan (or torch lacks the
     helpers), in which case the caller uses ``min_cut_rematerialization_partition``."""
@@ -351,12 +393,23 @@ def partition_by_plan(joint: fx.GraphModule, num_fwd_outputs: int,
     sym = [n for n in saved if is_sym_node(n) and not _is_assert_only_symbool(n)]
     opaque = [n for n in saved if is_opaque_node(n)]
     tensors = [n for n in saved if n not in sym and n not in opaque and not is_sym_node(n)]
-    fw, bw = _extract_fwd_bwd_modules(joint, tensors, saved_sym_nodes=sym, saved_opaque_nodes=opaque,
-                                      num_fwd_outputs=num_fwd_outputs,
-                                      static_lifetime_input_nodes=info.static_lifetime_input_nodes)
+    fw, bw = _extract_fwd_bwd_modules(
+        joint,
+        tensors,
+        saved_sym_nodes=sym,
+        saved_opaque_nodes=opaque,
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_nodes=info.static_lifetime_input_nodes,
+    )
     bw = reordering_to_mimic_autograd_engine(bw)
     fw, bw = raise_getitems(fw), raise_getitems(bw)
     return thread_graphsafe_rng_from_hops(fw, is_backward=False), thread_graphsafe_rng_from_hops(bw, is_backward=True)
 
 
-PASS = Pass("checkpoint", checkpoint_pass, kinds=("joint",), reads=(ROLE, RECOMPUTE), writes=(RECOMPUTE, OFFLOAD_TIER, ACTIVATION_PLAN))
+PASS = Pass(
+    "checkpoint",
+    checkpoint_pass,
+    kinds=("joint",),
+    reads=(ROLE, RECOMPUTE),
+    writes=(RECOMPUTE, OFFLOAD_TIER, ACTIVATION_PLAN),
+)

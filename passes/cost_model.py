@@ -70,10 +70,28 @@ from torch.utils.flop_counter import flop_registry
 from zerofx.ir.collectives import COLLECTIVE_OPS, WAIT, collective_group_size, collective_kind, wire_bytes
 from zerofx.passes.graph import is_view, positions
 
-__all__ = ["hint", "tensor_bytes", "node_bytes", "op_flops", "node_flops", "is_alias", "storage_key", "storage_root",
-           "storage_bytes", "allocated_bytes", "saved_values", "saved_activation_bytes", "MemoryEstimate",
-           "estimate_memory", "predict_step_peak", "DeviceModel", "CommModel", "CostModel", "calibrate_comm",
-           "ALIAS_OPS"]
+__all__ = [
+    "hint",
+    "tensor_bytes",
+    "node_bytes",
+    "op_flops",
+    "node_flops",
+    "is_alias",
+    "storage_key",
+    "storage_root",
+    "storage_bytes",
+    "allocated_bytes",
+    "saved_values",
+    "saved_activation_bytes",
+    "MemoryEstimate",
+    "estimate_memory",
+    "predict_step_peak",
+    "DeviceModel",
+    "CommModel",
+    "CostModel",
+    "calibrate_comm",
+    "ALIAS_OPS",
+]
 
 # size assumed for a data-dependent dimension with no hint (as torch does)
 UNBACKED_FALLBACK = 4096
@@ -169,8 +187,9 @@ def node_flops(node: fx.Node, *, symbolic: bool = False) -> Any:
     """Floating-point operations to compute ``node`` (see NOTE: FLOP counting)."""
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return sympy.Integer(0) if symbolic else 0
-    args, kwargs = fx.node.map_aggregate((node.args, node.kwargs),
-                                         lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
+    args, kwargs = fx.node.map_aggregate(
+        (node.args, node.kwargs), lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a
+    )
     return op_flops(node.target, args, kwargs, node.meta.get("val"), symbolic=symbolic)
 
 
@@ -225,6 +244,7 @@ def saved_activation_bytes(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> int:
 
 # ---------------------------------------------------------------------------------- memory --
 
+
 def is_alias(node: fx.Node) -> bool:
     """The one aliasing rule: ``node``'s output lives in a buffer one of its inputs already has,
     so it allocates nothing, saving it costs its base's buffer and recomputing it is free.
@@ -278,8 +298,9 @@ class MemoryEstimate:
     output_bytes: int  # bytes still alive at the end that the graph allocated (its outputs)
 
 
-def estimate_memory(gm: fx.GraphModule, inputs_freed_at_last_use: bool = False,
-                    owned_inputs: Iterable[str] | None = None) -> MemoryEstimate:
+def estimate_memory(
+    gm: fx.GraphModule, inputs_freed_at_last_use: bool = False, owned_inputs: Iterable[str] | None = None
+) -> MemoryEstimate:
     """Simulate allocation and freeing of ``gm``'s values in graph order.
 
     Values die after their last use (FX's generated code drops them then), except graph
@@ -341,6 +362,7 @@ def predict_step_peak(estimates: dict[tuple[str, str], MemoryEstimate], graph_id
 
 # ---------------------------------------------------------------------------------- device --
 
+
 @dataclass(frozen=True)
 class DeviceModel:
     """The one device-rate model: what turns FLOPs and bytes into seconds, for every decision
@@ -362,8 +384,13 @@ class DeviceModel:
     def for_device(cls, device_type: str) -> DeviceModel:
         if device_type == "cpu":
             # one core's matmul throughput; host "transfers" are memcpys; disk as NVMe
-            return cls(flops_per_s=50e9, memory_bytes_per_s=5e9, op_overhead_s=4e-6,
-                       host_link_bytes_per_s=10e9, disk_bytes_per_s=2e9)
+            return cls(
+                flops_per_s=50e9,
+                memory_bytes_per_s=5e9,
+                op_overhead_s=4e-6,
+                host_link_bytes_per_s=10e9,
+                disk_bytes_per_s=2e9,
+            )
         return cls()
 
     def compute_s(self, flops: float) -> float:
@@ -383,6 +410,7 @@ class DeviceModel:
 
 # --------------------------------------------------------------------------- communication --
 
+
 @dataclass(frozen=True)
 class CommModel:
     """``latency_s + wire_bytes * seconds_per_byte`` per collective, per rank."""
@@ -398,8 +426,11 @@ class CommModel:
         if spec is None:
             return 0.0
         sized = node if spec.sized == "out" else node.args[0]
-        return self.time(wire_bytes(collective_kind(node), tensor_bytes(sized.meta.get("val")),
-                                    collective_group_size(spec, node.args)))
+        return self.time(
+            wire_bytes(
+                collective_kind(node), tensor_bytes(sized.meta.get("val")), collective_group_size(spec, node.args)
+            )
+        )
 
     @property
     def saturating_bytes(self) -> int:
@@ -409,8 +440,14 @@ class CommModel:
 
 def graph_device_type(gm: fx.GraphModule) -> str:
     """The device type of a graph's tensor inputs ("cpu" when it has none)."""
-    return next((n.meta["val"].device.type for n in gm.graph.nodes
-                 if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)), "cpu")
+    return next(
+        (
+            n.meta["val"].device.type
+            for n in gm.graph.nodes
+            if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+        ),
+        "cpu",
+    )
 
 
 @dataclass(frozen=True)
@@ -433,8 +470,13 @@ def _cache_path(backend: str, world_size: int) -> Path:
     return root / f"comm-{backend}-w{world_size}.json"
 
 
-def calibrate_comm(group: torch.distributed.ProcessGroup | None = None, *, device: str = "cpu",
-                   use_cache: bool = True, repeats: int = 7) -> CommModel:
+def calibrate_comm(
+    group: torch.distributed.ProcessGroup | None = None,
+    *,
+    device: str = "cpu",
+    use_cache: bool = True,
+    repeats: int = 7,
+) -> CommModel:
     """Measure all-gather latency and bandwidth on ``group`` (a collective: every rank calls it).
 
     Two sizes, median of ``repeats`` runs each, the slowest rank's times (so every rank derives

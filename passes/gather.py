@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerofx.ir.markers import FORWARD_MARKERS, LOCAL_GRAD, READ_FULL, UNSHARD
-from zerofx.ir.layout import padded_rows
 from zerofx.ir.collectives import ALL_GATHER, WAIT
-from zerofx.passes.graph import CONVERT, first_user, full_args, insert_call
+from zerofx.ir.layout import padded_rows
+from zerofx.ir.markers import FORWARD_MARKERS, LOCAL_GRAD, READ_FULL, UNSHARD
 from zerofx.ir.meta import ROLE
 from zerofx.passes.contract import Pass, PassContext
+from zerofx.passes.graph import CONVERT, first_user, full_args, insert_call
 
 aten = torch.ops.aten
 

@@ -30,8 +30,9 @@ def fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode:
     return mode
 
 
-def insert_call(gm: fx.GraphModule, target: Any, args: tuple, kwargs: dict | None = None,
-                *, role: str | None = None) -> fx.Node:
+def insert_call(
+    gm: fx.GraphModule, target: Any, args: tuple, kwargs: dict | None = None, *, role: str | None = None
+) -> fx.Node:
     """Insert ``target(*args)`` at the graph's current insertion point, with ``meta["val"]``.
 
     ``role`` is recorded in ``meta["zerofx_role"]`` so later passes and checks can find the
@@ -85,6 +86,7 @@ def first_user(node: fx.Node) -> fx.Node:
 
 
 # -- moving nodes (bucket and schedule) ----------------------------------------------------------
+
 
 def positions(graph: fx.Graph) -> dict[fx.Node, int]:
     """Each node's index in graph order."""

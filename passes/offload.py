@@ -29,12 +29,12 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerofx.ir.offload_ops import OFFLOAD, PAGE_OUT, RELOAD, RELOAD_WAIT
-from zerofx.passes.cost_model import node_bytes, node_flops, storage_key
 from zerofx.ir.collectives import COLLECTIVE_OPS, WAIT
-from zerofx.passes.graph import insert_call, positions
 from zerofx.ir.meta import OFFLOAD_TIER, ROLE
+from zerofx.ir.offload_ops import OFFLOAD, PAGE_OUT, RELOAD, RELOAD_WAIT
 from zerofx.passes.contract import Pass, PassContext
+from zerofx.passes.cost_model import node_bytes, node_flops, storage_key
+from zerofx.passes.graph import insert_call, positions
 
 __all__ = ["offload_pass"]
 
@@ -103,8 +103,9 @@ def _reload_saved(gm: fx.GraphModule, ctx: PassContext) -> list[str]:
         original = val
         with gm.graph.inserting_before(issue_before):
             ph.meta["val"] = _parked_fake(original)
-            started = insert_call(gm, RELOAD, (ph, tier, original.device, list(original.shape),
-                                               list(original.stride())), role="offload")
+            started = insert_call(
+                gm, RELOAD, (ph, tier, original.device, list(original.shape), list(original.stride())), role="offload"
+            )
         with gm.graph.inserting_before(first):
             landed = insert_call(gm, RELOAD_WAIT, (started,), role="offload")
         for user in list(ph.users):
@@ -112,8 +113,10 @@ def _reload_saved(gm: fx.GraphModule, ctx: PassContext) -> list[str]:
                 user.replace_input_with(ph, landed)
         order = positions(gm.graph)
         ahead = order[landed] - order[started] - 1
-        lines.append(f"reload {ph.name} <- {tier}: {node_bytes(ph)} B, issued {ahead} nodes before its first "
-                     f"use ({first.name}): ~{covered * 1e6:.1f} us of compute to hide ~{need * 1e6:.1f} us")
+        lines.append(
+            f"reload {ph.name} <- {tier}: {node_bytes(ph)} B, issued {ahead} nodes before its first "
+            f"use ({first.name}): ~{covered * 1e6:.1f} us of compute to hide ~{need * 1e6:.1f} us"
+        )
     return lines
 
 
@@ -168,4 +171,10 @@ def offload_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-PASS = Pass("offload", offload_pass, kinds=("forward", "backward", "inference"), reads=(OFFLOAD_TIER,), writes=(OFFLOAD_TIER, ROLE))
+PASS = Pass(
+    "offload",
+    offload_pass,
+    kinds=("forward", "backward", "inference"),
+    reads=(OFFLOAD_TIER,),
+    writes=(OFFLOAD_TIER, ROLE),
+)

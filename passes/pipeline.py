@@ -30,8 +30,16 @@ from zerofx.options import closest
 from zerofx.passes import bucket, checkpoint, gather, offload, reduce, regather, schedule, transport
 from zerofx.passes.contract import GRAPH_KINDS, Pass, PassContext
 
-__all__ = ["PASS_NAMES", "Pass", "PassContext", "default_pipeline", "check_contracts", "resolve_disabled",
-           "run_pipeline", "verify_graph"]
+__all__ = [
+    "PASS_NAMES",
+    "Pass",
+    "PassContext",
+    "default_pipeline",
+    "check_contracts",
+    "resolve_disabled",
+    "run_pipeline",
+    "verify_graph",
+]
 
 # The order passes run in. Joint passes come first (the partitioner then splits the joint graph),
 # transport last: it rewrites collectives every earlier pass placed, moved or merged.
@@ -55,8 +63,10 @@ def check_contracts(passes: tuple[Pass, ...]) -> None:
         names.add(p.name)
         missing = [k.name for k in p.reads if not k.external and k not in written]
         if missing:
-            raise ZeroFXError(f"pass {p.name!r} reads meta key(s) {missing} that no earlier pass writes; "
-                              "move it after their writer or declare the writer")
+            raise ZeroFXError(
+                f"pass {p.name!r} reads meta key(s) {missing} that no earlier pass writes; "
+                "move it after their writer or declare the writer"
+            )
         written.update(p.writes)
 
 
@@ -76,12 +86,18 @@ def resolve_disabled(names: tuple[str, ...]) -> tuple[str, ...]:
     out = []
     for name in names:
         if name in RENAMED:
-            warnings.warn(f"disable_passes: pass {name!r} is now called {RENAMED[name]!r}; the old name "
-                          "will stop working in a later release", DeprecationWarning, stacklevel=3)
+            warnings.warn(
+                f"disable_passes: pass {name!r} is now called {RENAMED[name]!r}; the old name "
+                "will stop working in a later release",
+                DeprecationWarning,
+                stacklevel=3,
+            )
             name = RENAMED[name]
         if name not in PASS_NAMES:
-            raise ZeroFXError(f"option disable_passes: unknown pass {name!r}{closest(name, PASS_NAMES)}; "
-                              f"the pipeline's passes are {list(PASS_NAMES)}")
+            raise ZeroFXError(
+                f"option disable_passes: unknown pass {name!r}{closest(name, PASS_NAMES)}; "
+                f"the pipeline's passes are {list(PASS_NAMES)}"
+            )
         out.append(name)
     return tuple(out)
 
@@ -89,9 +105,15 @@ def resolve_disabled(names: tuple[str, ...]) -> tuple[str, ...]:
 Observer = Callable[[PassContext, str, fx.GraphModule | None, fx.GraphModule, float], None]
 
 
-def run_pipeline(gm: fx.GraphModule, ctx: PassContext, *, passes: tuple[Pass, ...] | None = None,
-                 disabled: tuple[str, ...] = (), verify: bool = True,
-                 observer: Observer | None = None) -> fx.GraphModule:
+def run_pipeline(
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    *,
+    passes: tuple[Pass, ...] | None = None,
+    disabled: tuple[str, ...] = (),
+    verify: bool = True,
+    observer: Observer | None = None,
+) -> fx.GraphModule:
     """Apply every enabled pass for ``ctx.kind`` in order.
 
     ``observer(ctx, pass_name, before, after, seconds)`` is called with a snapshot of the graph

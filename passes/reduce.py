@@ -31,12 +31,12 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from zerofx.ir.markers import ALL_REDUCE_GRAD, GRAD_MARKERS, REDUCE_GRAD
-from zerofx.ir.layout import padded_rows
 from zerofx.ir.collectives import ALL_REDUCE, REDUCE_SCATTER, WAIT
-from zerofx.passes.graph import CONVERT, full_args, insert_call, positions
+from zerofx.ir.layout import padded_rows
+from zerofx.ir.markers import ALL_REDUCE_GRAD, GRAD_MARKERS, REDUCE_GRAD
 from zerofx.ir.meta import ROLE
 from zerofx.passes.contract import Pass, PassContext
+from zerofx.passes.graph import CONVERT, full_args, insert_call, positions
 
 aten = torch.ops.aten
 
@@ -101,8 +101,7 @@ def _issue(gm: fx.GraphModule, marker: fx.Node) -> fx.Node:
             src = insert_call(gm, CONVERT, (src, reduce_dtype), role="reduce")
     with gm.graph.inserting_after(src):
         if not src.meta["val"].is_contiguous():
-            src = insert_call(gm, aten.clone.default, (src,), {"memory_format": torch.contiguous_format},
-                              role="reduce")
+            src = insert_call(gm, aten.clone.default, (src,), {"memory_format": torch.contiguous_format}, role="reduce")
     with gm.graph.inserting_after(src):
         if marker.target is ALL_REDUCE_GRAD:
             return insert_call(gm, ALL_REDUCE, (src, "avg", group_name), role="reduce")

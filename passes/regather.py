@@ -29,10 +29,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 from zerofx.errors import ZeroFXError
 from zerofx.ir.collectives import wire_bytes
 from zerofx.ir.markers import FORWARD_MARKERS, UNSHARD
-from zerofx.passes.cost_model import CostModel, saved_values, tensor_bytes
-from zerofx.passes.graph import is_view
 from zerofx.ir.meta import RECOMPUTE, ROLE
 from zerofx.passes.contract import Pass, PassContext
+from zerofx.passes.cost_model import CostModel, saved_values, tensor_bytes
+from zerofx.passes.graph import is_view
 
 
 def gather_chain(graph: fx.Graph) -> list[fx.Node]:
@@ -52,7 +52,8 @@ def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     seen: set[fx.Node] = set()
     for node in graph.nodes:
         if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
-                i in seen for i in node.all_input_nodes):
+            i in seen for i in node.all_input_nodes
+        ):
             seen.add(node)
     return seen
 
@@ -110,8 +111,10 @@ def regather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.report(f"tagged MUST_RECOMPUTE: {gathers - len(kept)} unshard markers{whole} and {views} views of them")
     if kept:
         held = sum(tensor_bytes(m.meta["val"]) for m in kept)
-        ctx.report(f"selective unsharding: kept {len(kept)} gathered parameters for backward, {held} B "
-                   f"(budget {budget} B): {', '.join(m.name for m in kept)}")
+        ctx.report(
+            f"selective unsharding: kept {len(kept)} gathered parameters for backward, {held} B "
+            f"(budget {budget} B): {', '.join(m.name for m in kept)}"
+        )
     return gm
 
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 from torch import fx
 
-from zerofx.ir.collectives import COLLECTIVE_OPS
-from zerofx.passes.cost_model import CostModel, DeviceModel, estimate_memory, tensor_bytes
-from zerofx.ir.collectives import WAIT
-from zerofx.passes.graph import hoist_before, positions, wait_of
+from zerofx.ir.collectives import COLLECTIVE_OPS, WAIT
 from zerofx.passes.contract import Pass, PassContext
+from zerofx.passes.cost_model import CostModel, DeviceModel, estimate_memory, tensor_bytes
+from zerofx.passes.graph import hoist_before, positions, wait_of
 
 _GATHERS = {op for op, spec in COLLECTIVE_OPS.items() if spec.kind == "all_gather"}
 
@@ -126,8 +125,10 @@ def schedule_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     prefetched = _prefetch(gm, cost, device, budget, before.peak_bytes)
     deferred = _defer_waits(gm, cost, device, budget, before.peak_bytes)
     after = estimate_memory(gm)
-    ctx.report(f"prefetched {prefetched} all-gathers, deferred {deferred} reduce-scatter waits; "
-               f"estimated peak {before.peak_bytes} -> {after.peak_bytes} B (budget +{budget} B)")
+    ctx.report(
+        f"prefetched {prefetched} all-gathers, deferred {deferred} reduce-scatter waits; "
+        f"estimated peak {before.peak_bytes} -> {after.peak_bytes} B (budget +{budget} B)"
+    )
     return gm
 
 

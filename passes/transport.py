@@ -49,15 +49,13 @@ from typing import Any
 
 import torch
 from torch import fx
-
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from zerofx.ir.collectives import ALL_TO_ALL, COLLECTIVE_OPS, backend_of
-from zerofx.passes.cost_model import storage_root
-from zerofx.ir.collectives import REDUCE_SCATTER, WAIT
-from zerofx.passes.graph import insert_call, positions
+from zerofx.ir.collectives import ALL_TO_ALL, COLLECTIVE_OPS, REDUCE_SCATTER, WAIT, backend_of
 from zerofx.ir.meta import COLLECTIVE, ROLE
 from zerofx.passes.contract import Pass, PassContext
+from zerofx.passes.cost_model import storage_root
+from zerofx.passes.graph import insert_call, positions
 
 aten = torch.ops.aten
 RELEASE = torch.ops.inductor.resize_storage_bytes_.default
@@ -179,4 +177,6 @@ def _release_buffers(gm: fx.GraphModule, ctx: PassContext, backends: dict[str, s
         ctx.report(f"{released} collective buffers freed by the graph after their last reader")
 
 
-PASS = Pass("transport", transport_pass, kinds=("forward", "backward", "inference"), reads=(), writes=(COLLECTIVE, ROLE))
+PASS = Pass(
+    "transport", transport_pass, kinds=("forward", "backward", "inference"), reads=(), writes=(COLLECTIVE, ROLE)
+)

@@ -12,8 +12,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import zerofx
-from tests.multirank import attempt as run_scenario, mean_over_ranks
 from tests.models import CASES, GPT_CFG
+from tests.multirank import attempt as run_scenario
+from tests.multirank import mean_over_ranks
 from tests.parity import reference_shard
 from zerofx.backend import make_backend
 from zerofx.dump import Recorder
@@ -86,6 +87,7 @@ def scenarios(rank: int, world: int) -> dict:
             model.compile(backend=make_backend(options, recorder))
             errors = _train(model, ref, rank, world, steps=3)
             return {"errors": errors, "summary": recorder.summary()}
+
         return run
 
     def clip_and_state_dict():
@@ -94,17 +96,23 @@ def scenarios(rank: int, world: int) -> dict:
         ref = copy.deepcopy(model)
         zerofx.compile(model, mesh)
         x, y = CASES["uneven"].batch(2 * world, torch.Generator().manual_seed(3))
-        model(x[2 * rank: 2 * rank + 2], y[2 * rank: 2 * rank + 2]).backward()
+        model(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]).backward()
         ref(x, y).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.01)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.01)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        clipped = max((p.grad.to_local() - reference_shard(q.grad, rank, world)).abs().max().item()
-                      for p, q in zip(model.parameters(), ref.parameters()))
+        clipped = max(
+            (p.grad.to_local() - reference_shard(q.grad, rank, world)).abs().max().item()
+            for p, q in zip(model.parameters(), ref.parameters())
+        )
         sd = model.state_dict()
-        return {"norm": norm.item(), "ref_norm": ref_norm.item(), "clipped_grad_err": clipped,
-                "state_dict": {k: (type(v).__name__, tuple(v.shape)) for k, v in sd.items()},
-                "ref_state_dict": {k: tuple(v.shape) for k, v in ref.state_dict().items()}}
+        return {
+            "norm": norm.item(),
+            "ref_norm": ref_norm.item(),
+            "clipped_grad_err": clipped,
+            "state_dict": {k: (type(v).__name__, tuple(v.shape)) for k, v in sd.items()},
+            "ref_state_dict": {k: tuple(v.shape) for k, v in ref.state_dict().items()},
+        }
 
     attempt("explain", explain)
     attempt("two_step_pairing", two_step_pairing)

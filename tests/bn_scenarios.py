@@ -53,8 +53,7 @@ class _Reference:
         if self.compute == "autocast":
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return self.model(x, y)
-        params = {n: p if id(p) in self.norm_params else p.to(self.compute)
-                  for n, p in self.model.named_parameters()}
+        params = {n: p if id(p) in self.norm_params else p.to(self.compute) for n, p in self.model.named_parameters()}
         return functional_call(self.model, params, (x.to(self.compute), y))
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> list[float]:
@@ -112,8 +111,10 @@ def train(rank: int, world: int, mesh, options: dict) -> dict:
     zerofx.compile(model, mesh, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(1234)
-    out: dict = {"steps": [], "buffer_dtypes": sorted({str(b.dtype) for n, b in model.named_buffers()
-                                                        if n.endswith(STAT_NAMES)})}
+    out: dict = {
+        "steps": [],
+        "buffer_dtypes": sorted({str(b.dtype) for n, b in model.named_buffers() if n.endswith(STAT_NAMES)}),
+    }
     for step in range(STEPS):
         x, y = random_images(CFG, PER_RANK * world, gen)
         rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -123,21 +124,29 @@ def train(rank: int, world: int, mesh, options: dict) -> dict:
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-        mine = {"grad": grads, "param": {n: p.full_tensor() for n, p in model.named_parameters()},
-                "buffer": {n: b.clone() for n, b in model.named_buffers() if n.endswith(STAT_NAMES)}}
+        mine = {
+            "grad": grads,
+            "param": {n: p.full_tensor() for n, p in model.named_parameters()},
+            "buffer": {n: b.clone() for n, b in model.named_buffers() if n.endswith(STAT_NAMES)},
+        }
         seen = {}
         for tag, ref in refs.items():
             losses = ref.step(x, y)
             record[f"loss_{tag}"], record[f"loss_mean_{tag}"] = losses[rank], sum(losses) / world
-            seen[tag] = {"grad": ref.grads, "param": {n: p.detach() for n, p in ref.model.named_parameters()},
-                         "buffer": {n: ref.buffers[rank][n] for n in mine["buffer"]}}
+            seen[tag] = {
+                "grad": ref.grads,
+                "param": {n: p.detach() for n, p in ref.model.named_parameters()},
+                "buffer": {n: ref.buffers[rank][n] for n in mine["buffer"]},
+            }
             _errors(record, tag, mine, seen[tag])
         ref_params = seen["fp32"]["param"]
         record["param_abs_fp32"] = max((p - ref_params[n]).abs().max().item() for n, p in mine["param"].items())
         record["param_scale"] = max(p.abs().max().item() for p in ref_params.values())
         for tag in ("bf16", "autocast") if mixed else ():  # what bf16 itself costs, without zerofx
             for kind in mine:
-                record[f"{kind}_{tag}_vs_fp32"] = {n: _rel(t, seen["fp32"][kind][n]) for n, t in seen[tag][kind].items()}
+                record[f"{kind}_{tag}_vs_fp32"] = {
+                    n: _rel(t, seen["fp32"][kind][n]) for n, t in seen[tag][kind].items()
+                }
         out["steps"].append(record)
     return out
 
@@ -146,8 +155,9 @@ def scenarios(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     out: dict = {}
     for stage in (1, 2, 3):
-        attempt(out, f"bf16_stage{stage}", lambda: train(rank, world, mesh, {"stage": stage,
-                                                                             "param_dtype": torch.bfloat16}))
+        attempt(
+            out, f"bf16_stage{stage}", lambda: train(rank, world, mesh, {"stage": stage, "param_dtype": torch.bfloat16})
+        )
     for stage in (1, 2, 3):
         attempt(out, f"fp32_stage{stage}", lambda: train(rank, world, mesh, {"stage": stage}))
     return out

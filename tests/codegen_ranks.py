@@ -20,9 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import zerofx
 from tests.models import CASES, GPT_CFG
+from tests.multirank import mean_over_ranks
 from tests.parity import reference_shard
 from zerofx.models import GPT, random_batch
-from tests.multirank import mean_over_ranks
 
 STEPS = 4
 PER_RANK = 2
@@ -52,13 +52,22 @@ def train(rank: int, world_size: int, case: str, executor: str, dump_dir: str | 
     after = cache_info()
     torch._dynamo.reset()
     params = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
-    return dict(losses=losses, params=params, launches=after["launches"] - before["launches"],
-                fallbacks=after["fallbacks"] - before["fallbacks"])
+    return dict(
+        losses=losses,
+        params=params,
+        launches=after["launches"] - before["launches"],
+        fallbacks=after["fallbacks"] - before["fallbacks"],
+    )
 
 
 def bucket_roundtrip(rank: int, world_size: int) -> dict:
-    from zerofx.codegen.collective_kernels import (BucketLayout, average_into_shards, pack_grads, pack_shards,
-                                                   unpack_gathered)
+    from zerofx.codegen.collective_kernels import (
+        BucketLayout,
+        average_into_shards,
+        pack_grads,
+        pack_shards,
+        unpack_gathered,
+    )
 
     f = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name
@@ -87,7 +96,7 @@ def bucket_roundtrip(rank: int, world_size: int) -> dict:
         rows = -(-g.shape[0] // world_size)
         padded = torch.nn.functional.pad(g, [0, 0] * (g.dim() - 1) + [0, rows * world_size - g.shape[0]])
         red = f.wait_tensor(f.reduce_scatter_tensor(padded.contiguous(), "avg", world_size, group))
-        shard = red[:layout.shard_shape(i, rank)[0]]
+        shard = red[: layout.shard_shape(i, rank)[0]]
         per_param.append(shard + expected_acc[i] if expected_acc[i] is not None else shard)
     out["grads"] = list(zip(got, per_param))
     out["accumulated_in_place"] = all(got[i] is existing[i] for i in range(len(shapes)) if existing[i] is not None)
@@ -98,8 +107,10 @@ def run(rank: int, world_size: int, dump_dir: str) -> bytes:
     """Everything the codegen multi-rank tests assert on, for this rank (``torch.save``d: tensors
     sent through a multiprocessing queue would live in shared memory the exiting rank takes along)."""
     results: dict = {}
-    parts = [(f"gpt_{ex}", lambda ex=ex: train(rank, world_size, "gpt", ex, dump_dir if ex == "triton" else None))
-             for ex in ("aten", "triton")]
+    parts = [
+        (f"gpt_{ex}", lambda ex=ex: train(rank, world_size, "gpt", ex, dump_dir if ex == "triton" else None))
+        for ex in ("aten", "triton")
+    ]
     if world_size > 1:
         parts += [("bucket", lambda: bucket_roundtrip(rank, world_size))]
         parts += [(f"mlp_{ex}", lambda ex=ex: train(rank, world_size, "mlp", ex, None)) for ex in ("aten", "inductor")]

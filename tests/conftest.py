@@ -34,12 +34,12 @@ def codegen_runs(tmp_path_factory):
 
     def get(world_size: int):
         if world_size not in cache:
-            from tests.codegen_ranks import run
-            from tests.multirank import run_ranks
-
             import io
 
             import torch
+
+            from tests.codegen_ranks import run
+            from tests.multirank import run_ranks
 
             dump = tmp_path_factory.mktemp(f"codegen_dump_w{world_size}")
             per_rank = [torch.load(io.BytesIO(b), weights_only=False) for b in run_ranks(run, world_size, str(dump))]

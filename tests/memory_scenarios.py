@@ -25,12 +25,12 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import zerofx
 from tests.models import CASES
+from tests.multirank import mean_over_ranks
 from tests.parity import reference_shard
 from zerofx.backend import make_backend
 from zerofx.dump import Recorder
 from zerofx.measure.allocations import peak_rss_bytes, reset_peak_rss, rss_bytes
 from zerofx.models import GPT, GPTConfig, random_batch
-from tests.multirank import mean_over_ranks
 from zerofx.testing import ShardedReference, exact_divergence
 
 STEPS = 3
@@ -40,14 +40,21 @@ PER_RANK = 2
 # Every policy and budget appears; orthogonal ones share a run to keep the matrix affordable
 # (optimizer offload does not touch the activation plan; offload tiers ride on budgets).
 POLICIES: dict[str, dict] = {
-    "budget_100+optimizer_disk": {"activation_budget": 1.0, "offload_optimizer": "disk", "offload_dir": "{dir}",
-                                  "host_memory_cap": 64 * 1024},
+    "budget_100+optimizer_disk": {
+        "activation_budget": 1.0,
+        "offload_optimizer": "disk",
+        "offload_dir": "{dir}",
+        "host_memory_cap": 64 * 1024,
+    },
     "budget_50+disk": {"activation_budget": 0.5, "offload_activations": "disk", "offload_dir": "{dir}"},
     "budget_25": {"activation_budget": 0.25},
     "full": {"checkpoint": "full"},
     "save_ops": {"checkpoint_save_ops": ("mm", "addmm")},
-    "modules+host_50": {"checkpoint_modules": {"gpt": ("blocks.1",), "graph_break": ("b",)},
-                        "offload_activations": "host", "activation_budget": 0.5},
+    "modules+host_50": {
+        "checkpoint_modules": {"gpt": ("blocks.1",), "graph_break": ("b",)},
+        "offload_activations": "host",
+        "activation_budget": 0.5,
+    },
 }
 MODELS = ("gpt", "graph_break")
 
@@ -123,9 +130,16 @@ def _train_policy(model_name: str, policy: str, rank: int, world: int, mesh, ini
 
         store = state_store(next(model.parameters()))[1]
         on_disk = sum(1 for p in model.parameters() if p in store)
-    return {"losses": losses, "params": [p.detach().clone() for p in params], "memory": memory, "plans": plans,
-            "summary": recorder.summary(), "params_on_disk": on_disk, "failures": failures,
-            "bounded": sorted(oracle.bounded)}
+    return {
+        "losses": losses,
+        "params": [p.detach().clone() for p in params],
+        "memory": memory,
+        "plans": plans,
+        "summary": recorder.summary(),
+        "params_on_disk": on_disk,
+        "failures": failures,
+        "bounded": sorted(oracle.bounded),
+    }
 
 
 def _plans(recorder: Recorder) -> list[dict]:
@@ -148,11 +162,11 @@ def train_policies(rank: int, world: int, folder: str) -> dict:
         for policy in POLICIES:
             key = f"{model_name}/{policy}"
             try:
-                result = _train_policy(model_name, policy, rank, world, mesh, initial,
-                                       os.path.join(folder, f"rank{rank}", policy))
+                result = _train_policy(
+                    model_name, policy, rank, world, mesh, initial, os.path.join(folder, f"rank{rank}", policy)
+                )
                 ref_local = [reference_shard(q, rank, world) if world > 1 else q for q in ref_params]
-                result["param_error"] = max((p - q).abs().max().item()
-                                            for p, q in zip(result.pop("params"), ref_local))
+                result["param_error"] = max((p - q).abs().max().item() for p, q in zip(result.pop("params"), ref_local))
                 result["ref_losses"] = ref_losses
                 out[key] = result
             except Exception:
@@ -220,11 +234,18 @@ def train_on_disk(rank: int, world: int, folder: str, cap_fraction: float, steps
         peak = peak_rss_bytes() - baseline
         state_on_disk = 0
         if tier != "none":
-            state_on_disk = sum(1 for s in opt.state.values() for v in s.values()
-                                if torch.is_tensor(v) and v.dim() > 0 and v in store)
-        out[tier] = {"losses": losses, "peak_rss_delta": peak, "cap": cap, "master_and_adam": master_and_adam,
-                     "local_param_bytes": local_param_bytes, "state_tensors_on_disk": state_on_disk,
-                     "params": [(p.to_local() if world > 1 else p).detach().clone() for p in model.parameters()]}
+            state_on_disk = sum(
+                1 for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0 and v in store
+            )
+        out[tier] = {
+            "losses": losses,
+            "peak_rss_delta": peak,
+            "cap": cap,
+            "master_and_adam": master_and_adam,
+            "local_param_bytes": local_param_bytes,
+            "state_tensors_on_disk": state_on_disk,
+            "params": [(p.to_local() if world > 1 else p).detach().clone() for p in model.parameters()],
+        }
         del model, opt
         gc.collect()
         torch._dynamo.reset()

@@ -76,9 +76,9 @@ class UnevenNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.l1 = nn.Linear(6, 7)   # weight (7, 6), bias (7,)
-        self.l2 = nn.Linear(7, 5)   # weight (5, 7), bias (5,)
-        self.l3 = nn.Linear(5, 3)   # weight (3, 5), bias (3,)
+        self.l1 = nn.Linear(6, 7)  # weight (7, 6), bias (7,)
+        self.l2 = nn.Linear(7, 5)  # weight (5, 7), bias (5,)
+        self.l3 = nn.Linear(5, 3)  # weight (3, 5), bias (3,)
         self.gain = nn.Parameter(torch.ones(3, 1, 3))  # 3-D, fewer rows than 4 ranks
 
     def forward(self, x, y):

@@ -30,8 +30,13 @@ def _rank_main(fn: Callable, rank: int, world_size: int, store_path: str, args: 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
         try:
             results.put((rank, "ok", fn(rank, world_size, *args)))
         finally:
@@ -46,8 +51,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 420) -
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store, args, results), daemon=True)
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(fn, r, world_size, store, args, results), daemon=True)
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         got: dict[int, tuple[str, Any]] = {}

@@ -32,8 +32,10 @@ class MyAdamW(torch.optim.AdamW):
 def _state(opt) -> dict:
     """Optimizer state by parameter index: (kind, local values) per entry."""
     sd = opt.state_dict()["state"]
-    return {i: {k: (type(v).__name__, v.to_local() if isinstance(v, DTensor) else v) for k, v in entry.items()}
-            for i, entry in sd.items()}
+    return {
+        i: {k: (type(v).__name__, v.to_local() if isinstance(v, DTensor) else v) for k, v in entry.items()}
+        for i, entry in sd.items()
+    }
 
 
 def _train(mesh, rank, make_opt, local: bool, stage: int = 3, steps: int = STEPS, hook=None, schedule=False):
@@ -43,8 +45,9 @@ def _train(mesh, rank, make_opt, local: bool, stage: int = 3, steps: int = STEPS
     model = zerofx.shard(GPT(GPT_CFG), mesh, stage=stage, local_optimizer_step=local)
     opt = make_opt(model.parameters())
     seen: list[set[str]] = []
-    opt.register_step_pre_hook(lambda o, a, k: seen.append({type(p).__name__ for g in o.param_groups
-                                                             for p in g["params"]}))
+    opt.register_step_pre_hook(
+        lambda o, a, k: seen.append({type(p).__name__ for g in o.param_groups for p in g["params"]})
+    )
     if hook is not None:
         opt.register_step_pre_hook(hook)
     scheds = [torch.optim.lr_scheduler.MultiplicativeLR(opt, lambda epoch: 0.9)] if schedule else []
@@ -73,14 +76,19 @@ def _compare(mesh, rank, make_opt, stage: int = 3, schedule: bool = False) -> di
         b_model, b_opt, b_losses, b_seen = _train(mesh, rank, make_opt, local=True, stage=stage, schedule=schedule)
     sa, sb = _state(a_opt), _state(b_opt)
     return {
-        "params_equal": all(torch.equal(p.to_local(), q.to_local())
-                            for p, q in zip(a_model.parameters(), b_model.parameters())),
-        "state_equal": sa.keys() == sb.keys() and all(
-            sa[i].keys() == sb[i].keys() and all(sa[i][k][0] == sb[i][k][0] and torch.equal(sa[i][k][1], sb[i][k][1])
-                                                 for k in sa[i]) for i in sa),
+        "params_equal": all(
+            torch.equal(p.to_local(), q.to_local()) for p, q in zip(a_model.parameters(), b_model.parameters())
+        ),
+        "state_equal": sa.keys() == sb.keys()
+        and all(
+            sa[i].keys() == sb[i].keys()
+            and all(sa[i][k][0] == sb[i][k][0] and torch.equal(sa[i][k][1], sb[i][k][1]) for k in sa[i])
+            for i in sa
+        ),
         "state_kinds": sorted({kind for entry in sb.values() for kind, _ in entry.values()}),
         "losses": (a_losses, b_losses),
-        "seen_dtensor_path": a_seen, "seen_local_path": b_seen,
+        "seen_dtensor_path": a_seen,
+        "seen_local_path": b_seen,
         "steps_locally": (steps_locally(a_opt), steps_locally(b_opt)),
         "lrs": (a_opt.param_groups[0]["lr"], b_opt.param_groups[0]["lr"]),
         "scheduler_warnings": [str(w.message) for w in caught if "lr_scheduler" in str(w.message)],
@@ -121,8 +129,14 @@ def _failing_step(mesh, rank) -> dict:
     loss = model(x, y).item()
     # the same three updates without a failure, on the DTensor path
     _, _, ref_losses, _ = _train(mesh, rank, lambda ps: torch.optim.AdamW(ps, lr=1e-2), local=False, steps=2)
-    return {"raised": raised, "params_back": all(params_back), "state_kinds": kinds,
-            "grads_on_locals": any(grads_on_locals), "loss": loss, "ref_loss": ref_losses[-1]}
+    return {
+        "raised": raised,
+        "params_back": all(params_back),
+        "state_kinds": kinds,
+        "grads_on_locals": any(grads_on_locals),
+        "loss": loss,
+        "ref_loss": ref_losses[-1],
+    }
 
 
 def scenarios(rank: int, world: int) -> dict:

@@ -60,8 +60,7 @@ def perturbed(rank: int, world: int, mesh, options: dict, target: str, grad_scal
         if step == 1 and target == "param" and rank == 0:
             _next_float(p.to_local(), (1, 1))
         divs += ref.check_parameters(model, step)
-        found.append([dict(kind=d.kind, name=d.name, count=d.count, index=list(d.index), note=d.note)
-                      for d in divs])
+        found.append([dict(kind=d.kind, name=d.name, count=d.count, index=list(d.index), note=d.note) for d in divs])
     return {"found": found, "bounded": bounded}
 
 
@@ -77,7 +76,10 @@ def scenarios(rank: int, world: int) -> dict:
         attempt(out, "grad_perturbed", lambda: perturbed(rank, world, mesh, {}, "grad"))
         attempt(out, "param_perturbed", lambda: perturbed(rank, world, mesh, {}, "param"))
     else:  # 4 ranks: whole (replicated) parameters are all-reduced by gloo in its own order
-        attempt(out, "persist", lambda: _report(verify_models.mlp, mesh, persistence_threshold=10 ** 6))
-        attempt(out, "persist_perturbed", lambda: perturbed(rank, world, mesh, {"persistence_threshold": 10 ** 6},
-                                                            "grad", grad_scale=1e-3))
+        attempt(out, "persist", lambda: _report(verify_models.mlp, mesh, persistence_threshold=10**6))
+        attempt(
+            out,
+            "persist_perturbed",
+            lambda: perturbed(rank, world, mesh, {"persistence_threshold": 10**6}, "grad", grad_scale=1e-3),
+        )
     return out

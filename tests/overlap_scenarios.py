@@ -9,12 +9,12 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerofx
-from tests.multirank import attempt as run_scenario
 from tests.models import CASES, MLP
-from zerofx.passes.cost_model import predict_step_peak
-from zerofx.runtime.params import runtime_of
+from tests.multirank import attempt as run_scenario
 from zerofx.measure.allocations import AllocationTrace
 from zerofx.models import GPT, GPTConfig, random_batch
+from zerofx.passes.cost_model import predict_step_peak
+from zerofx.runtime.params import runtime_of
 
 BENCH_GPT = GPTConfig(vocab_size=512, seq_len=128, n_layer=4, n_head=4, d_model=128)  # benchmarks' "small"
 
@@ -27,7 +27,7 @@ def _train_gpt(mesh, rank, world, steps, **options):
     losses = []
     for _ in range(steps):
         x, y = random_batch(BENCH_GPT, 2 * world, gen)
-        loss = model(x[2 * rank: 2 * rank + 2], y[2 * rank: 2 * rank + 2])
+        loss = model(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -46,9 +46,11 @@ def scenarios(rank: int, world: int, dump_root: str) -> dict:
         plain_losses, plain_params = _train_gpt(mesh, rank, world, 4, disable_passes=("bucket", "schedule"))
         torch._dynamo.reset()
         losses, params = _train_gpt(mesh, rank, world, 4, dump_dir=f"{dump_root}/gpt")
-        return {"losses_equal": plain_losses == losses,
-                "params_equal": all(torch.equal(a, b) for a, b in zip(plain_params, params)),
-                "losses": losses}
+        return {
+            "losses_equal": plain_losses == losses,
+            "params_equal": all(torch.equal(a, b) for a, b in zip(plain_params, params)),
+            "losses": losses,
+        }
 
     def unsharding(budget):
         def run():
@@ -62,10 +64,13 @@ def scenarios(rank: int, world: int, dump_root: str) -> dict:
             with zerofx.CollectiveCounter() as comm:
                 model(x[mine], y[mine]).backward()
             ref(x, y).backward()
-            worst = max((p.grad.to_local() - _rows(q.grad, rank, world)).abs().max().item()
-                        for p, q in zip(model.parameters(), ref.parameters()))
+            worst = max(
+                (p.grad.to_local() - _rows(q.grad, rank, world)).abs().max().item()
+                for p, q in zip(model.parameters(), ref.parameters())
+            )
             psi = sum(p.numel() * p.element_size() for p in ref.parameters())
             return {"comm": dict(comm.bytes), "psi": psi, "grad_err": worst}
+
         return run
 
     def prefetch_order():
@@ -94,7 +99,9 @@ def scenarios(rank: int, world: int, dump_root: str) -> dict:
             opt.step()
             opt.zero_grad()
         estimates = runtime_of(model).compiled.memory_estimates
-        frames = sorted({gid for gid, kind in estimates if kind == "backward"}, key=lambda g: int(g.removeprefix("frame")))
+        frames = sorted(
+            {gid for gid, kind in estimates if kind == "backward"}, key=lambda g: int(g.removeprefix("frame"))
+        )
         return {"measured": measured, "predicted": predict_step_peak(estimates, frames[-1:])}
 
     def calibration():
@@ -105,8 +112,10 @@ def scenarios(rank: int, world: int, dump_root: str) -> dict:
         os.environ["ZEROFX_CACHE_DIR"] = f"{dump_root}/cache"
         measured = calibrate_comm(repeats=3)
         cached = calibrate_comm(repeats=3)
-        return {"measured": (measured.latency_s, measured.seconds_per_byte),
-                "cached": (cached.latency_s, cached.seconds_per_byte)}
+        return {
+            "measured": (measured.latency_s, measured.seconds_per_byte),
+            "cached": (cached.latency_s, cached.seconds_per_byte),
+        }
 
     attempt("calibration", calibration)
     attempt("exact_parity", exact_parity)
@@ -119,4 +128,4 @@ def scenarios(rank: int, world: int, dump_root: str) -> dict:
 
 def _rows(full, rank, world):
     rows = -(-full.shape[0] // world)
-    return full[rank * rows: min((rank + 1) * rows, full.shape[0])]
+    return full[rank * rows : min((rank + 1) * rows, full.shape[0])]

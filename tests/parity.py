@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor
 
 import zerofx
 from tests.models import CASES
-from zerofx.testing import ShardedReference, exact_divergence, shard_rows
 from tests.multirank import mean_over_ranks
+from zerofx.testing import ShardedReference, exact_divergence, shard_rows
 
 # Tolerances of the loss-only and mixed-precision checks elsewhere (tests/test_memory.py); the
 # fp32 parity of this file is bitwise (zerofx.testing.ShardedReference).
@@ -85,8 +85,14 @@ def train_case(name: str, rank: int, world_size: int, steps: int, dump_dir: str 
     split_opt = torch.optim.AdamW(split.parameters(), lr=case.lr)
     gen = torch.Generator().manual_seed(1234)
     per_rank = 2
-    result = dict(losses=[], ref_losses=[], split_losses=[], failures=[], bounded=set(),
-                  accounting=numel_accounting(whole, world_size))
+    result = dict(
+        losses=[],
+        ref_losses=[],
+        split_losses=[],
+        failures=[],
+        bounded=set(),
+        accounting=numel_accounting(whole, world_size),
+    )
 
     for step in range(steps):
         x, y = case.batch(per_rank * world_size, gen)

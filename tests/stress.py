@@ -48,6 +48,7 @@ FINGERPRINT_KEYS = ("losses", "ref_losses", "param_error", "grad_rel_err", "norm
 
 # -- rank side -------------------------------------------------------------------------------------
 
+
 def memory_ranks(rank: int, world: int, folder: str, models: list[str] | None, policies: list[str] | None) -> dict:
     """tests/memory_scenarios.py's ``train_policies``, narrowed to ``models`` / ``policies``."""
     from tests import memory_scenarios as ms
@@ -74,6 +75,7 @@ def stage_ranks(rank: int, world: int, steps: int, folder: str) -> dict:
 
 
 # -- driver side -----------------------------------------------------------------------------------
+
 
 @dataclass
 class Outcome:
@@ -158,8 +160,16 @@ def rank_env(seed: int, max_ms: float, perturb: int | None, malloc_debug: bool) 
     return env
 
 
-def run_one(name: str, fn: Callable, args: tuple, world: int, timeout: float, env: dict[str, str],
-            repetition: int, baseline: dict | None) -> tuple[Outcome, dict | None]:
+def run_one(
+    name: str,
+    fn: Callable,
+    args: tuple,
+    world: int,
+    timeout: float,
+    env: dict[str, str],
+    repetition: int,
+    baseline: dict | None,
+) -> tuple[Outcome, dict | None]:
     start = time.monotonic()
     with RankEnv(env):
         try:
@@ -177,8 +187,9 @@ def scenarios(args: argparse.Namespace, folder: str) -> dict[str, tuple[Callable
     """name -> (rank function, world size, its arguments), in the order they run."""
     stages = (args.stage_steps, os.path.join(folder, "stages"))
     table = {
-        "memory": {"memory": (memory_ranks, args.world, (os.path.join(folder, "memory"), args.models,
-                                                         args.memory_policies))},
+        "memory": {
+            "memory": (memory_ranks, args.world, (os.path.join(folder, "memory"), args.models, args.memory_policies))
+        },
         "parity": {"parity": (parity_ranks, args.world, (args.parity_cases, args.parity_steps))},
         "stages": {"stages_w4": (stage_ranks, 4, stages), "stages_w2": (stage_ranks, 2, stages)},
     }
@@ -196,8 +207,10 @@ def stress(args: argparse.Namespace, log: Callable[[str], None] = print) -> list
                 if prints is not None and name not in baselines:
                     baselines[name] = prints
                 outcomes.append(outcome)
-                log(f"[{rep + 1}/{args.repeat}] {name}: {outcome.status} ({outcome.seconds:.0f} s)"
-                    + "".join(f"\n    {d}" for d in outcome.details[:10]))
+                log(
+                    f"[{rep + 1}/{args.repeat}] {name}: {outcome.status} ({outcome.seconds:.0f} s)"
+                    + "".join(f"\n    {d}" for d in outcome.details[:10])
+                )
     return outcomes
 
 
@@ -213,8 +226,9 @@ def summary(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tests.stress", description=__doc__.split("\n\n")[0])
     p.add_argument("--repeat", type=int, default=20, help="repetitions of every scenario (default 20)")
-    p.add_argument("--scenarios", nargs="+", default=["memory", "parity", "stages"],
-                   choices=["memory", "parity", "stages"])
+    p.add_argument(
+        "--scenarios", nargs="+", default=["memory", "parity", "stages"], choices=["memory", "parity", "stages"]
+    )
     p.add_argument("--world", type=int, default=2, help="ranks per run (default 2)")
     p.add_argument("--seed", type=int, default=0, help="delay seed of repetition 0 (then +1 per repetition)")
     p.add_argument("--delay-ms", type=float, default=5.0, help="longest injected sleep (default 5 ms)")
@@ -236,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = stress(args, log=lambda line: print(line, flush=True))
     counts = summary(outcomes)
     for name, c in counts.items():
-        print(f"{name}: {c['runs']} runs, {c['ok']} ok, {c['crash']} crashes, {c['timeout']} timeouts, "
-              f"{c['mismatch']} mismatches")
+        print(
+            f"{name}: {c['runs']} runs, {c['ok']} ok, {c['crash']} crashes, {c['timeout']} timeouts, "
+            f"{c['mismatch']} mismatches"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "summary": counts, "outcomes": [o.__dict__ for o in outcomes]}, f, indent=1)

@@ -21,12 +21,12 @@ from benchmarks.checkpoint_vs_torch import capture_joint, clone
 from tests.models import GPT_CFG, GraphBreakNet
 from zerofx import ZeroFXError
 from zerofx.measure.allocations import rss_bytes
-from zerofx.runtime.params import runtime_of
 from zerofx.models import GPT, random_batch
-from zerofx.runtime.offload_store import DiskStore
 from zerofx.passes.checkpoint import checkpoint_pass, partition_by_plan
 from zerofx.passes.cost_model import saved_activation_bytes, saved_values
 from zerofx.passes.pipeline import PassContext
+from zerofx.runtime.offload_store import DiskStore
+from zerofx.runtime.params import runtime_of
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,7 @@ class DropoutNet(nn.Module):
 
 # -- the plan ------------------------------------------------------------------------------------
 
+
 def test_budgets_bound_the_plan_and_recompute_grows_as_they_shrink(gpt_joint):
     _, _, full = plan(gpt_joint, activation_budget=1.0)
     unconstrained = full["unconstrained_bytes"]
@@ -79,8 +80,9 @@ def test_partition_saves_exactly_the_plan(gpt_joint):
     assert {n.name for n in saved_values(fw, gpt_joint[1])} == set(p["saved"])
     assert saved_activation_bytes(fw, gpt_joint[1]) == p["resident_bytes"]
     # the forward nodes the backward runs are the plan's recomputed ones (views included)
-    forward_in_backward = {n.name for n in bw.graph.nodes if n.name in {m.name for m in fw.graph.nodes}
-                           and n.op == "call_function"}
+    forward_in_backward = {
+        n.name for n in bw.graph.nodes if n.name in {m.name for m in fw.graph.nodes} and n.op == "call_function"
+    }
     assert forward_in_backward <= set(p["recomputed"])
     tags = {n.name: n.meta.get("recompute") for n in gm.graph.nodes}
     untagged = [(name, tags[name]) for name in p["recomputed"] if tags[name] != CheckpointPolicy.MUST_RECOMPUTE]
@@ -103,8 +105,11 @@ def test_budget_below_any_schedule_names_the_minimum(one_rank):
     model = zerofx.shard(DropoutNet(), one_rank)
     x, y = torch.randn(8, 16), torch.randn(8, 4)
     joint = capture_joint(model, (x, y))
-    with pytest.raises(ZeroFXError, match=r"below what any schedule can meet: the minimum feasible budget for "
-                                          r"this graph is (\d+) B") as info:
+    with pytest.raises(
+        ZeroFXError,
+        match=r"below what any schedule can meet: the minimum feasible budget for "
+        r"this graph is (\d+) B",
+    ) as info:
         plan(joint, activation_budget=1)
     minimum = int(re.search(r"budget for this graph is (\d+) B", str(info.value)).group(1))
     assert minimum > 0 and "random op" in str(info.value)
@@ -148,6 +153,7 @@ def test_offload_marks_travel_to_both_graphs(gpt_joint, tmp_path):
 
 # -- the offload tiers ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_offload_round_trip(tmp_path, tier):
     x = torch.randn(64, 33).t()  # non-contiguous: the layout must come back too
@@ -177,16 +183,20 @@ def test_disk_store_pages_out(tmp_path):
 
 # -- bad input -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("options, message", [
-    ({"activation_budget": 1.5}, "must be in \\(0, 1\\]"),
-    ({"activation_budget": "half"}, "fraction .* or bytes"),
-    ({"activation_budget": True}, "fraction .* or bytes"),
-    ({"checkpoint": "partial"}, "checkpoint='partial'"),
-    ({"checkpoint_save_ops": ("aten.not_an_op",)}, "no op named 'aten.not_an_op'"),
-    ({"offload_activations": "nvme"}, "offload_activations='nvme'"),
-    ({"offload_optimizer": "auto"}, "set host_memory_cap"),
-    ({"host_memory_cap": -1}, "positive number of bytes"),
-])
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"activation_budget": 1.5}, "must be in \\(0, 1\\]"),
+        ({"activation_budget": "half"}, "fraction .* or bytes"),
+        ({"activation_budget": True}, "fraction .* or bytes"),
+        ({"checkpoint": "partial"}, "checkpoint='partial'"),
+        ({"checkpoint_save_ops": ("aten.not_an_op",)}, "no op named 'aten.not_an_op'"),
+        ({"offload_activations": "nvme"}, "offload_activations='nvme'"),
+        ({"offload_optimizer": "auto"}, "set host_memory_cap"),
+        ({"host_memory_cap": -1}, "positive number of bytes"),
+    ],
+)
 def test_bad_memory_options_are_clear_errors(options, message):
     with pytest.raises(ZeroFXError, match=message):
         zerofx.Options(**options)
@@ -202,8 +212,9 @@ def test_unwritable_offload_dir_fails_at_compile(one_rank, tmp_path):
             zerofx.compile(model, one_rank, **{key: "disk", "offload_dir": bad})
     # the backend entry point checks when the options are built, before anything is traced
     with pytest.raises(Exception, match="not a writable folder"):
-        torch.compile(nn.Linear(2, 2), backend="zerofx",
-                      options={"offload_activations": "disk", "offload_dir": bad})(torch.randn(1, 2))
+        torch.compile(nn.Linear(2, 2), backend="zerofx", options={"offload_activations": "disk", "offload_dir": bad})(
+            torch.randn(1, 2)
+        )
     torch._dynamo.reset()
 
 
@@ -234,5 +245,7 @@ def test_disk_offloaded_optimizer_matches_in_memory_exactly(one_rank, tmp_path):
     for p in model.parameters():
         for value in opt.state[p].values():
             if value.dim() > 0:
-                assert value.untyped_storage().data_ptr() != 0 and value in zerofx.runtime.offload_store.state_store(p)[1]
+                assert (
+                    value.untyped_storage().data_ptr() != 0 and value in zerofx.runtime.offload_store.state_store(p)[1]
+                )
     torch._dynamo.reset()

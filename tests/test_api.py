@@ -55,8 +55,10 @@ def test_unknown_options_name_the_option_and_the_closest_valid_one(one_rank):
         zerofx.compile(model, one_rank, bucket_byte=1024)
     assert not zerofx.sharding.is_sharded(model)  # nothing happened to the model
     # dynamo wraps what a backend raises; the message is the same
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed,
-                       match=r"unknown zerofx option 'prefetch' \(did you mean 'prefetch_bytes'\?\)"):
+    with pytest.raises(
+        torch._dynamo.exc.BackendCompilerFailed,
+        match=r"unknown zerofx option 'prefetch' \(did you mean 'prefetch_bytes'\?\)",
+    ):
         torch.compile(model, backend="zerofx", options={"prefetch": 0})(torch.randn(1, 2))
     with pytest.raises(ZeroFXError, match=r"unknown pass 'gathr' \(did you mean 'gather'\?\).*'regather'"):
         zerofx.compile(nn.Linear(2, 2), one_rank, disable_passes=("gathr",))
@@ -85,8 +87,9 @@ def test_option_validation_is_pure_and_the_offload_folder_is_checked_at_compile(
 
 
 def test_options_are_read_by_concern_through_frozen_policies():
-    opts = zerofx.Options(stage=2, param_dtype="bf16", bucket_bytes=4096, activation_budget=0.5,
-                          disable_passes="bucket", executor="aten")
+    opts = zerofx.Options(
+        stage=2, param_dtype="bf16", bucket_bytes=4096, activation_budget=0.5, disable_passes="bucket", executor="aten"
+    )
     assert opts.layout.stage == 2 and opts.layout.param_dtype is torch.bfloat16 is opts.param_dtype
     assert opts.comm.bucket_bytes == 4096 and opts.memory.activation_budget == 0.5
     assert opts.debug.disable_passes == ("bucket",) and opts.codegen.executor == "aten"
@@ -141,7 +144,9 @@ def test_incompatible_or_bad_zero_options_name_the_option():
     with pytest.raises(ZeroFXError, match=r"option stage=4: choose 1, 2 or 3"):
         zerofx.Options(stage=4)
     for stage in (1, 2):
-        with pytest.raises(ZeroFXError, match=rf"option persistence_threshold=100 only applies to stage 3.*stage {stage}"):
+        with pytest.raises(
+            ZeroFXError, match=rf"option persistence_threshold=100 only applies to stage 3.*stage {stage}"
+        ):
             zerofx.Options(stage=stage, persistence_threshold=100)
     with pytest.raises(ZeroFXError, match=r"option persistence_threshold=-1"):
         zerofx.Options(persistence_threshold=-1)
@@ -164,7 +169,9 @@ def test_incompatible_or_bad_zero_options_name_the_option():
 
 def test_a_3d_mesh_is_a_clear_error_naming_the_mesh(one_rank):
     mesh3 = DeviceMesh("cpu", torch.arange(1).view(1, 1, 1), _init_backend=False)
-    with pytest.raises(ZeroFXError, match=r"mesh: zerofx shards over a 1-D mesh .* or a 2-D mesh .*got a 3-D mesh \(1, 1, 1\)"):
+    with pytest.raises(
+        ZeroFXError, match=r"mesh: zerofx shards over a 1-D mesh .* or a 2-D mesh .*got a 3-D mesh \(1, 1, 1\)"
+    ):
         zerofx.compile(nn.Linear(2, 2), mesh3)
 
 

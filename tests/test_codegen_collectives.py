@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from tests.parity import reference_shard
-from zerofx.codegen.collective_kernels import BucketLayout, average_into_shards, pack_grads, pack_shards, unpack_gathered
+from zerofx.codegen.collective_kernels import (
+    BucketLayout,
+    average_into_shards,
+    pack_grads,
+    pack_shards,
+    unpack_gathered,
+)
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
@@ -50,7 +56,7 @@ def test_glue_kernels_with_simulated_collectives_on_three_ranks():
     grads = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(n)]
     summed = sum(pack_grads(g, layout) for g in grads)  # reduce-scatter = sum, then rank r's segment
     for r in range(n):
-        reduced = summed[r * layout.segment:(r + 1) * layout.segment]
+        reduced = summed[r * layout.segment : (r + 1) * layout.segment]
         existing = [torch.randn(layout.shard_shape(i, r), generator=gen) if i % 2 else None for i in range(len(SHAPES))]
         before = [e.clone() if e is not None else None for e in existing]
         got = average_into_shards(reduced, layout, r, existing)

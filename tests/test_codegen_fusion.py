@@ -27,7 +27,7 @@ aten = torch.ops.aten
 def _graph_with_collectives() -> fx.GraphModule:
     """Three pointwise pairs separated by an all-gather issue and its wait (a hand-made graph)::
 
-        a1 = x * 2; a2 = a1 + 1 | ag = all_gather(s) | b1 = a2 * 3; b2 = b1 - 1 | w = wait(ag) | c1 = b2 * w; c2 = c1 + 1
+    a1 = x * 2; a2 = a1 + 1 | ag = all_gather(s) | b1 = a2 * 3; b2 = b1 - 1 | w = wait(ag) | c1 = b2 * w; c2 = c1 + 1
     """
     mode = FakeTensorMode()
     g = fx.Graph()
@@ -62,6 +62,7 @@ def test_groups_never_span_a_collective_and_keep_their_place_between_them():
     def stub(i):
         def fn(*args):
             raise AssertionError("not run")
+
         fn.__name__ = f"kernel{i}"
         return fn
 
@@ -161,8 +162,9 @@ def test_var_mean_tuple_never_leaves_a_kernel():
     x = torch.randn(5, 12)
     gm = make_fx(fn, tracing_mode="fake")(x)
     fused = triton_codegen.compile_triton(gm)
-    tuple_users = [n for n in fused.graph.nodes if n.target is operator.getitem
-                   and n.args[0].target is aten.var_mean.correction]
+    tuple_users = [
+        n for n in fused.graph.nodes if n.target is operator.getitem and n.args[0].target is aten.var_mean.correction
+    ]
     assert not tuple_users
     ref, got = gm(x), fused(x)
     for r, o in zip(ref, got):

@@ -104,8 +104,12 @@ def test_softmax_log_softmax_and_their_backwards_ragged_rows():
     def fn(x, g):
         s = torch.softmax(x * 2.0, dim=-1)
         ls = torch.log_softmax(x, dim=-1)
-        return (s, ls, aten._softmax_backward_data(g, s, -1, torch.float32),
-                aten._log_softmax_backward_data(g, ls, -1, torch.float32))
+        return (
+            s,
+            ls,
+            aten._softmax_backward_data(g, s, -1, torch.float32),
+            aten._log_softmax_backward_data(g, ls, -1, torch.float32),
+        )
 
     ref, got, kernels = run_both(fn, x, g)
     assert all(k.kernel.kind == "row" for k in kernels)

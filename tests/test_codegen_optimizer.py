@@ -29,11 +29,14 @@ def _pair(seed: int = 0):
     return ours, ref
 
 
-@pytest.mark.parametrize("options", [
-    dict(),
-    dict(weight_decay=0.1, amsgrad=True),
-    dict(maximize=True, betas=(0.3, 0.95), eps=1e-6),  # a lerp weight >= 0.5 takes ATen's other branch
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(weight_decay=0.1, amsgrad=True),
+        dict(maximize=True, betas=(0.3, 0.95), eps=1e-6),  # a lerp weight >= 0.5 takes ATen's other branch
+    ],
+)
 def test_matches_torch_adamw_step_for_step(options):
     ours, ref = _pair()
     opt, ref_opt = FusedAdamW(ours, lr=1e-2, **options), torch.optim.AdamW(ref, lr=1e-2, **options)
@@ -79,8 +82,9 @@ def test_one_launch_per_group(monkeypatch):
 
     calls = []
     real = fused_adamw.adamw_step
-    monkeypatch.setattr(fused_adamw, "adamw_step", lambda params, *a, **k: (calls.append(len(params)),
-                                                                             real(params, *a, **k)))
+    monkeypatch.setattr(
+        fused_adamw, "adamw_step", lambda params, *a, **k: (calls.append(len(params)), real(params, *a, **k))
+    )
     ours, _ = _pair()
     opt = FusedAdamW(ours, lr=1e-2)
     for p in ours:

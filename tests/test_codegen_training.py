@@ -34,8 +34,9 @@ def _assert_same_training(ours: list[dict], ref: list[dict]) -> None:
         assert o["losses"] == pytest.approx(r["losses"], rel=1e-5), f"rank {rank}"
         assert o["params"].keys() == r["params"].keys()
         for name in o["params"]:
-            torch.testing.assert_close(o["params"][name], r["params"][name], rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(
+                o["params"][name], r["params"][name], rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {name}: {m}"
+            )
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

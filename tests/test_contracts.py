@@ -82,12 +82,18 @@ def test_nodes_a_pass_creates_carry_its_name_and_the_dump_shows_it(tmp_path):
     gm = make_fx(fw, tracing_mode="fake")(torch.randn(3, 5), torch.randn(2, 5))
     before = {n.name for n in gm.graph.nodes}
     recorder = Recorder(dump_dir=tmp_path)
-    gm = run_pipeline(gm, PassContext("test", "forward"), observer=recorder,
-                      disabled=("transport",))  # transport asks the process group for its backend
+    gm = run_pipeline(
+        gm, PassContext("test", "forward"), observer=recorder, disabled=("transport",)
+    )  # transport asks the process group for its backend
     made = {n.name: n.meta.get(PASS) for n in gm.graph.nodes if n.name not in before}
     assert made and set(made.values()) == {"gather"}, made
-    assert all(n.meta.get(ROLE) == "gather" for n in gm.graph.nodes if n.name in made and n.op == "call_function"
-               and n.target is torch.ops._c10d_functional.all_gather_into_tensor.default)
+    assert all(
+        n.meta.get(ROLE) == "gather"
+        for n in gm.graph.nodes
+        if n.name in made
+        and n.op == "call_function"
+        and n.target is torch.ops._c10d_functional.all_gather_into_tensor.default
+    )
     assert all(PASS not in n.meta for n in gm.graph.nodes if n.name in before)
     dumped = (tmp_path / "rank0" / "test_forward" / "01_gather.py").read_text()
     assert "# made by zerofx passes" in dumped

@@ -54,7 +54,11 @@ def test_symbolic_sizes_give_sympy_expressions_and_hints():
     mm = node(gm, aten.mm.default)
     expr = node_bytes(mm, symbolic=True)
     assert isinstance(expr, sympy.Expr) and expr.free_symbols  # e.g. 4*s0*s2
-    assert node_bytes(mm) == 5 * 7 * 4 == hint(expr.subs({s: v for s, v in zip(sorted(expr.free_symbols, key=str), (5, 7))}))
+    assert (
+        node_bytes(mm)
+        == 5 * 7 * 4
+        == hint(expr.subs({s: v for s, v in zip(sorted(expr.free_symbols, key=str), (5, 7))}))
+    )
     flops = node_flops(mm, symbolic=True)
     assert flops.free_symbols and node_flops(mm) == 2 * 5 * 3 * 7
 
@@ -63,8 +67,9 @@ def test_op_flops_on_real_tensors_matches_the_graph_estimate():
     a, b = torch.randn(4, 8), torch.randn(8, 16)
     gm = trace(lambda x, y: torch.addmm(torch.zeros(16), x, y), (4, 8), (8, 16))
     addmm = node(gm, aten.addmm.default)
-    assert op_flops(aten.addmm.default, (torch.zeros(16), a, b), {}, torch.addmm(torch.zeros(16), a, b)) \
-        == node_flops(addmm)
+    assert op_flops(aten.addmm.default, (torch.zeros(16), a, b), {}, torch.addmm(torch.zeros(16), a, b)) == node_flops(
+        addmm
+    )
     assert op_flops(aten.add_.Tensor, (a, a), {}, a) == 0  # in-place results alias an input: not compute
 
 

@@ -119,13 +119,13 @@ def train_checked(rank: int, world: int, folder: str, policy: str, broken: bool)
         ms._train_policy("gpt", policy, rank, world, mesh, initial, os.path.join(folder, f"rank{rank}"))
     except Exception as e:  # a broken pass may also make the step fail; the check is what we read
         error = repr(e)[:300]
-    return {"violations": log["violations"], "frees": log["frees"], "collectives": log["collectives"],
-            "error": error}
+    return {"violations": log["violations"], "frees": log["frees"], "collectives": log["collectives"], "error": error}
 
 
 def test_no_gloo_buffer_is_freed_before_its_wait(tmp_path):
-    for rank, r in enumerate(run_ranks(train_checked, 2, str(tmp_path), "budget_100+optimizer_disk", False,
-                                       timeout=600)):
+    for rank, r in enumerate(
+        run_ranks(train_checked, 2, str(tmp_path), "budget_100+optimizer_disk", False, timeout=600)
+    ):
         assert r["error"] is None, (rank, r["error"])
         assert r["frees"] > 100 and r["collectives"] > 100, (rank, r)
         assert r["violations"] == [], (rank, r["violations"][:5])

@@ -37,8 +37,12 @@ ALLOWED = {
 def layer_of(module: str) -> str:
     if any(module == p or module.startswith(p + ".") for p in LEAF) or module == "zerofx.ir":
         return "leaf"
-    for prefix, layer in (("zerofx.passes", "passes"), ("zerofx.codegen", "codegen"),
-                          ("zerofx.runtime", "runtime"), ("zerofx.measure", "measure")):
+    for prefix, layer in (
+        ("zerofx.passes", "passes"),
+        ("zerofx.codegen", "codegen"),
+        ("zerofx.runtime", "runtime"),
+        ("zerofx.measure", "measure"),
+    ):
         if module == prefix or module.startswith(prefix + "."):
             return layer
     return "top"
@@ -68,9 +72,16 @@ def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             # ``from zerofx import ir`` imports the submodule zerofx.ir
-            found += [(node.lineno, f"{base}.{a.name}" if base in ("zerofx", "zerofx.passes", "zerofx.codegen",
-                                                                     "zerofx.runtime", "zerofx.measure", "zerofx.ir")
-                       else base) for a in node.names]
+            found += [
+                (
+                    node.lineno,
+                    f"{base}.{a.name}"
+                    if base
+                    in ("zerofx", "zerofx.passes", "zerofx.codegen", "zerofx.runtime", "zerofx.measure", "zerofx.ir")
+                    else base,
+                )
+                for a in node.names
+            ]
     return [(line, m) for line, m in found if m == "zerofx" or m.startswith("zerofx.")]
 
 
@@ -87,8 +98,7 @@ def violations(modules: dict[str, Path]) -> list[str]:
         for line, imported in imports_of(path, module):
             if not edge_allowed(module, imported):
                 where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-                bad.append(f"{where}:{line}: {module} ({layer_of(module)}) imports "
-                           f"{imported} ({layer_of(imported)})")
+                bad.append(f"{where}:{line}: {module} ({layer_of(module)}) imports {imported} ({layer_of(imported)})")
     return bad
 
 
@@ -104,12 +114,15 @@ def test_every_module_is_in_a_layer_and_the_layer_packages_exist():
     assert {layer_of(m) for m in modules} == set(ALLOWED)
 
 
-@pytest.mark.parametrize("importer,imported", [
-    ("zerofx.passes.bucket", "zerofx.backend"),          # a pass reaching up into the backend
-    ("zerofx.ir.markers", "zerofx.measure.model_state"),  # the leaf importing measurement
-    ("zerofx.runtime.eager_buckets", "zerofx.passes.transport"),  # what flat.py used to do
-    ("zerofx.codegen.executor", "zerofx.measure.graph_buffers"),
-])
+@pytest.mark.parametrize(
+    "importer,imported",
+    [
+        ("zerofx.passes.bucket", "zerofx.backend"),  # a pass reaching up into the backend
+        ("zerofx.ir.markers", "zerofx.measure.model_state"),  # the leaf importing measurement
+        ("zerofx.runtime.eager_buckets", "zerofx.passes.transport"),  # what flat.py used to do
+        ("zerofx.codegen.executor", "zerofx.measure.graph_buffers"),
+    ],
+)
 def test_an_upward_import_is_reported(tmp_path, importer, imported):
     """The check can fail: a module with one deliberately upward import is caught, by line."""
     planted = tmp_path / "planted.py"

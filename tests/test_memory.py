@@ -148,6 +148,7 @@ def test_recompute_cost_at_half_budget_is_no_higher_than_torchs(bench_joint):
 
 # -- the disk tier -------------------------------------------------------------------------------
 
+
 def test_state_beyond_the_host_cap_trains_from_disk_under_the_cap(tmp_path, monkeypatch):
     # freed tensor memory must go back to the OS for RSS to mean live bytes (see train_on_disk)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")

@@ -106,11 +106,13 @@ def test_fp32_keeps_parity(runs, stage):
             # ranks' halves sum exactly in either order (see docs/parity.md)
             assert rec["loss"] == rec["loss_fp32"], f"rank {rank} step {step}"
             for kind in ("grad", "param", "buffer"):
-                assert rec[f"{kind}_exact_fp32"], f"rank {rank} step {step} {kind}: " + \
-                    "\n".join(rec["fp32_failures"][:5])
+                assert rec[f"{kind}_exact_fp32"], f"rank {rank} step {step} {kind}: " + "\n".join(
+                    rec["fp32_failures"][:5]
+                )
 
 
 # --- what cannot run: an error naming the option, before anything is sharded -----------------
+
 
 @pytest.fixture
 def one_rank(tmp_path):

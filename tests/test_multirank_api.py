@@ -26,9 +26,18 @@ def test_explain_reports_every_pass_and_collective(results):
     for r in _get(results, "explain"):
         report = r["report"]
         assert report == r["printed"].rstrip("\n")
-        for expected in ("_joint:", "_forward:", "_backward:", "regather:", "gather:", "reduce:",
-                         "collective all_gather", "collective reduce_scatter", "saved for backward",
-                         "merged 1 gradient sum(s) of tied parameters"):
+        for expected in (
+            "_joint:",
+            "_forward:",
+            "_backward:",
+            "regather:",
+            "gather:",
+            "reduce:",
+            "collective all_gather",
+            "collective reduce_scatter",
+            "saved for backward",
+            "merged 1 gradient sum(s) of tied parameters",
+        ):
             assert expected in report, expected
         assert r["grads_left"] == []  # explain leaves no gradients behind
 

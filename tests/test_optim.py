@@ -36,7 +36,7 @@ def test_local_step_matches_the_dtensor_step_bit_for_bit(results, name):
 def test_lr_schedulers_wrap_the_local_step(results):
     # one built before the first step, one after zerofx adopted the optimizer: both see the steps
     for r in scenario_results(results, "lr_schedulers"):
-        assert r["lrs"][1] == pytest.approx(1e-2 * 0.9 ** STEPS * 0.5 ** (STEPS - 1))
+        assert r["lrs"][1] == pytest.approx(1e-2 * 0.9**STEPS * 0.5 ** (STEPS - 1))
 
 
 def test_optimizer_subclass_keeps_the_dtensor_path(results):

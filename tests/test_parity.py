@@ -87,9 +87,21 @@ def test_communication_volume(runs, world_size, name):
 
 # ops whose output is (a view or a copy of) the gathered parameter: bucketing unpacks with
 # split_with_sizes + clone + _unsafe_view
-_GATHER_DERIVED_OPS = ("aten.slice.", "aten.t.", "aten.view.", "aten.transpose.", "aten.permute.",
-                       "aten.expand.", "aten._unsafe_view.", "aten.alias.", "aten.unsqueeze.", "aten.squeeze.",
-                       "aten.split_with_sizes.", "aten.clone.", "aten.reshape.")
+_GATHER_DERIVED_OPS = (
+    "aten.slice.",
+    "aten.t.",
+    "aten.view.",
+    "aten.transpose.",
+    "aten.permute.",
+    "aten.expand.",
+    "aten._unsafe_view.",
+    "aten.alias.",
+    "aten.unsqueeze.",
+    "aten.squeeze.",
+    "aten.split_with_sizes.",
+    "aten.clone.",
+    "aten.reshape.",
+)
 
 
 def _forward_code(dump: Path, rank: int, after_pass: str) -> list[str]:
@@ -104,8 +116,9 @@ def _gathered_values(code: str) -> set[str]:
         m = re.match(r"\s*(\w+)(?::[^=]*)? = torch\.ops\.(\S+?)\((\w+)", line)
         if m:
             name, op, first_arg = m.groups()
-            if op.startswith("_c10d_functional.wait_tensor") or (op.startswith(_GATHER_DERIVED_OPS)
-                                                                  and first_arg in gathered):
+            if op.startswith("_c10d_functional.wait_tensor") or (
+                op.startswith(_GATHER_DERIVED_OPS) and first_arg in gathered
+            ):
                 gathered.add(name)
             continue
         m = re.match(r"\s*(\w+)(?::[^=]*)? = (\w+)\[\d+\]", line)  # getitem of a split

@@ -10,11 +10,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import zerofx  # noqa: F401  (registers the marker ops)
 from zerofx.errors import ZeroFXError
-from zerofx.passes.regather import regather_pass, gather_chain
 from zerofx.ir.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
 from zerofx.passes.gather import gather_pass
 from zerofx.passes.pipeline import Pass, PassContext, run_pipeline
 from zerofx.passes.reduce import reduce_pass
+from zerofx.passes.regather import gather_chain, regather_pass
 
 unshard = torch.ops.zerofx.unshard
 reduce_grad = torch.ops.zerofx.reduce_grad
@@ -142,7 +142,11 @@ def test_transport_lowers_only_gloo_reduce_scatters_to_all_to_all_plus_local_sum
     (view,) = [u for u in wait.users if u.target is not transport.RELEASE]
     first, second = sorted(view.users, key=lambda n: n.args[2])
     assert (first.target, first.args[1:], second.target, second.args[1:]) == (
-        aten.select.int, (0, 0), aten.select.int, (0, 1))
+        aten.select.int,
+        (0, 0),
+        aten.select.int,
+        (0, 1),
+    )
     (total,) = second.users
     assert total.target is aten.add.Tensor and total.args == (first, second)
     (avg,) = total.users
@@ -153,8 +157,7 @@ def test_transport_lowers_only_gloo_reduce_scatters_to_all_to_all_plus_local_sum
     # the graph frees the received chunks itself once the sum has read them; the sent input is
     # the graph's own input and the averaged shard is returned: both left alone
     nodes = list(gm.graph.nodes)
-    assert [(n.args, nodes[nodes.index(n) - 1]) for n in nodes if n.target is transport.RELEASE] == [
-        ((wait, 0), total)]
+    assert [(n.args, nodes[nodes.index(n) - 1]) for n in nodes if n.target is transport.RELEASE] == [((wait, 0), total)]
 
 
 def test_transport_frees_collective_buffers_the_graph_made_after_their_last_reader(monkeypatch):
@@ -182,6 +185,7 @@ def test_transport_frees_collective_buffers_the_graph_made_after_their_last_read
     assert released[gather_wait].target is aten.mul.Tensor
     assert len(released) == 4
 
+
 def test_free_tags_marker_and_its_views_but_not_computed_values():
     gm = trace(lambda s, x: x @ unshard(s, 2, "g", 6).t(), (3, 5), (2, 5))
     gm = regather_pass(gm, ctx("joint"))
@@ -196,8 +200,9 @@ def test_runner_skips_disabled_passes_and_records_each_pass(monkeypatch):
     monkeypatch.setattr(transport, "backend_of", lambda group: "gloo")  # group "g" is made up
     seen = []
     gm = trace(lambda s: unshard(s, 2, "g", 6) * 2, (3, 5))
-    gm = run_pipeline(gm, ctx("forward"), disabled=("gather",),
-                      observer=lambda c, name, before, after, secs: seen.append(name))
+    gm = run_pipeline(
+        gm, ctx("forward"), disabled=("gather",), observer=lambda c, name, before, after, secs: seen.append(name)
+    )
     assert seen[0] == "input" and "gather" not in seen and unshard.default in ops(gm)
     seen.clear()
     gm = run_pipeline(gm, ctx("forward"), observer=lambda c, name, before, after, secs: seen.append(name))
@@ -270,10 +275,15 @@ ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 
 def test_gather_casts_the_shard_before_the_all_gather():
     """Mixed precision: the fp32 shard is cast to bf16 first, so the all-gather moves bf16."""
-    gm = gather_pass(trace(lambda s, x: x.to(torch.bfloat16) @ unshard(s, 4, "g", 10, torch.bfloat16).t(),
-                           (3, 5), (2, 5)), ctx("forward"))
-    (convert,) = [n for n in gm.graph.nodes if n.target is CONVERT and n.args[0].op == "placeholder"
-                  and tuple(n.args[0].meta["val"].shape) == (3, 5)]
+    gm = gather_pass(
+        trace(lambda s, x: x.to(torch.bfloat16) @ unshard(s, 4, "g", 10, torch.bfloat16).t(), (3, 5), (2, 5)),
+        ctx("forward"),
+    )
+    (convert,) = [
+        n
+        for n in gm.graph.nodes
+        if n.target is CONVERT and n.args[0].op == "placeholder" and tuple(n.args[0].meta["val"].shape) == (3, 5)
+    ]
     (ag,) = [n for n in gm.graph.nodes if n.target is ALL_GATHER]
     assert ag.args[0] is convert and ag.meta["val"].dtype == torch.bfloat16
     assert tuple(ag.meta["val"].shape) == (12, 5)
@@ -281,10 +291,10 @@ def test_gather_casts_the_shard_before_the_all_gather():
 
 def test_gather_lowers_markers_of_whole_values_to_their_inputs():
     def fw(s, full, x, sink):
-        a = read_full(s, full, 2, "g") * 2           # stages 1/2: the whole copy, no collective
-        b = sync_grad(x, 2, "g", torch.bfloat16)      # a whole parameter, computed in bf16
-        c = local_grad(full, sink) + 1                # no-sync: the value itself
-        return a, b, c, read_full(s, full, 2, "g")    # returned directly: must not alias an input
+        a = read_full(s, full, 2, "g") * 2  # stages 1/2: the whole copy, no collective
+        b = sync_grad(x, 2, "g", torch.bfloat16)  # a whole parameter, computed in bf16
+        c = local_grad(full, sink) + 1  # no-sync: the value itself
+        return a, b, c, read_full(s, full, 2, "g")  # returned directly: must not alias an input
 
     gm = gather_pass(trace(fw, (3, 5), (6, 5), (4,), (6, 5)), ctx("forward"))
     targets = ops(gm)
@@ -301,7 +311,7 @@ def test_gather_lowers_markers_of_whole_values_to_their_inputs():
 
 def test_reduce_lowers_all_reduce_grad_and_casts_around_collectives():
     def bw(g1, g2):
-        a = all_reduce_grad(g1, 2, "g", torch.float32, torch.float32)       # bf16 grad, fp32 reduce
+        a = all_reduce_grad(g1, 2, "g", torch.float32, torch.float32)  # bf16 grad, fp32 reduce
         b = reduce_grad(g2, 2, "g", 3, torch.float32, torch.float32)
         return a, b
 
@@ -319,17 +329,24 @@ def test_reduce_lowers_all_reduce_grad_and_casts_around_collectives():
 
 
 def test_reduce_merges_tied_all_reduce_grads_but_not_different_markers():
-    same = reduce_pass(trace(lambda a, b: all_reduce_grad(a, 2, "g") + all_reduce_grad(b, 2, "g"), (4,), (4,)),
-                       ctx("backward"))
+    same = reduce_pass(
+        trace(lambda a, b: all_reduce_grad(a, 2, "g") + all_reduce_grad(b, 2, "g"), (4,), (4,)), ctx("backward")
+    )
     assert ops(same).count(ALL_REDUCE) == 1
-    mixed = reduce_pass(trace(lambda a, b: all_reduce_grad(a, 2, "g") + reduce_grad(b, 1, "g", 4), (4,), (4,)),
-                        ctx("backward"))
+    mixed = reduce_pass(
+        trace(lambda a, b: all_reduce_grad(a, 2, "g") + reduce_grad(b, 1, "g", 4), (4,), (4,)), ctx("backward")
+    )
     assert ops(mixed).count(ALL_REDUCE) == 1 and ops(mixed).count(REDUCE_SCATTER) == 1
 
 
 def test_free_tags_every_forward_marker():
-    gm = trace(lambda s, full, x, sink: x @ read_full(s, full, 2, "g").t() + local_grad(sync_grad(x @ full.t(), 2, "g"), sink),
-               (3, 5), (6, 5), (2, 5), (2, 6))
+    gm = trace(
+        lambda s, full, x, sink: x @ read_full(s, full, 2, "g").t() + local_grad(sync_grad(x @ full.t(), 2, "g"), sink),
+        (3, 5),
+        (6, 5),
+        (2, 5),
+        (2, 6),
+    )
     gm = regather_pass(gm, ctx("joint"))
     tagged = {n.target for n in gm.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
     assert {read_full.default, sync_grad.default, local_grad.default, aten.t.default} <= tagged
@@ -338,6 +355,7 @@ def test_free_tags_every_forward_marker():
 
 def _four_layer_forward(blocks: tuple[str, ...]):
     """Four 16 KiB gathers; the i-th weight is read by module ``blocks[i]`` (dynamo's stack meta)."""
+
     def fw(s1, s2, s3, s4, x):
         for s in (s1, s2, s3, s4):
             x = torch.tanh(x @ unshard(s, 2, "g", 64).t())
@@ -349,12 +367,15 @@ def _four_layer_forward(blocks: tuple[str, ...]):
     return gm
 
 
-@pytest.mark.parametrize("setting,host_cap,expect", [
-    ("auto", None, [2, 2]),          # one bucket per block, each past the 4 KB size cap
-    ("auto", 16 * 20_000, []),       # host_memory_cap/16 = 20 KB: a 32 KiB block bucket would not fit
-    (4_000, None, []),               # an explicit cap is a cap: no block may exceed it
-    (40_000, None, [2, 2]),          # 40 KB holds two 16 KiB gathers, whatever their blocks
-])
+@pytest.mark.parametrize(
+    "setting,host_cap,expect",
+    [
+        ("auto", None, [2, 2]),  # one bucket per block, each past the 4 KB size cap
+        ("auto", 16 * 20_000, []),  # host_memory_cap/16 = 20 KB: a 32 KiB block bucket would not fit
+        (4_000, None, []),  # an explicit cap is a cap: no block may exceed it
+        (40_000, None, [2, 2]),  # 40 KB holds two 16 KiB gathers, whatever their blocks
+    ],
+)
 def test_bucket_merges_one_blocks_collectives_past_the_size_cap(setting, host_cap, expect):
     from zerofx.options import Options
     from zerofx.passes.bucket import choose_buckets, resolve_bucket_bytes

@@ -65,14 +65,34 @@ def test_judge_reports_errors_failures_and_drift():
     assert driver.judge([{"a": {"losses": [1.5], "failures": []}}], prints)[0]  # drift
     assert driver.judge([{"a": {"failures": ["step 0 grad w: differs"]}}], None)[0]
     assert driver.judge([{"a": {"error": "Traceback\nRuntimeError: boom\n"}}], None)[0] == [
-        "rank 0 a: error: RuntimeError: boom"]
+        "rank 0 a: error: RuntimeError: boom"
+    ]
 
 
 def test_ci_slice_under_delays_contention_and_poisoning():
-    args = driver.parser().parse_args([
-        "--repeat", "2", "--scenarios", "memory", "parity", "--busy", "2", "--delay-ms", "5",
-        "--models", "gpt", "--memory-policies", "budget_100+optimizer_disk",
-        "--parity-cases", "mlp", "--parity-steps", "4", "--timeout", "300"])
+    args = driver.parser().parse_args(
+        [
+            "--repeat",
+            "2",
+            "--scenarios",
+            "memory",
+            "parity",
+            "--busy",
+            "2",
+            "--delay-ms",
+            "5",
+            "--models",
+            "gpt",
+            "--memory-policies",
+            "budget_100+optimizer_disk",
+            "--parity-cases",
+            "mlp",
+            "--parity-steps",
+            "4",
+            "--timeout",
+            "300",
+        ]
+    )
     assert isinstance(args, argparse.Namespace)
     lines: list[str] = []
     outcomes = driver.stress(args, log=lines.append)

@@ -120,14 +120,18 @@ def test_backend_ordered_reductions_are_bounded_and_teacher_forced(runs):
     for r in scenario_results(runs(4), "persist"):
         assert r["ok"], r["first_divergence"]
         assert all(s["divergences"] == [] for s in r["steps"])
-        assert {n for s in r["steps"] for n in s["bounded"]} == {"layers.0.weight", "layers.1.weight",
-                                                                  "layers.2.weight"}
+        assert {n for s in r["steps"] for n in s["bounded"]} == {
+            "layers.0.weight",
+            "layers.1.weight",
+            "layers.2.weight",
+        }
     per_rank = scenario_results(runs(4), "persist_perturbed")
     for rank, r in enumerate(per_rank):
         grads = [d for d in r["found"][1] if d["kind"] == "grad"]
         if rank == 3:  # 1e-3 of the largest entry is far beyond the bound
-            assert [(d["name"], d["index"], d["note"]) for d in grads] == \
-                   [("layers.0.weight", [0, 0], "beyond the any-order summation bound")]
+            assert [(d["name"], d["index"], d["note"]) for d in grads] == [
+                ("layers.0.weight", [0, 0], "beyond the any-order summation bound")
+            ]
         else:
             assert grads == []
 
@@ -157,8 +161,11 @@ def test_cli_names_the_first_divergence_without_a_traceback():
 
 
 def test_bad_factory_specs_are_clear_errors():
-    for spec, words in [("nocolon", "MODULE:FACTORY"), ("tests.verify_models:nope", "no attribute"),
-                        ("no_such_module_zfx:f", "cannot import")]:
+    for spec, words in [
+        ("nocolon", "MODULE:FACTORY"),
+        ("tests.verify_models:nope", "no attribute"),
+        ("no_such_module_zfx:f", "cannot import"),
+    ]:
         with pytest.raises(ValueError, match=words):
             load_factory(spec)
     out = _cli("tests.verify_models:nope")

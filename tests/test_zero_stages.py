@@ -57,11 +57,14 @@ def _assert_parity(per_rank: list[dict], bounded: tuple[str, ...] = ()) -> None:
         assert set(r["bounded"]) <= set(bounded), r["bounded"]
 
 
-PARITY = [(2, f"{m}_stage{s}") for s in STAGES for m in ("mlp", "uneven")] + \
-         [(4, f"{m}_stage{s}") for s in STAGES for m in ("mlp", "uneven")] + \
-         [(2, "gpt_stage1"), (2, "gpt_stage2"), (2, "gpt_persist")] + \
-         [(2, "uneven_stage1_small_buckets"), (2, "accum_clip_stage2_small_buckets")] + \
-         [(4, f"hybrid_mlp_stage{s}") for s in STAGES] + [(4, "hybrid_mlp_persist")]
+PARITY = (
+    [(2, f"{m}_stage{s}") for s in STAGES for m in ("mlp", "uneven")]
+    + [(4, f"{m}_stage{s}") for s in STAGES for m in ("mlp", "uneven")]
+    + [(2, "gpt_stage1"), (2, "gpt_stage2"), (2, "gpt_persist")]
+    + [(2, "uneven_stage1_small_buckets"), (2, "accum_clip_stage2_small_buckets")]
+    + [(4, f"hybrid_mlp_stage{s}") for s in STAGES]
+    + [(4, "hybrid_mlp_persist")]
+)
 
 
 @pytest.mark.parametrize("world_size,name", PARITY)
@@ -85,6 +88,7 @@ def test_accumulation_with_tied_weights_in_stage_3(runs):
 
 # --- memory: the ZeRO paper's model-state formulas, from numel ------------------------------
 
+
 def _expected_state(stage: int, psi: int, n: int, *, bf16: bool = False) -> dict:
     """Model-state bytes per rank for AdamW (two fp32 moments) with Ψ = fp32 parameter bytes.
 
@@ -97,12 +101,17 @@ def _expected_state(stage: int, psi: int, n: int, *, bf16: bool = False) -> dict
     fp32 accumulation buffer)."""
     opt = 2 * psi // n
     if not bf16:
-        return {1: dict(params=psi, grads=psi, optimizer=opt), 2: dict(params=psi, grads=psi // n, optimizer=opt),
-                3: dict(params=psi // n, grads=psi // n, optimizer=opt)}[stage]
+        return {
+            1: dict(params=psi, grads=psi, optimizer=opt),
+            2: dict(params=psi, grads=psi // n, optimizer=opt),
+            3: dict(params=psi // n, grads=psi // n, optimizer=opt),
+        }[stage]
     whole_copy = psi // 2 + psi // n
-    return {1: dict(params=whole_copy, grads=psi, optimizer=opt),
-            2: dict(params=whole_copy, grads=psi // n, optimizer=opt),
-            3: dict(params=psi // n, grads=psi // n, optimizer=opt)}[stage]
+    return {
+        1: dict(params=whole_copy, grads=psi, optimizer=opt),
+        2: dict(params=whole_copy, grads=psi // n, optimizer=opt),
+        3: dict(params=psi // n, grads=psi // n, optimizer=opt),
+    }[stage]
 
 
 @pytest.mark.parametrize("world_size,stage", [(w, s) for w in (2, 4) for s in STAGES])
@@ -111,8 +120,10 @@ def test_model_state_memory_per_stage_matches_zero_formulas(runs, world_size, st
         assert r["state"] == _expected_state(stage, r["acc"]["psi"], world_size)
 
 
-@pytest.mark.parametrize("world_size,name,stage", [(2, "mlp_bf16_stage1", 1), (2, "mlp_bf16_stage2", 2),
-                                                   (2, "mlp_bf16_stage3", 3), (4, "mlp_bf16_stage3", 3)])
+@pytest.mark.parametrize(
+    "world_size,name,stage",
+    [(2, "mlp_bf16_stage1", 1), (2, "mlp_bf16_stage2", 2), (2, "mlp_bf16_stage3", 3), (4, "mlp_bf16_stage3", 3)],
+)
 def test_model_state_memory_with_bf16_compute(runs, world_size, name, stage):
     for r in _case(runs, world_size, name):
         assert r["state"] == _expected_state(stage, r["acc"]["psi"], world_size, bf16=True)
@@ -134,6 +145,7 @@ def test_persistent_parameters_stay_whole(runs):
 
 # --- communication per step ------------------------------------------------------------------
 
+
 def _share(n: int) -> float:
     return (n - 1) / n
 
@@ -146,8 +158,11 @@ def test_communication_per_step_per_stage(runs, world_size, stage):
         comm = r["comm"]
         total = sum(sum(phase.values()) for phase in comm.values())
         if stage == 3:
-            assert comm == {"forward": {"all_gather": psi_s}, "backward": {"all_gather": psi_s, "reduce_scatter": psi_s},
-                            "step": {}}
+            assert comm == {
+                "forward": {"all_gather": psi_s},
+                "backward": {"all_gather": psi_s, "reduce_scatter": psi_s},
+                "step": {},
+            }
             assert total == 3 * psi_s
         else:  # no communication in forward; one reduce-scatter in backward, one all-gather after the step
             assert comm == {"forward": {}, "backward": {"reduce_scatter": psi_s}, "step": {"all_gather": psi_s}}
@@ -159,8 +174,11 @@ def test_bf16_gathers_move_half_the_bytes(runs, world_size, stage):
     for r in _case(runs, world_size, f"mlp_bf16_stage{stage}"):
         psi_s = r["acc"]["psi"] * _share(world_size)
         comm = r["comm"]
-        gathered = comm["forward"].get("all_gather", 0) + comm["backward"].get("all_gather", 0) + \
-            comm["step"].get("all_gather", 0)
+        gathered = (
+            comm["forward"].get("all_gather", 0)
+            + comm["backward"].get("all_gather", 0)
+            + comm["step"].get("all_gather", 0)
+        )
         assert gathered == (psi_s if stage == 3 else psi_s / 2)  # fp32 would be 2Ψs and Ψs
         assert comm["backward"]["reduce_scatter"] == psi_s  # gradients reduced in fp32 (the default)
 
@@ -205,8 +223,17 @@ BF16_LOSS_REL = 2.0**-7
 BF16_GRAD_REL = 2.0**-5
 
 
-@pytest.mark.parametrize("world_size,name", [(2, "mlp_bf16_stage1"), (2, "mlp_bf16_stage2"), (2, "mlp_bf16_stage3"),
-                                             (2, "gpt_bf16"), (4, "mlp_bf16_stage3"), (4, "hybrid_bf16_accum")])
+@pytest.mark.parametrize(
+    "world_size,name",
+    [
+        (2, "mlp_bf16_stage1"),
+        (2, "mlp_bf16_stage2"),
+        (2, "mlp_bf16_stage3"),
+        (2, "gpt_bf16"),
+        (4, "mlp_bf16_stage3"),
+        (4, "hybrid_bf16_accum"),
+    ],
+)
 def test_bf16_mixed_precision_tracks_the_fp32_reference(runs, world_size, name):
     for r in _case(runs, world_size, name):
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=BF16_LOSS_REL)
@@ -234,6 +261,7 @@ def test_fp16_dynamic_loss_scaling_skips_backs_off_and_grows(runs):
 
 
 # --- checkpoints -----------------------------------------------------------------------------
+
 
 def test_resume_continues_the_exact_loss_trajectory(runs):
     for r in _case(runs, 4, "checkpoint_source"):

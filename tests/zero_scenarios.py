@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 
 import zerofx
 from tests.models import CASES
-from tests.parity import numel_accounting, reference_shard
 from tests.multirank import mean_over_ranks
+from tests.parity import numel_accounting, reference_shard
 from zerofx.testing import ShardedReference, exact_divergence
 
 PER_RANK = 2  # samples per rank per micro-batch
@@ -41,8 +41,18 @@ def _expected_local(full: torch.Tensor, p: DTensor, shard_rank: int, shard_size:
     return reference_shard(full, shard_rank, shard_size) if p.placements[-1].is_shard() else full
 
 
-def train(rank: int, world: int, mesh, case_name: str, steps: int, options: dict, *, accum: int = 1,
-          clip: float | None = None, check_tensors: bool = True) -> dict:
+def train(
+    rank: int,
+    world: int,
+    mesh,
+    case_name: str,
+    steps: int,
+    options: dict,
+    *,
+    accum: int = 1,
+    clip: float | None = None,
+    check_tensors: bool = True,
+) -> dict:
     """Train zerofx and the references side by side; return what the tests assert on.
 
     With ``check_tensors`` (fp32) the ShardedReference (zerofx.testing) checks every loss, local
@@ -63,8 +73,16 @@ def train(rank: int, world: int, mesh, case_name: str, steps: int, options: dict
     hybrid = mesh.ndim == 2
     shard_rank, shard_size = (mesh.get_local_rank(1), mesh.size(1)) if hybrid else (rank, world)
     gen = torch.Generator().manual_seed(1234)
-    out = dict(losses=[], ref_losses=[], failures=[], bounded=set(), norms=[], ref_norms=[], grad_rel_err=0.0,
-               acc=_accounting(ref, shard_size, options.get("persistence_threshold", 0)))
+    out = dict(
+        losses=[],
+        ref_losses=[],
+        failures=[],
+        bounded=set(),
+        norms=[],
+        ref_norms=[],
+        grad_rel_err=0.0,
+        acc=_accounting(ref, shard_size, options.get("persistence_threshold", 0)),
+    )
     named_ref = dict(ref.named_parameters())
 
     for step in range(steps):
@@ -132,8 +150,9 @@ def fp16_loss_scaling(rank: int, world: int, mesh) -> dict:
     the scale before/after and whether the parameters moved."""
     torch.manual_seed(0)
     model = CASES["mlp"].build()
-    zerofx.compile(model, mesh, param_dtype=torch.float16, loss_scale="dynamic", initial_loss_scale=2.0**24,
-                   loss_scale_window=2)
+    zerofx.compile(
+        model, mesh, param_dtype=torch.float16, loss_scale="dynamic", initial_loss_scale=2.0**24, loss_scale_window=2
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = zerofx.loss_scaler(model)
     gen = torch.Generator().manual_seed(5)
@@ -165,7 +184,7 @@ def checkpoint_source(rank: int, world: int, mesh, folder: str) -> dict:
         losses = []
         for step in steps:
             x, y = batch(step)
-            loss = model(x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK])
+            loss = model(x[rank * PER_RANK : (rank + 1) * PER_RANK], y[rank * PER_RANK : (rank + 1) * PER_RANK])
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -186,8 +205,13 @@ def checkpoint_source(rank: int, world: int, mesh, folder: str) -> dict:
     resumed_opt = torch.optim.AdamW(resumed_model.parameters(), lr=1e-2)
     extra = zerofx.checkpoint.load(path, resumed_model, resumed_opt)
     resumed = run_steps(resumed_model, resumed_opt, range(extra["step"], 6))
-    return {"first": first, "uninterrupted": uninterrupted, "resumed": resumed, "extra": extra,
-            "saved": {k: v.tolist() for k, v in saved.items()} if rank == 0 else None}
+    return {
+        "first": first,
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
+        "extra": extra,
+        "saved": {k: v.tolist() for k, v in saved.items()} if rank == 0 else None,
+    }
 
 
 def checkpoint_reshard(rank: int, world: int, mesh, folder: str) -> dict:
@@ -243,20 +267,55 @@ def scenarios_w2(rank: int, world: int, steps: int, folder: str) -> dict:
     for stage in (1, 2, 3):
         _attempt(out, f"mlp_stage{stage}", train, rank, world, mesh, "mlp", steps, {"stage": stage})
         _attempt(out, f"uneven_stage{stage}", train, rank, world, mesh, "uneven", steps, {"stage": stage})
-        _attempt(out, f"accum_clip_stage{stage}", train, rank, world, mesh, "uneven", steps, {"stage": stage},
-                 accum=3, clip=0.05)
-        _attempt(out, f"mlp_bf16_stage{stage}", train, rank, world, mesh, "mlp", steps,
-                 {"stage": stage, "param_dtype": torch.bfloat16}, check_tensors=False)
-    _attempt(out, "uneven_stage1_small_buckets", _small_buckets, train, rank, world, mesh, "uneven", steps,
-             {"stage": 1})
-    _attempt(out, "accum_clip_stage2_small_buckets", _small_buckets, train, rank, world, mesh, "uneven", steps,
-             {"stage": 2}, accum=3, clip=0.05)
+        _attempt(
+            out,
+            f"accum_clip_stage{stage}",
+            train,
+            rank,
+            world,
+            mesh,
+            "uneven",
+            steps,
+            {"stage": stage},
+            accum=3,
+            clip=0.05,
+        )
+        _attempt(
+            out,
+            f"mlp_bf16_stage{stage}",
+            train,
+            rank,
+            world,
+            mesh,
+            "mlp",
+            steps,
+            {"stage": stage, "param_dtype": torch.bfloat16},
+            check_tensors=False,
+        )
+    _attempt(
+        out, "uneven_stage1_small_buckets", _small_buckets, train, rank, world, mesh, "uneven", steps, {"stage": 1}
+    )
+    _attempt(
+        out,
+        "accum_clip_stage2_small_buckets",
+        _small_buckets,
+        train,
+        rank,
+        world,
+        mesh,
+        "uneven",
+        steps,
+        {"stage": 2},
+        accum=3,
+        clip=0.05,
+    )
     for stage in (1, 2):  # tied weights (and stage 3's GPT runs in tests/test_parity.py)
         _attempt(out, f"gpt_stage{stage}", train, rank, world, mesh, "gpt", steps, {"stage": stage})
     _attempt(out, "gpt_accum_clip_stage3", train, rank, world, mesh, "gpt", 2, {}, accum=2, clip=0.5)
     _attempt(out, "gpt_persist", train, rank, world, mesh, "gpt", steps, {"persistence_threshold": 100})
-    _attempt(out, "gpt_bf16", train, rank, world, mesh, "gpt", steps, {"param_dtype": torch.bfloat16},
-             check_tensors=False)
+    _attempt(
+        out, "gpt_bf16", train, rank, world, mesh, "gpt", steps, {"param_dtype": torch.bfloat16}, check_tensors=False
+    )
     _attempt(out, "fp16_loss_scaling", fp16_loss_scaling, rank, world, mesh)
     _attempt(out, "checkpoint_reshard", checkpoint_reshard, rank, world, mesh, folder)
     return out
@@ -268,15 +327,47 @@ def scenarios_w4(rank: int, world: int, steps: int, folder: str) -> dict:
     for stage in (1, 2, 3):
         _attempt(out, f"mlp_stage{stage}", train, rank, world, mesh, "mlp", steps, {"stage": stage})
         _attempt(out, f"uneven_stage{stage}", train, rank, world, mesh, "uneven", steps, {"stage": stage})
-        _attempt(out, f"accum_clip_stage{stage}", train, rank, world, mesh, "uneven", steps, {"stage": stage},
-                 accum=2, clip=0.05)
-    _attempt(out, "mlp_bf16_stage3", train, rank, world, mesh, "mlp", steps, {"param_dtype": torch.bfloat16},
-             check_tensors=False)
+        _attempt(
+            out,
+            f"accum_clip_stage{stage}",
+            train,
+            rank,
+            world,
+            mesh,
+            "uneven",
+            steps,
+            {"stage": stage},
+            accum=2,
+            clip=0.05,
+        )
+    _attempt(
+        out,
+        "mlp_bf16_stage3",
+        train,
+        rank,
+        world,
+        mesh,
+        "mlp",
+        steps,
+        {"param_dtype": torch.bfloat16},
+        check_tensors=False,
+    )
     _attempt(out, "checkpoint_source", checkpoint_source, rank, world, mesh, folder)
     hybrid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     for stage in (1, 2, 3):
         _attempt(out, f"hybrid_mlp_stage{stage}", train, rank, world, hybrid, "mlp", steps, {"stage": stage})
     _attempt(out, "hybrid_mlp_persist", train, rank, world, hybrid, "mlp", steps, {"persistence_threshold": 300})
-    _attempt(out, "hybrid_bf16_accum", train, rank, world, hybrid, "mlp", steps, {"param_dtype": torch.bfloat16},
-             accum=2, check_tensors=False)
+    _attempt(
+        out,
+        "hybrid_bf16_accum",
+        train,
+        rank,
+        world,
+        hybrid,
+        "mlp",
+        steps,
+        {"param_dtype": torch.bfloat16},
+        accum=2,
+        check_tensors=False,
+    )
     return out

@@ -15,20 +15,34 @@ or on disk, ``offload_optimizer`` (with ``zerofx.offload_optimizer(opt)``) keeps
 and optimizer state there; ``zerofx.MemoryTracker`` measures what the compiled graphs allocate.
 """
 
-from zerofx import ir  # noqa: F401  (first: registers the zerofx:: ops every other layer uses)
-from zerofx import checkpoint
-from zerofx.runtime.accumulation import no_sync
+from zerofx import (
+    checkpoint,
+    ir,  # noqa: F401  (first: registers the zerofx:: ops every other layer uses)
+)
 from zerofx.api import compile, explain
 from zerofx.errors import ZeroFXError
-from zerofx.runtime.loss_scaling import loss_scaler
-from zerofx.measure.graph_buffers import MemoryTracker
 from zerofx.ir.collectives import CollectiveCounter
+from zerofx.measure.graph_buffers import MemoryTracker
 from zerofx.measure.model_state import model_state_bytes
-from zerofx.runtime.offload_store import offload_optimizer
 from zerofx.options import Options
+from zerofx.runtime.accumulation import no_sync
+from zerofx.runtime.loss_scaling import loss_scaler
+from zerofx.runtime.offload_store import offload_optimizer
 from zerofx.sharding import shard
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "explain", "shard", "no_sync", "loss_scaler", "checkpoint", "Options", "ZeroFXError",
-           "CollectiveCounter", "model_state_bytes", "MemoryTracker", "offload_optimizer"]
+__all__ = [
+    "compile",
+    "explain",
+    "shard",
+    "no_sync",
+    "loss_scaler",
+    "checkpoint",
+    "Options",
+    "ZeroFXError",
+    "CollectiveCounter",
+    "model_state_bytes",
+    "MemoryTracker",
+    "offload_optimizer",
+]

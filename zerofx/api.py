@@ -11,9 +11,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from zerofx.backend import make_backend, recorder_for
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError
+from zerofx.options import LAYOUT_OPTIONS, Options
 from zerofx.runtime.offload_store import place_model_state, resolve_offload_dir
 from zerofx.runtime.params import runtime_of
-from zerofx.options import LAYOUT_OPTIONS, Options
 from zerofx.sharding import is_sharded, mesh_of, shard
 
 __all__ = ["compile", "explain"]
@@ -52,8 +52,10 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) ->
         sharded_with = runtime_of(model).options
         differ = [n for n in LAYOUT_OPTIONS if n in options and getattr(opts, n) != getattr(sharded_with, n)]
         if differ:
-            raise ZeroFXError(f"option {differ[0]}={getattr(opts, differ[0])!r} differs from the one the model was "
-                              f"sharded with ({getattr(sharded_with, differ[0])!r}); shard and compile with the same")
+            raise ZeroFXError(
+                f"option {differ[0]}={getattr(opts, differ[0])!r} differs from the one the model was "
+                f"sharded with ({getattr(sharded_with, differ[0])!r}); shard and compile with the same"
+            )
     else:
         shard(model, mesh, opts)
     mesh = mesh_of(model)

@@ -35,16 +35,23 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from zerofx.codegen.executor import make_executor
-from zerofx.ir.meta import ACTIVATION_PLAN
-from zerofx.measure.instrument import instrument
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError
+from zerofx.ir.meta import ACTIVATION_PLAN
+from zerofx.measure.instrument import instrument
 from zerofx.options import Options
 from zerofx.passes.checkpoint import format_bytes, partition_by_plan
-from zerofx.passes.cost_model import (CostModel, MemoryEstimate, estimate_memory, node_bytes,
-                                      saved_activation_bytes, saved_values, tensor_bytes)
-from zerofx.passes.regather import check_no_gathered_saved
+from zerofx.passes.cost_model import (
+    CostModel,
+    MemoryEstimate,
+    estimate_memory,
+    node_bytes,
+    saved_activation_bytes,
+    saved_values,
+    tensor_bytes,
+)
 from zerofx.passes.pipeline import PassContext, resolve_disabled, run_pipeline
+from zerofx.passes.regather import check_no_gathered_saved
 from zerofx.runtime.offload_store import resolve_offload_dir
 
 log = logging.getLogger(__name__)
@@ -96,8 +103,9 @@ class _FrameCompiler:
 
     def _run(self, gm: fx.GraphModule, kind: str, ctx: PassContext | None = None) -> fx.GraphModule:
         ctx = ctx or self._context(kind)
-        return run_pipeline(gm, ctx, disabled=self.options.disable_passes, verify=self.options.verify,
-                            observer=self.recorder)
+        return run_pipeline(
+            gm, ctx, disabled=self.options.disable_passes, verify=self.options.verify, observer=self.recorder
+        )
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Any, kind: str) -> Callable:
         ctx = self._context(kind)
@@ -106,8 +114,11 @@ class _FrameCompiler:
         estimate = estimate_memory(gm, inputs_freed_at_last_use=(kind == "backward"))
         self.state.memory_estimates[(self.graph_id, kind)] = estimate
         if self.recorder is not None:
-            self.recorder.note(self.graph_id, kind, f"estimated peak {estimate.peak_bytes} B at "
-                                                     f"{estimate.peak_node}; outputs {estimate.output_bytes} B")
+            self.recorder.note(
+                self.graph_id,
+                kind,
+                f"estimated peak {estimate.peak_bytes} B at {estimate.peak_node}; outputs {estimate.output_bytes} B",
+            )
         return instrument(self.execute(gm, example_inputs, ctx, self.recorder), gm, ctx)
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
@@ -121,16 +132,22 @@ class _FrameCompiler:
         saved = saved_values(fw, num_fwd_outputs)
         activation_bytes = saved_activation_bytes(fw, num_fwd_outputs)
         if self.recorder is not None:
-            self.recorder.note(self.graph_id, "forward",
-                               f"saved for backward: {len(saved)} tensors, "
-                               f"{sum(tensor_bytes(n.meta.get('val')) for n in saved)} B ({', '.join(n.name for n in saved)})")
+            self.recorder.note(
+                self.graph_id,
+                "forward",
+                f"saved for backward: {len(saved)} tensors, "
+                f"{sum(tensor_bytes(n.meta.get('val')) for n in saved)} B ({', '.join(n.name for n in saved)})",
+            )
             saved_names = {n.name for n in saved}
             predicted_bw = estimate_memory(bw, owned_inputs=saved_names)
-            self.recorder.note(self.graph_id, "forward",
-                               f"activation memory (saved, not inputs): {format_bytes(activation_bytes)}; "
-                               f"predicted peak of forward temporaries {format_bytes(estimate_memory(fw).peak_bytes)}, "
-                               f"of backward above its saved inputs {format_bytes(predicted_bw.peak_bytes)} "
-                               f"(before the passes)")
+            self.recorder.note(
+                self.graph_id,
+                "forward",
+                f"activation memory (saved, not inputs): {format_bytes(activation_bytes)}; "
+                f"predicted peak of forward temporaries {format_bytes(estimate_memory(fw).peak_bytes)}, "
+                f"of backward above its saved inputs {format_bytes(predicted_bw.peak_bytes)} "
+                f"(before the passes)",
+            )
         if plan is not None:
             resident = self._check_plan(plan, saved, activation_bytes)
             if self.recorder is not None:
@@ -145,11 +162,15 @@ class _FrameCompiler:
         planned = set(plan["saved"]) | set(plan["offloaded"])
         actual = {n.name for n in saved if isinstance(n.meta.get("val"), torch.Tensor)}  # sizes (SymInts) aside
         resident = activation_bytes - sum(node_bytes(n) for n in saved if n.name in plan["offloaded"])
-        line = (f"checkpoint plan: resident {format_bytes(plan['resident_bytes'])} planned, "
-                f"{format_bytes(resident)} partitioned")
+        line = (
+            f"checkpoint plan: resident {format_bytes(plan['resident_bytes'])} planned, "
+            f"{format_bytes(resident)} partitioned"
+        )
         if planned != actual:
-            line += (f"; partition differs from plan (extra {sorted(actual - planned)[:8]}, "
-                     f"missing {sorted(planned - actual)[:8]})")
+            line += (
+                f"; partition differs from plan (extra {sorted(actual - planned)[:8]}, "
+                f"missing {sorted(planned - actual)[:8]})"
+            )
             log.warning("zerofx %s: %s", self.graph_id, line)
         if self.recorder is not None:
             self.recorder.note(self.graph_id, "forward", line)
@@ -165,8 +186,9 @@ class _FrameCompiler:
         return self._compile(gm, example_inputs, "inference")
 
 
-def make_backend(options: Options | None = None, recorder: Recorder | None = None, *,
-                 cost: CostModel | None = None) -> Callable:
+def make_backend(
+    options: Options | None = None, recorder: Recorder | None = None, *, cost: CostModel | None = None
+) -> Callable:
     """A dynamo backend bound to ``options`` (and to ``recorder``, which ``explain`` uses), pricing
     its decisions with ``cost`` (default constants, or what ``calibrate`` measured). Options are
     checked against the pipeline here (pass names) and the offload folder is proven writable, so
@@ -192,8 +214,9 @@ def make_backend(options: Options | None = None, recorder: Recorder | None = Non
     return backend
 
 
-def zerofx_backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor], options: Any = None,
-                   **kwargs: Any) -> Callable:
+def zerofx_backend(
+    gm: fx.GraphModule, example_inputs: list[torch.Tensor], options: Any = None, **kwargs: Any
+) -> Callable:
     """Entry point for ``torch.compile(model, backend="zerofx", options={...})``.
 
     Layout options (``zerofx.options.LAYOUT_OPTIONS``: stage, dtypes, ...) are rejected here: the

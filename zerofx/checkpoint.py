@@ -37,8 +37,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from zerofx.errors import ZeroFXError
 from zerofx.runtime.params import runtime_of
@@ -84,8 +88,13 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         extra: dict[str, Any] | None = None) -> Path:
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Save ``model`` (and ``optimizer``) sharded to the folder ``path``; a collective.
 
     ``extra`` is JSON-serializable metadata (say, the step) returned by :func:`load`. An
@@ -105,8 +114,11 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     if _rank() == 0:
         runtime = runtime_of(model)
         scaler = runtime.scaler.state_dict() if runtime is not None and runtime.scaler is not None else None
-        marker = {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                  "loss_scaler": scaler, "extra": json.loads(extra_json)}
+        marker = {
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "loss_scaler": scaler,
+            "extra": json.loads(extra_json),
+        }
         with open(tmp / COMPLETE_MARKER, "w") as f:
             json.dump(marker, f)
             f.flush()
@@ -158,7 +170,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     return info["extra"]
 
 
-def export_full_state_dict(path: str | os.PathLike, out_file: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
+def export_full_state_dict(
+    path: str | os.PathLike, out_file: str | os.PathLike | None = None
+) -> dict[str, torch.Tensor]:
     """One consolidated, unsharded model ``state_dict`` from a checkpoint (DeepSpeed's zero_to_fp32).
 
     Runs in a single process, no process group needed. The tensors are the master weights
@@ -172,7 +186,7 @@ def export_full_state_dict(path: str | os.PathLike, out_file: str | os.PathLike 
     model_sd: dict[str, torch.Tensor] = {}
     for key, item in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
-            model_sd[key[len("model."):]] = torch.empty(item.size, dtype=item.properties.dtype)
+            model_sd[key[len("model.") :]] = torch.empty(item.size, dtype=item.properties.dtype)
     dcp.load({"model": model_sd}, storage_reader=reader, no_dist=True)
     if out_file is not None:
         torch.save(model_sd, out_file)

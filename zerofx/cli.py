@@ -21,17 +21,24 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--d-model", type=int, default=d.d_model)
     demo.add_argument("--dump", dest="dump_dir", default=None, help="write every pass's graphs here")
     demo.add_argument("--stage", type=int, choices=(1, 2, 3), default=d.stage, help="ZeRO stage (default 3)")
-    demo.add_argument("--param-dtype", choices=("bf16", "fp32"), default=None,
-                      help="compute dtype; bf16 gathers bf16 from fp32 master shards")
-    verify = sub.add_parser("verify", help="train MODULE:FACTORY sharded and unsharded; report where they differ",
-                            description="Train the model that MODULE:FACTORY builds for N steps with zerofx on "
-                            "local gloo ranks and, on every rank, with an unsharded replica that reproduces "
-                            "zerofx's arithmetic (zerofx.testing.ShardedReference); report per step the loss "
-                            "difference and the worst gradient and parameter divergence by name, and the first "
-                            "divergent step and tensor. FACTORY(**kwargs) returns (model, batch_fn): "
-                            "model(*batch) is a scalar mean loss, batch_fn(n, generator) a tuple of tensors "
-                            "with n samples. MODULE is imported with the current directory on the path. Exit "
-                            "status: 0 bit-identical, 1 divergent, 2 not verifiable.")
+    demo.add_argument(
+        "--param-dtype",
+        choices=("bf16", "fp32"),
+        default=None,
+        help="compute dtype; bf16 gathers bf16 from fp32 master shards",
+    )
+    verify = sub.add_parser(
+        "verify",
+        help="train MODULE:FACTORY sharded and unsharded; report where they differ",
+        description="Train the model that MODULE:FACTORY builds for N steps with zerofx on "
+        "local gloo ranks and, on every rank, with an unsharded replica that reproduces "
+        "zerofx's arithmetic (zerofx.testing.ShardedReference); report per step the loss "
+        "difference and the worst gradient and parameter divergence by name, and the first "
+        "divergent step and tensor. FACTORY(**kwargs) returns (model, batch_fn): "
+        "model(*batch) is a scalar mean loss, batch_fn(n, generator) a tuple of tensors "
+        "with n samples. MODULE is imported with the current directory on the path. Exit "
+        "status: 0 bit-identical, 1 divergent, 2 not verifiable.",
+    )
     verify.add_argument("factory", metavar="MODULE:FACTORY")
     verify.add_argument("--world-size", "-n", type=int, default=2, help="ranks to start (default 2)")
     verify.add_argument("--steps", type=int, default=5)
@@ -48,9 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         if args.world_size < 1 or args.steps < 1:
             parser.error("--world-size and --steps must be at least 1")
-        cfg = DemoConfig(world_size=args.world_size, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
-                         layers=args.layers, d_model=args.d_model, dump_dir=args.dump_dir, stage=args.stage,
-                         param_dtype=None if args.param_dtype == "fp32" else args.param_dtype)
+        cfg = DemoConfig(
+            world_size=args.world_size,
+            steps=args.steps,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            layers=args.layers,
+            d_model=args.d_model,
+            dump_dir=args.dump_dir,
+            stage=args.stage,
+            param_dtype=None if args.param_dtype == "fp32" else args.param_dtype,
+        )
         run_demo(cfg)
     elif args.command == "verify":
         return _verify(parser, args)
@@ -78,12 +93,24 @@ def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as e:
         parser.error(str(e))
     try:
-        reports = testing.verify_ranks(args.factory, args.world_size, steps=args.steps, batch_per_rank=args.batch,
-                                       lr=args.lr, optimizer=args.optimizer, seed=args.seed,
-                                       factory_kwargs=kwargs, max_grad_norm=args.max_grad_norm, stage=args.stage)
+        reports = testing.verify_ranks(
+            args.factory,
+            args.world_size,
+            steps=args.steps,
+            batch_per_rank=args.batch,
+            lr=args.lr,
+            optimizer=args.optimizer,
+            seed=args.seed,
+            factory_kwargs=kwargs,
+            max_grad_norm=args.max_grad_norm,
+            stage=args.stage,
+        )
     except Exception as e:  # a rank raised: torch's launcher has its traceback in the log above
-        print(f"zerofx verify: a rank failed before the comparison finished: {type(e).__name__}: "
-              f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+        print(
+            f"zerofx verify: a rank failed before the comparison finished: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}",
+            file=sys.stderr,
+        )
         return 2
     if args.json_path:
         with open(args.json_path, "w") as f:

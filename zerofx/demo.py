@@ -44,8 +44,9 @@ def _rank_main(cfg: DemoConfig) -> dict:
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
-        gcfg = GPTConfig(vocab_size=cfg.vocab, seq_len=cfg.seq_len, n_layer=cfg.layers, n_head=cfg.heads,
-                         d_model=cfg.d_model)
+        gcfg = GPTConfig(
+            vocab_size=cfg.vocab, seq_len=cfg.seq_len, n_layer=cfg.layers, n_head=cfg.heads, d_model=cfg.d_model
+        )
         torch.manual_seed(0)
         model = GPT(gcfg)
         unsharded = [p for p in model.parameters()]
@@ -62,9 +63,11 @@ def _rank_main(cfg: DemoConfig) -> dict:
         dataset = torch.randint(0, cfg.vocab, (cfg.dataset_size, cfg.seq_len + 1), generator=data_gen)
         gen = torch.Generator().manual_seed(2000 + rank)
         say = print if rank == 0 else (lambda *a, **k: None)
-        say(f"zerofx demo: GPT {cfg.layers} layers, d_model {cfg.d_model}, {sum(p.numel() for p in unsharded):,} "
+        say(
+            f"zerofx demo: GPT {cfg.layers} layers, d_model {cfg.d_model}, {sum(p.numel() for p in unsharded):,} "
             f"parameters ({_mb(psi)}), ZeRO-{cfg.stage}{' with ' + cfg.param_dtype + ' compute' if cfg.param_dtype else ''} "
-            f"over {world} gloo ranks, {cfg.steps} AdamW steps")
+            f"over {world} gloo ranks, {cfg.steps} AdamW steps"
+        )
         say(f"{'step':>9} {'loss':>8} {'time':>9} {'all-gather':>12} {'reduce-scatter':>15}")
         comm_per_step = {}
         started = time.perf_counter()
@@ -83,8 +86,11 @@ def _rank_main(cfg: DemoConfig) -> dict:
             mean_loss = loss.detach().float()
             dist.all_reduce(mean_loss)
             comm_per_step = dict(comm.bytes)
-            say(f"{step + 1:>4}/{cfg.steps:<4} {mean_loss.item() / world:8.4f} {elapsed * 1e3:7.0f}ms "
-                f"{_mb(comm.bytes['all_gather']):>12} {_mb(comm.bytes['reduce_scatter']):>15}", flush=True)
+            say(
+                f"{step + 1:>4}/{cfg.steps:<4} {mean_loss.item() / world:8.4f} {elapsed * 1e3:7.0f}ms "
+                f"{_mb(comm.bytes['all_gather']):>12} {_mb(comm.bytes['reduce_scatter']):>15}",
+                flush=True,
+            )
         # tensors, not all_gather_object: object collectives need NumPy, which zerofx does not
         mine = torch.tensor([state.params, state.grads, state.optimizer, state.total], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -95,12 +101,16 @@ def _rank_main(cfg: DemoConfig) -> dict:
         if rank == 0:
             print(f"\nmodel state per rank (params + grads + AdamW state), unsharded total {_mb(unsharded_state)}:")
             for r, s in enumerate(per_rank):
-                print(f"  rank {r}: {_mb(s['total'])} = {s['total'] / unsharded_state:.1%} of unsharded "
-                      f"(params {_mb(s['params'])}, grads {_mb(s['grads'])}, optimizer {_mb(s['optimizer'])})")
+                print(
+                    f"  rank {r}: {_mb(s['total'])} = {s['total'] / unsharded_state:.1%} of unsharded "
+                    f"(params {_mb(s['params'])}, grads {_mb(s['grads'])}, optimizer {_mb(s['optimizer'])})"
+                )
             moved = sum(comm_per_step.values())
             if cfg.stage == 3:
-                bound = f"ZeRO-3 bound 3·Ψ·(N-1)/N = {_mb(3 * psi * share)}; the backward re-gathers only the " \
-                        "parameters it reads"
+                bound = (
+                    f"ZeRO-3 bound 3·Ψ·(N-1)/N = {_mb(3 * psi * share)}; the backward re-gathers only the "
+                    "parameters it reads"
+                )
             else:
                 bound = f"ZeRO-{cfg.stage}: 2·Ψ·(N-1)/N = {_mb(2 * psi * share)}"
             if cfg.param_dtype:

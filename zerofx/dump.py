@@ -31,8 +31,8 @@ from torch import fx
 
 from zerofx.ir.collectives import COLLECTIVE_OPS, collective_group_size, collective_kind, wire_bytes
 from zerofx.ir.meta import PASS as PROVENANCE
-from zerofx.passes.cost_model import tensor_bytes
 from zerofx.passes.contract import PassContext
+from zerofx.passes.cost_model import tensor_bytes
 
 
 def _op_name(node: fx.Node) -> str:
@@ -96,19 +96,28 @@ class Recorder:
     kernel_sources: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     plans: dict[str, dict] = field(default_factory=dict)  # graph id -> its checkpoint plan's numbers
 
-    def __call__(self, ctx: PassContext, pass_name: str, before: fx.GraphModule | None,
-                 after: fx.GraphModule, seconds: float) -> None:
+    def __call__(
+        self, ctx: PassContext, pass_name: str, before: fx.GraphModule | None, after: fx.GraphModule, seconds: float
+    ) -> None:
         before_ops = Counter(_op_name(n) for n in before.graph.nodes) if before is not None else Counter()
         after_ops = Counter(_op_name(n) for n in after.graph.nodes)
         before_names = {n.name for n in before.graph.nodes} if before is not None else set()
-        collectives = [_collective_line(n) for n in after.graph.nodes
-                       if n.target in COLLECTIVE_OPS and n.name not in before_names]
+        collectives = [
+            _collective_line(n) for n in after.graph.nodes if n.target in COLLECTIVE_OPS and n.name not in before_names
+        ]
         code = _graph_code(after) if self.dump_dir is not None else ""  # only files need the code
-        record = PassRecord(ctx.graph_id, ctx.kind, pass_name, code, len(after.graph.nodes),
-                            after_ops - before_ops if before is not None else Counter(),
-                            before_ops - after_ops if before is not None else Counter(),
-                            collectives if before is not None else [], seconds,
-                            list(ctx.messages) if before is not None else [])
+        record = PassRecord(
+            ctx.graph_id,
+            ctx.kind,
+            pass_name,
+            code,
+            len(after.graph.nodes),
+            after_ops - before_ops if before is not None else Counter(),
+            before_ops - after_ops if before is not None else Counter(),
+            collectives if before is not None else [],
+            seconds,
+            list(ctx.messages) if before is not None else [],
+        )
         self.records.append(record)
         if self.dump_dir is not None:
             self._write(record)
@@ -166,8 +175,12 @@ class Recorder:
         path.write_text(record.code)
         if index > 0:
             prev = same_graph[-2]
-            diff = difflib.unified_diff(prev.code.splitlines(keepends=True), record.code.splitlines(keepends=True),
-                                        f"{index - 1:02d}_{prev.pass_name}.py", path.name)
+            diff = difflib.unified_diff(
+                prev.code.splitlines(keepends=True),
+                record.code.splitlines(keepends=True),
+                f"{index - 1:02d}_{prev.pass_name}.py",
+                path.name,
+            )
             (folder / f"{index:02d}_{record.pass_name}.diff").write_text("".join(diff))
         self._write_summary()
 

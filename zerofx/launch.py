@@ -22,8 +22,16 @@ def local_ranks(fn: Callable, world: int, *args: Any, name: str = "zerofx") -> l
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"{name}-{uuid.uuid4()}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          monitor_interval=0.2, start_method="spawn")
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world,
+        run_id=f"{name}-{uuid.uuid4()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
     results = elastic_launch(launch, fn)(*args)
     return [results[r] for r in range(world)]

@@ -132,8 +132,9 @@ class ResNet(nn.Module):
     def __init__(self, cfg: ResNetConfig = ResNetConfig()):
         super().__init__()
         self.cfg = cfg
-        self.stem = nn.Sequential(nn.Conv2d(cfg.in_channels, cfg.widths[0], 3, 1, 1, bias=False),
-                                  nn.BatchNorm2d(cfg.widths[0]), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(cfg.in_channels, cfg.widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(cfg.widths[0]), nn.ReLU()
+        )
         layers, in_ch = [], cfg.widths[0]
         for i, (width, count) in enumerate(zip(cfg.widths, cfg.blocks)):
             for j in range(count):

@@ -27,8 +27,18 @@ import torch
 
 from zerofx.errors import ZeroFXError
 
-__all__ = ["Options", "LayoutPolicy", "CommPolicy", "MemoryPolicy", "DebugPolicy", "CodegenPolicy", "LAYOUT_OPTIONS",
-           "EXECUTORS", "ZERO_STAGES", "closest"]
+__all__ = [
+    "Options",
+    "LayoutPolicy",
+    "CommPolicy",
+    "MemoryPolicy",
+    "DebugPolicy",
+    "CodegenPolicy",
+    "LAYOUT_OPTIONS",
+    "EXECUTORS",
+    "ZERO_STAGES",
+    "closest",
+]
 
 EXECUTORS = ("aten", "triton", "inductor")
 ZERO_STAGES = (1, 2, 3)
@@ -37,8 +47,13 @@ ACTIVATION_TIERS = ("none", "host", "disk")
 OPTIMIZER_TIERS = ("none", "host", "disk", "auto")
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 
 
@@ -54,8 +69,10 @@ def _dtype(name: str, value: Any) -> torch.dtype | None:
     if isinstance(value, str) and value in _DTYPES:
         value = _DTYPES[value]
     if value not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ZeroFXError(f"option {name}={value!r}: choose None, torch.float32, torch.bfloat16 or torch.float16 "
-                          f"(or one of {sorted(_DTYPES)})")
+        raise ZeroFXError(
+            f"option {name}={value!r}: choose None, torch.float32, torch.bfloat16 or torch.float16 "
+            f"(or one of {sorted(_DTYPES)})"
+        )
     return value
 
 
@@ -106,10 +123,12 @@ class LayoutPolicy:
             )
         if not (isinstance(self.initial_loss_scale, (int, float)) and self.initial_loss_scale > 0):
             raise ZeroFXError(f"option initial_loss_scale={self.initial_loss_scale!r}: give a number > 0")
-        if isinstance(self.loss_scale_window, bool) or not isinstance(self.loss_scale_window, int) \
-                or self.loss_scale_window < 1:
+        if (
+            isinstance(self.loss_scale_window, bool)
+            or not isinstance(self.loss_scale_window, int)
+            or self.loss_scale_window < 1
+        ):
             raise ZeroFXError(f"option loss_scale_window={self.loss_scale_window!r}: give a number of steps >= 1")
-
 
 
 # Options that decide how parameters are laid out: they take effect where the model is sharded
@@ -151,11 +170,14 @@ class MemoryPolicy:
         budget = self.activation_budget
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-                raise ZeroFXError(f"option activation_budget must be a fraction (float in (0, 1]) or bytes (int), "
-                                  f"got {budget!r}")
+                raise ZeroFXError(
+                    f"option activation_budget must be a fraction (float in (0, 1]) or bytes (int), got {budget!r}"
+                )
             if isinstance(budget, float) and not 0.0 < budget <= 1.0:
-                raise ZeroFXError(f"option activation_budget={budget}: a float budget is a fraction of the "
-                                  "unconstrained activation memory and must be in (0, 1]; give bytes as an int")
+                raise ZeroFXError(
+                    f"option activation_budget={budget}: a float budget is a fraction of the "
+                    "unconstrained activation memory and must be in (0, 1]; give bytes as an int"
+                )
             if isinstance(budget, int) and budget < 0:
                 raise ZeroFXError(f"option activation_budget={budget}: bytes cannot be negative")
         if self.checkpoint not in CHECKPOINT_POLICIES:
@@ -172,20 +194,25 @@ class MemoryPolicy:
             try:
                 getattr(getattr(torch.ops, namespace), name)
             except (AttributeError, RuntimeError):
-                raise ZeroFXError(f"option checkpoint_save_ops: no op named {op!r} "
-                                  "(write 'aten.mm', 'mm' or 'aten.mm.default')") from None
+                raise ZeroFXError(
+                    f"option checkpoint_save_ops: no op named {op!r} (write 'aten.mm', 'mm' or 'aten.mm.default')"
+                ) from None
         if self.offload_activations not in ACTIVATION_TIERS:
-            raise ZeroFXError(f"option offload_activations={self.offload_activations!r}: "
-                              f"choose one of {list(ACTIVATION_TIERS)}")
+            raise ZeroFXError(
+                f"option offload_activations={self.offload_activations!r}: choose one of {list(ACTIVATION_TIERS)}"
+            )
         if self.offload_optimizer not in OPTIMIZER_TIERS:
-            raise ZeroFXError(f"option offload_optimizer={self.offload_optimizer!r}: "
-                              f"choose one of {list(OPTIMIZER_TIERS)}")
+            raise ZeroFXError(
+                f"option offload_optimizer={self.offload_optimizer!r}: choose one of {list(OPTIMIZER_TIERS)}"
+            )
         cap = self.host_memory_cap
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
             raise ZeroFXError(f"option host_memory_cap must be a positive number of bytes, got {cap!r}")
         if self.offload_optimizer == "auto" and cap is None:
-            raise ZeroFXError("option offload_optimizer='auto' decides between host and disk by "
-                              "host_memory_cap: set host_memory_cap (bytes)")
+            raise ZeroFXError(
+                "option offload_optimizer='auto' decides between host and disk by "
+                "host_memory_cap: set host_memory_cap (bytes)"
+            )
         if self.offload_dir is not None and not isinstance(self.offload_dir, (str, os.PathLike)):
             raise ZeroFXError(f"option offload_dir must be a path, got {type(self.offload_dir).__name__}")
 
@@ -223,14 +250,21 @@ class CodegenPolicy:
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
-            raise ZeroFXError(f"option executor={self.executor!r}: choose one of {list(EXECUTORS)}"
-                              + closest(str(self.executor), EXECUTORS))
+            raise ZeroFXError(
+                f"option executor={self.executor!r}: choose one of {list(EXECUTORS)}"
+                + closest(str(self.executor), EXECUTORS)
+            )
         if not isinstance(self.autotune, bool):
             raise ZeroFXError(f"option autotune={self.autotune!r}: give True or False")
 
 
-_POLICIES = {"layout": LayoutPolicy, "comm": CommPolicy, "memory": MemoryPolicy, "debug": DebugPolicy,
-             "codegen": CodegenPolicy}
+_POLICIES = {
+    "layout": LayoutPolicy,
+    "comm": CommPolicy,
+    "memory": MemoryPolicy,
+    "debug": DebugPolicy,
+    "codegen": CodegenPolicy,
+}
 
 
 def _flat_keywords(cls: type) -> type:
@@ -239,8 +273,9 @@ def _flat_keywords(cls: type) -> type:
     for policy in _POLICIES.values():
         for f in dataclasses.fields(policy):
             annotations[f.name] = f.type
-            default = (field(default_factory=f.default_factory) if f.default_factory is not dataclasses.MISSING
-                       else f.default)
+            default = (
+                field(default_factory=f.default_factory) if f.default_factory is not dataclasses.MISSING else f.default
+            )
             setattr(cls, f.name, default)
     cls.__annotations__ = {**annotations, **cls.__dict__.get("__annotations__", {})}
     return cls
@@ -346,7 +381,6 @@ class Options:
     other part of zerofx.
     """
 
-
     # The flat keywords are the policies' fields, in policy order (added by _flat_keywords, so
     # each field and its default is written once, on its policy). The policies themselves are
     # built from them and are not init fields: equality, repr and dataclasses.replace see the
@@ -388,7 +422,9 @@ class Options:
         unknown = sorted(set(merged) - set(names))
         if unknown:
             hint = closest(unknown[0], names)
-            raise ZeroFXError(f"unknown zerofx option {unknown[0]!r}{hint}"
-                              + (f" (and {unknown[1:]})" if len(unknown) > 1 else "")
-                              + f"; valid options are {sorted(names)}")
+            raise ZeroFXError(
+                f"unknown zerofx option {unknown[0]!r}{hint}"
+                + (f" (and {unknown[1:]})" if len(unknown) > 1 else "")
+                + f"; valid options are {sorted(names)}"
+            )
         return cls(**merged)

@@ -40,10 +40,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils._pytree import tree_map
 
 from zerofx.errors import ZeroFXError
-from zerofx.runtime.loss_scaling import make_loss_scaler
 from zerofx.ir.layout import row_offset
 from zerofx.options import Options
 from zerofx.runtime.local_step import install as install_local_step
+from zerofx.runtime.loss_scaling import make_loss_scaler
 from zerofx.runtime.params import GroupInfo, ModelRuntime, ParamState, runtime_of, track
 
 log = logging.getLogger(__name__)
@@ -151,8 +151,11 @@ def _full_precision_params(model: nn.Module, opts: Options) -> set[int]:
 def _check_norm_dtypes(name: str, module: nn.Module, param_dtype: torch.dtype) -> None:
     """batch_norm runs a ``param_dtype`` input with weight, bias and running stats all in fp32
     or all in ``param_dtype``; anything else is an error naming the option, before any sharding."""
-    found = {f"{name}.{n}": t.dtype for n, t in (*module._parameters.items(), *module._buffers.items())
-             if t is not None and t.is_floating_point()}
+    found = {
+        f"{name}.{n}": t.dtype
+        for n, t in (*module._parameters.items(), *module._buffers.items())
+        if t is not None and t.is_floating_point()
+    }
     dtypes = set(found.values())
     if len(dtypes) > 1 or not dtypes <= {torch.float32, param_dtype}:
         listed = ", ".join(f"{n} is {d}" for n, d in found.items())
@@ -163,8 +166,14 @@ def _check_norm_dtypes(name: str, module: nn.Module, param_dtype: torch.dtype) -
         )
 
 
-def _make_state(qualname: str, param: nn.Parameter, mesh: DeviceMesh, opts: Options,
-                runtime: ModelRuntime, full_precision: bool = False) -> ParamState:
+def _make_state(
+    qualname: str,
+    param: nn.Parameter,
+    mesh: DeviceMesh,
+    opts: Options,
+    runtime: ModelRuntime,
+    full_precision: bool = False,
+) -> ParamState:
     hybrid = mesh.ndim == 2
     shard_group = _group(mesh, 1 if hybrid else 0)
     replicate_group = _group(mesh, 0) if hybrid and mesh.size(0) > 1 else None
@@ -181,7 +190,7 @@ def _make_state(qualname: str, param: nn.Parameter, mesh: DeviceMesh, opts: Opti
         if compute is None:
             # the shard is a view of its own rows of the whole copy: no second copy of them
             offset = row_offset(param.shape[0], shard_group.size, shard_group.rank)
-            view = full.detach()[offset: offset + dt.to_local().shape[0]]
+            view = full.detach()[offset : offset + dt.to_local().shape[0]]
             view.copy_(dt.to_local())
             dt = DTensor.from_local(view, mesh, placements, shape=dt.shape, stride=dt.stride())
     new_param = nn.Parameter(dt, requires_grad=param.requires_grad)
@@ -193,9 +202,19 @@ def _make_state(qualname: str, param: nn.Parameter, mesh: DeviceMesh, opts: Opti
         sink = torch.empty_strided(param.shape, (0,) * param.dim(), dtype=reduce, device=param.device)
         sink.zero_().requires_grad_()
         sink.register_post_accumulate_grad_hook(runtime.on_local_grad)
-    state = ParamState(qualname, new_param, whole, shard_group, replicate_group, param.shape[0], runtime,
-                       compute_dtype=compute, reduce_dtype=None if reduce == (compute or master) else reduce,
-                       full=full, sink=sink)
+    state = ParamState(
+        qualname,
+        new_param,
+        whole,
+        shard_group,
+        replicate_group,
+        param.shape[0],
+        runtime,
+        compute_dtype=compute,
+        reduce_dtype=None if reduce == (compute or master) else reduce,
+        full=full,
+        sink=sink,
+    )
     track(state)
     return state
 
@@ -210,8 +229,7 @@ def _cast_inputs_hook(dtype: torch.dtype):
     return hook
 
 
-def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | None = None,
-          **kwargs) -> nn.Module:
+def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | None = None, **kwargs) -> nn.Module:
     """Give every parameter of ``model`` ZeRO's layout over ``mesh``, in place.
 
     ``options`` (or keyword arguments) are :class:`zerofx.Options`; the ones that shape the

@@ -49,11 +49,19 @@ from torch.distributed.tensor import DTensor
 
 from zerofx.runtime.eager_buckets import rank_ordered_sum
 
-__all__ = ["ShardedReference", "Divergence", "StepReport", "VerifyReport", "verify", "shard_rows",
-           "summation_bound", "load_factory", "exact_divergence"]
+__all__ = [
+    "ShardedReference",
+    "Divergence",
+    "StepReport",
+    "VerifyReport",
+    "verify",
+    "shard_rows",
+    "summation_bound",
+    "load_factory",
+    "exact_divergence",
+]
 
-UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53, torch.bfloat16: 2.0 ** -8,
-                 torch.float16: 2.0 ** -11}
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float64: 2.0**-53, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
 def shard_rows(full: torch.Tensor, index: int, count: int) -> torch.Tensor:
@@ -62,7 +70,7 @@ def shard_rows(full: torch.Tensor, index: int, count: int) -> torch.Tensor:
     if full.dim() == 0:
         return full
     rows = -(-full.shape[0] // count)
-    return full[index * rows: min((index + 1) * rows, full.shape[0])]
+    return full[index * rows : min((index + 1) * rows, full.shape[0])]
 
 
 def summation_bound(terms: Sequence[torch.Tensor], divisions: int = 0) -> torch.Tensor:
@@ -73,7 +81,7 @@ def summation_bound(terms: Sequence[torch.Tensor], divisions: int = 0) -> torch.
     (fp64), in units of the final quotient when the caller divides it."""
     dtype = terms[0].dtype
     k = len(terms) - 1 + divisions
-    u = UNIT_ROUNDOFF.get(dtype, 2.0 ** -24)
+    u = UNIT_ROUNDOFF.get(dtype, 2.0**-24)
     gamma = k * u / (1 - k * u)
     magnitude = torch.stack([t.double().abs() for t in terms]).sum(0)
     return gamma * magnitude
@@ -94,9 +102,11 @@ class Divergence:
     note: str = ""
 
     def __str__(self) -> str:
-        return (f"step {self.step} {self.kind} {self.name}: {self.count}/{self.numel} elements differ, "
-                f"max |diff| {self.max_abs:.3g} (relative {self.max_rel:.3g}) at {list(self.index)}"
-                + (f" [{self.note}]" if self.note else ""))
+        return (
+            f"step {self.step} {self.kind} {self.name}: {self.count}/{self.numel} elements differ, "
+            f"max |diff| {self.max_abs:.3g} (relative {self.max_rel:.3g}) at {list(self.index)}"
+            + (f" [{self.note}]" if self.note else "")
+        )
 
 
 @dataclass
@@ -116,14 +126,25 @@ class StepReport:
         return max(found, key=lambda d: d.max_abs) if found else None
 
 
-def exact_divergence(step: int, kind: str, name: str, got: torch.Tensor, want: torch.Tensor,
-                note: str = "") -> Divergence | None:
+def exact_divergence(
+    step: int, kind: str, name: str, got: torch.Tensor, want: torch.Tensor, note: str = ""
+) -> Divergence | None:
     """None when ``got`` and ``want`` are bit for bit equal (shape, dtype and every value)."""
     if got.shape != want.shape or got.dtype != want.dtype:
-        return Divergence(step, kind, name, math.inf, math.inf, (), got.numel(), want.numel(),
-                          f"shape/dtype {tuple(got.shape)} {got.dtype} vs {tuple(want.shape)} {want.dtype}")
-    if torch.equal(got, want) or (got.numel() and torch.equal(got.isnan(), want.isnan())
-                                  and torch.equal(got.nan_to_num(), want.nan_to_num())):
+        return Divergence(
+            step,
+            kind,
+            name,
+            math.inf,
+            math.inf,
+            (),
+            got.numel(),
+            want.numel(),
+            f"shape/dtype {tuple(got.shape)} {got.dtype} vs {tuple(want.shape)} {want.dtype}",
+        )
+    if torch.equal(got, want) or (
+        got.numel() and torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    ):
         return None
     diff = (got.double() - want.double()).abs().nan_to_num(math.inf)
     differs = (diff > 0) | (got.isnan() != want.isnan())
@@ -131,8 +152,9 @@ def exact_divergence(step: int, kind: str, name: str, got: torch.Tensor, want: t
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), got.shape)) if got.dim() else ()
     scale = want.double().abs().reshape(-1)[flat].item() if got.numel() else 0.0
     worst = diff.reshape(-1)[flat].item() if got.numel() else 0.0
-    return Divergence(step, kind, name, worst, worst / scale if scale else math.inf, index,
-                      int(differs.sum()), got.numel(), note)
+    return Divergence(
+        step, kind, name, worst, worst / scale if scale else math.inf, index, int(differs.sum()), got.numel(), note
+    )
 
 
 @dataclass
@@ -179,8 +201,11 @@ class ShardedReference:
         self.shards: dict[str, list[torch.Tensor]] = {}
         for name, p in self.params.items():
             lay = self.layouts[name]
-            pieces = [shard_rows(p.detach(), i, lay.shard_count) for i in range(lay.shard_count)] \
-                if lay.sharded else [p.detach()]
+            pieces = (
+                [shard_rows(p.detach(), i, lay.shard_count) for i in range(lay.shard_count)]
+                if lay.sharded
+                else [p.detach()]
+            )
             self.shards[name] = [piece.clone().requires_grad_(p.requires_grad) for piece in pieces]
         self.optimizer = optimizer_fn([s for name in self.params for s in self.shards[name] if s.requires_grad])
         self.reduced: dict[str, torch.Tensor] = {}
@@ -260,9 +285,21 @@ class ShardedReference:
         for name, p in sharded.named_parameters():
             ref = self.reduced.get(name)
             if (p.grad is None) != (ref is None):
-                out.append(Divergence(step, "grad", name, math.inf, math.inf, (), 0, 0,
-                                      "zerofx has a gradient and the reference none" if ref is None else
-                                      "the reference has a gradient and zerofx none"))
+                out.append(
+                    Divergence(
+                        step,
+                        "grad",
+                        name,
+                        math.inf,
+                        math.inf,
+                        (),
+                        0,
+                        0,
+                        "zerofx has a gradient and the reference none"
+                        if ref is None
+                        else "the reference has a gradient and zerofx none",
+                    )
+                )
                 continue
             if ref is None:
                 continue
@@ -292,8 +329,9 @@ class ShardedReference:
         return out
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, zerofx_norm: torch.Tensor | float, norm_type: float = 2.0,
-                        step: int = 0) -> list[Divergence]:
+    def clip_grad_norm_(
+        self, max_norm: float, zerofx_norm: torch.Tensor | float, norm_type: float = 2.0, step: int = 0
+    ) -> list[Divergence]:
         """Clip the reference gradients like ``torch.nn.utils.clip_grad_norm_`` did zerofx's.
 
         The global norm is an all-reduced sum whose order the backend chooses, so it is checked
@@ -312,9 +350,19 @@ class ShardedReference:
         exact = math.sqrt(squares)
         out = []
         if abs(theirs - exact) > gamma * exact:
-            out.append(Divergence(step, "grad", "<global grad norm>", abs(theirs - exact),
-                                  abs(theirs - exact) / exact if exact else math.inf, (), 1, 1,
-                                  f"zerofx {theirs!r} vs reference {exact!r}"))
+            out.append(
+                Divergence(
+                    step,
+                    "grad",
+                    "<global grad norm>",
+                    abs(theirs - exact),
+                    abs(theirs - exact) / exact if exact else math.inf,
+                    (),
+                    1,
+                    1,
+                    f"zerofx {theirs!r} vs reference {exact!r}",
+                )
+            )
         coef = torch.clamp(max_norm / (torch.tensor(theirs, dtype=torch.float32) + 1e-6), max=1.0)  # as torch does
         for g in grads:
             g.mul_(coef)
@@ -327,8 +375,9 @@ class ShardedReference:
             ref = self.reduced.get(name)
             lay = self.layouts[name]
             for i, piece in enumerate(pieces):
-                piece.grad = None if ref is None else \
-                    (shard_rows(ref, i, lay.shard_count) if lay.sharded else ref).clone()
+                piece.grad = (
+                    None if ref is None else (shard_rows(ref, i, lay.shard_count) if lay.sharded else ref).clone()
+                )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for name, p in self.params.items():
@@ -385,26 +434,41 @@ class VerifyReport:
         lines.append(f"  {'step':>4}  {'loss':>14}  {'|loss diff|':>11}  {'worst grad':<32}  worst param")
         for s in self.steps:
             g, p = s.worst("grad"), s.worst("param")
-            lines.append(f"  {s.step:>4}  {s.loss:>14.8g}  {s.loss_diff:>11.3g}  "
-                         f"{(f'{g.name} {g.max_abs:.3g}' if g else 'bit-identical'):<32}  "
-                         f"{f'{p.name} {p.max_abs:.3g}' if p else 'bit-identical'}")
+            lines.append(
+                f"  {s.step:>4}  {s.loss:>14.8g}  {s.loss_diff:>11.3g}  "
+                f"{(f'{g.name} {g.max_abs:.3g}' if g else 'bit-identical'):<32}  "
+                f"{f'{p.name} {p.max_abs:.3g}' if p else 'bit-identical'}"
+            )
         first = self.first_divergence
         if first is None:
             bounded = sorted({n for s in self.steps for n in s.bounded})
-            lines.append("  sharded training matches the unsharded model bit for bit"
-                         + (f" (within the any-order summation bound for {', '.join(bounded)})" if bounded else ""))
+            lines.append(
+                "  sharded training matches the unsharded model bit for bit"
+                + (f" (within the any-order summation bound for {', '.join(bounded)})" if bounded else "")
+            )
         else:
             lines.append(f"  FIRST DIVERGENCE: {first}")
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "world_size": self.world_size, "problem": self.problem, "ok": self.ok,
-                "first_divergence": None if self.first_divergence is None else asdict(self.first_divergence),
-                "steps": [dict(step=s.step, loss=s.loss, ref_loss=s.ref_loss, loss_diff=s.loss_diff,
-                               bounded=s.bounded, divergences=[asdict(d) for d in s.divergences])
-                          for s in self.steps]}
-
-
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "problem": self.problem,
+            "ok": self.ok,
+            "first_divergence": None if self.first_divergence is None else asdict(self.first_divergence),
+            "steps": [
+                dict(
+                    step=s.step,
+                    loss=s.loss,
+                    ref_loss=s.ref_loss,
+                    loss_diff=s.loss_diff,
+                    bounded=s.bounded,
+                    divergences=[asdict(d) for d in s.divergences],
+                )
+                for s in self.steps
+            ],
+        }
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -429,9 +493,11 @@ def _build(factory: Callable[..., Any], kwargs: dict) -> tuple[nn.Module, Callab
     built = factory(**kwargs)
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module) and callable(built[1]):
         return built
-    raise TypeError("the factory must return (model, batch_fn): an nn.Module whose forward(*batch) returns a "
-                    "scalar loss, and batch_fn(n, generator) returning that batch's tuple of tensors "
-                    f"(n samples); got {type(built).__name__}")
+    raise TypeError(
+        "the factory must return (model, batch_fn): an nn.Module whose forward(*batch) returns a "
+        "scalar loss, and batch_fn(n, generator) returning that batch's tuple of tensors "
+        f"(n samples); got {type(built).__name__}"
+    )
 
 
 def _first_difference(a: nn.Module, b: nn.Module) -> str | None:
@@ -444,9 +510,19 @@ def _first_difference(a: nn.Module, b: nn.Module) -> str | None:
     return None
 
 
-def verify(factory: Callable[..., Any], mesh, *, steps: int = 5, batch_per_rank: int = 2, seed: int = 0,
-           lr: float = 1e-3, optimizer: str = "adamw", factory_kwargs: dict | None = None,
-           max_grad_norm: float | None = None, **options: Any) -> VerifyReport:
+def verify(
+    factory: Callable[..., Any],
+    mesh,
+    *,
+    steps: int = 5,
+    batch_per_rank: int = 2,
+    seed: int = 0,
+    lr: float = 1e-3,
+    optimizer: str = "adamw",
+    factory_kwargs: dict | None = None,
+    max_grad_norm: float | None = None,
+    **options: Any,
+) -> VerifyReport:
     """Train ``factory()``'s model ``steps`` steps with zerofx on ``mesh`` and unsharded (the
     ``ShardedReference``) on the same data; report per step on this rank. Call on every rank.
 
@@ -457,8 +533,11 @@ def verify(factory: Callable[..., Any], mesh, *, steps: int = 5, batch_per_rank:
     """
     import zerofx
 
-    make_opt = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=lr), "adam": lambda ps: torch.optim.Adam(ps, lr=lr),
-                "sgd": lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9)}
+    make_opt = {
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=lr),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=lr),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9),
+    }
     if optimizer not in make_opt:
         raise ValueError(f"optimizer must be one of {sorted(make_opt)}, got {optimizer!r}")
     if steps < 1 or batch_per_rank < 1:
@@ -482,8 +561,10 @@ def verify(factory: Callable[..., Any], mesh, *, steps: int = 5, batch_per_rank:
     if int(flags) and problem is None:
         problem = "another rank's two builds differed (see that rank's report)"
     if problem:
-        report.problem = f"the model factory is not deterministic: {problem}; build it from a seed so that " \
-                         "two calls give the same parameters and buffers"
+        report.problem = (
+            f"the model factory is not deterministic: {problem}; build it from a seed so that "
+            "two calls give the same parameters and buffers"
+        )
         return report
     del again
     replica = copy.deepcopy(model)

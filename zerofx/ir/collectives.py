@@ -24,9 +24,22 @@ import torch
 from zerofx._scoped import Scoped
 from zerofx.ir.meta import COLLECTIVE
 
-__all__ = ["CollectiveSpec", "COLLECTIVE_OPS", "ALL_GATHER", "ALL_GATHER_OUT", "REDUCE_SCATTER", "ALL_REDUCE", "ALL_TO_ALL",
-           "WAIT", "collective_kind", "collective_group_size", "wire_bytes", "backend_of", "CollectiveCounter",
-           "record_collectives"]
+__all__ = [
+    "CollectiveSpec",
+    "COLLECTIVE_OPS",
+    "ALL_GATHER",
+    "ALL_GATHER_OUT",
+    "REDUCE_SCATTER",
+    "ALL_REDUCE",
+    "ALL_TO_ALL",
+    "WAIT",
+    "collective_kind",
+    "collective_group_size",
+    "wire_bytes",
+    "backend_of",
+    "CollectiveCounter",
+    "record_collectives",
+]
 
 _F = torch.ops._c10d_functional
 ALL_GATHER = _F.all_gather_into_tensor.default

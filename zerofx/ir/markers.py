@@ -41,8 +41,16 @@ import torch
 from zerofx.ir.collectives import record_collectives, wire_bytes
 from zerofx.ir.layout import pad_rows, padded_rows
 
-__all__ = ["unshard", "reduce_grad", "read_full", "sync_grad", "all_reduce_grad",
-           "local_grad", "FORWARD_MARKERS", "GRAD_MARKERS"]
+__all__ = [
+    "unshard",
+    "reduce_grad",
+    "read_full",
+    "sync_grad",
+    "all_reduce_grad",
+    "local_grad",
+    "FORWARD_MARKERS",
+    "GRAD_MARKERS",
+]
 
 _F = torch.ops._c10d_functional
 
@@ -57,9 +65,16 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 # --- unshard / reduce_grad: a dim-0 sharded parameter ------------------------------------------
 
+
 @torch.library.custom_op("zerofx::unshard", mutates_args=())
-def unshard(shard: torch.Tensor, group_size: int, group_name: str, full_rows: int,
-            compute_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def unshard(
+    shard: torch.Tensor,
+    group_size: int,
+    group_name: str,
+    full_rows: int,
+    compute_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
     """The full parameter gathered from every rank's dim-0 shard (cast to ``compute_dtype`` first)."""
     rows = padded_rows(full_rows, group_size)
     padded = pad_rows(_cast(shard, compute_dtype), rows).contiguous()
@@ -75,8 +90,14 @@ def _unshard_fake(shard, group_size, group_name, full_rows, compute_dtype=None, 
 
 
 @torch.library.custom_op("zerofx::reduce_grad", mutates_args=())
-def reduce_grad(grad: torch.Tensor, group_size: int, group_name: str, shard_rows: int,
-                reduce_dtype: Optional[torch.dtype] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def reduce_grad(
+    grad: torch.Tensor,
+    group_size: int,
+    group_name: str,
+    shard_rows: int,
+    reduce_dtype: Optional[torch.dtype] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
     """This rank's shard of the gradient averaged over the group, reduced in ``reduce_dtype``."""
     rows = padded_rows(grad.shape[0], group_size)
     padded = pad_rows(_cast(grad, reduce_dtype), rows * group_size).contiguous()
@@ -106,9 +127,15 @@ unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_contex
 
 # --- read_full: a sharded parameter whose whole copy this rank keeps (stages 1 and 2) ----------
 
+
 @torch.library.custom_op("zerofx::read_full", mutates_args=())
-def read_full(shard: torch.Tensor, full: torch.Tensor, group_size: int, group_name: str,
-              reduce_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def read_full(
+    shard: torch.Tensor,
+    full: torch.Tensor,
+    group_size: int,
+    group_name: str,
+    reduce_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
     """``full``, this rank's up-to-date whole copy of the parameter whose shard is ``shard``.
 
     No communication in forward: the copy is refreshed after each optimizer step. The gradient
@@ -135,9 +162,15 @@ read_full.register_autograd(_read_full_backward, setup_context=_read_full_setup_
 
 # --- sync_grad / all_reduce_grad: a parameter replicated over a group --------------------------
 
+
 @torch.library.custom_op("zerofx::sync_grad", mutates_args=())
-def sync_grad(x: torch.Tensor, group_size: int, group_name: str, compute_dtype: Optional[torch.dtype] = None,
-              reduce_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def sync_grad(
+    x: torch.Tensor,
+    group_size: int,
+    group_name: str,
+    compute_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
     """``x`` (cast to ``compute_dtype``), whose gradient is averaged over the group.
 
     For parameters every rank of the group holds whole: small parameters kept whole by the
@@ -151,8 +184,13 @@ def _sync_grad_fake(x, group_size, group_name, compute_dtype=None, reduce_dtype=
 
 
 @torch.library.custom_op("zerofx::all_reduce_grad", mutates_args=())
-def all_reduce_grad(grad: torch.Tensor, group_size: int, group_name: str, reduce_dtype: Optional[torch.dtype] = None,
-                    out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def all_reduce_grad(
+    grad: torch.Tensor,
+    group_size: int,
+    group_name: str,
+    reduce_dtype: Optional[torch.dtype] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
     """The gradient averaged over the group, reduced in ``reduce_dtype``."""
     src = _cast(grad, reduce_dtype).contiguous()
     reduced = _F.wait_tensor(_F.all_reduce(src, "avg", group_name))
@@ -178,6 +216,7 @@ sync_grad.register_autograd(_sync_grad_backward, setup_context=_sync_grad_setup_
 
 
 # --- local_grad: no communication; the gradient accumulates in sink.grad -----------------------
+
 
 @torch.library.custom_op("zerofx::local_grad", mutates_args=())
 def local_grad(x: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

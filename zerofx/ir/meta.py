@@ -31,19 +31,35 @@ class MetaKey(str):
         return str.__str__(self)
 
 
-ROLE = MetaKey("zerofx_role", "which zerofx mechanism a node belongs to: 'gather' (a parameter's gather chain, "
-                              "recomputed in backward), 'kept_gather' (one selective unsharding keeps), 'reduce', "
-                              "'offload', 'release' (a buffer the graph frees itself)")
-RECOMPUTE = MetaKey("recompute", "torch's CheckpointPolicy for the partitioner (MUST_SAVE / MUST_RECOMPUTE); "
-                                 "torch.utils.checkpoint in the model writes it too", external=True)
-OFFLOAD_TIER = MetaKey("zerofx_offload", "'host' | 'disk': the tier a saved activation is parked in between forward "
-                                         "and backward (the partitioner copies it onto the forward's outputs and the "
-                                         "backward's placeholders)")
-COLLECTIVE = MetaKey("zerofx_collective", "the algorithm a collective node runs when a pass lowered it onto another op "
-                                          "(a gloo all-to-all that is a reduce-scatter); byte counts read it")
+ROLE = MetaKey(
+    "zerofx_role",
+    "which zerofx mechanism a node belongs to: 'gather' (a parameter's gather chain, "
+    "recomputed in backward), 'kept_gather' (one selective unsharding keeps), 'reduce', "
+    "'offload', 'release' (a buffer the graph frees itself)",
+)
+RECOMPUTE = MetaKey(
+    "recompute",
+    "torch's CheckpointPolicy for the partitioner (MUST_SAVE / MUST_RECOMPUTE); "
+    "torch.utils.checkpoint in the model writes it too",
+    external=True,
+)
+OFFLOAD_TIER = MetaKey(
+    "zerofx_offload",
+    "'host' | 'disk': the tier a saved activation is parked in between forward "
+    "and backward (the partitioner copies it onto the forward's outputs and the "
+    "backward's placeholders)",
+)
+COLLECTIVE = MetaKey(
+    "zerofx_collective",
+    "the algorithm a collective node runs when a pass lowered it onto another op "
+    "(a gloo all-to-all that is a reduce-scatter); byte counts read it",
+)
 PASS = MetaKey("zerofx_pass", "provenance: the pass that created the node (the runner writes it)")
 KERNEL = MetaKey("zerofx_kernel", "codegen: the generated kernel a call node runs")
-ACTIVATION_PLAN = MetaKey("zerofx_activation_plan", "the checkpoint plan's numbers (budget, saved and recomputed "
-                                                    "bytes), read by the backend's plan check", on="graph")
+ACTIVATION_PLAN = MetaKey(
+    "zerofx_activation_plan",
+    "the checkpoint plan's numbers (budget, saved and recomputed bytes), read by the backend's plan check",
+    on="graph",
+)
 
 KEYS = (ROLE, RECOMPUTE, OFFLOAD_TIER, COLLECTIVE, PASS, KERNEL, ACTIVATION_PLAN)

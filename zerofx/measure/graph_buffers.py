@@ -154,9 +154,13 @@ class MemoryTracker(Scoped):
         return out
 
     def summary(self) -> dict[str, Any]:
-        return {"activation_peak": self.activation_peak, "peak": self.peak,
-                "parked_peak": dict(self.parked_peak), "flops": dict(self.flops),
-                "saved_at_boundary": list(self.saved_at_boundary)}
+        return {
+            "activation_peak": self.activation_peak,
+            "peak": self.peak,
+            "parked_peak": dict(self.parked_peak),
+            "flops": dict(self.flops),
+            "saved_at_boundary": list(self.saved_at_boundary),
+        }
 
 
 def active_tracker() -> MemoryTracker | None:

@@ -28,8 +28,7 @@ def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int]]:
             continue
         val = (node if spec.sized == "out" else node.args[0]).meta["val"]
         kind = collective_kind(node)
-        out.append((kind, wire_bytes(kind, val.numel() * val.element_size(),
-                                          collective_group_size(spec, node.args))))
+        out.append((kind, wire_bytes(kind, val.numel() * val.element_size(), collective_group_size(spec, node.args))))
     return out
 
 

@@ -67,19 +67,23 @@ def refresh(states: list) -> None:
     def padded(s) -> int:
         return padded_rows(s.full_rows, s.shard_group.size) * s.full.shape[1:].numel()
 
-    for bucket in _buckets(todo, lambda s: (s.shard_group.name, s.full.dtype), lambda s: padded(s) * s.full.element_size()):
+    for bucket in _buckets(
+        todo, lambda s: (s.shard_group.name, s.full.dtype), lambda s: padded(s) * s.full.element_size()
+    ):
         group = bucket[0].shard_group
         dtype = bucket[0].full.dtype
-        shards = [pad_rows(s.param.to_local().to(dtype), padded_rows(s.full_rows, group.size)).reshape(-1)
-                  for s in bucket]
+        shards = [
+            pad_rows(s.param.to_local().to(dtype), padded_rows(s.full_rows, group.size)).reshape(-1) for s in bucket
+        ]
         flat = torch.cat(shards) if len(shards) > 1 else shards[0].contiguous()
         gathered = _F.wait_tensor(_F.all_gather_into_tensor(flat, group.size, group.name)).view(group.size, -1)
-        record_collectives([("all_gather", wire_bytes("all_gather", gathered.numel() * gathered.element_size(),
-                                                      group.size))])
+        record_collectives(
+            [("all_gather", wire_bytes("all_gather", gathered.numel() * gathered.element_size(), group.size))]
+        )
         offset = 0
         for s in bucket:
             n = padded(s)
-            part = gathered[:, offset: offset + n]
+            part = gathered[:, offset : offset + n]
             if padded_rows(s.full_rows, group.size) * group.size == s.full_rows:
                 s.full.view(group.size, n).copy_(part)
             else:  # padding rows sit after the last real row: drop them on the way
@@ -94,8 +98,11 @@ def reduce_pending(states: list) -> None:
     sharded parameters in buckets, whole or 2-D-mesh ones one by one after them."""
     pending = [s for s in states if s.sink is not None and s.sink.grad is not None]
     sharded = [s for s in pending if not s.whole and s.replicate_group is None]
-    for bucket in _buckets(sharded, lambda s: (s.shard_group.name, s.reduce_dtype or s.sink.dtype),
-                           lambda s: s.sink.grad.numel() * s.sink.grad.element_size()):
+    for bucket in _buckets(
+        sharded,
+        lambda s: (s.shard_group.name, s.reduce_dtype or s.sink.dtype),
+        lambda s: s.sink.grad.numel() * s.sink.grad.element_size(),
+    ):
         _reduce_bucket(bucket)
     for s in pending:
         if s not in sharded:
@@ -110,8 +117,9 @@ def _reduce_bucket(bucket: list) -> None:
         g, s.sink.grad = s.sink.grad, None
         grads.append(g)
     dtype = bucket[0].reduce_dtype or grads[0].dtype
-    chunks = [pad_rows(g.to(dtype), padded_rows(s.full_rows, world) * world).view(world, -1)
-              for s, g in zip(bucket, grads)]
+    chunks = [
+        pad_rows(g.to(dtype), padded_rows(s.full_rows, world) * world).view(world, -1) for s, g in zip(bucket, grads)
+    ]
     inp = torch.cat(chunks, dim=1) if len(chunks) > 1 else chunks[0].contiguous()  # [world, my part of each]
     if _on_gloo(group.name):
         split = [inp.shape[1]] * world
@@ -123,6 +131,6 @@ def _reduce_bucket(bucket: list) -> None:
     offset = 0
     for s, g, chunk in zip(bucket, grads, chunks):
         n = chunk.shape[1]
-        rows = reduced[offset: offset + n].view(-1, *g.shape[1:])[: s.shard_rows]
+        rows = reduced[offset : offset + n].view(-1, *g.shape[1:])[: s.shard_rows]
         s.land(g, rows.to(s.param.dtype))
         offset += n

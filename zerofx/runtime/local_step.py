@@ -47,10 +47,20 @@ __all__ = ["ELEMENTWISE", "install", "steps_locally"]
 
 # Optimizers whose update of an element reads only that element of the parameter, its gradient
 # and its state (plus scalars): stepping a shard is stepping those rows of the whole.
-ELEMENTWISE: frozenset[type] = frozenset({
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
-    torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.Rprop,
-})
+ELEMENTWISE: frozenset[type] = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adagrad,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.RMSprop,
+        torch.optim.Adadelta,
+        torch.optim.Rprop,
+    }
+)
 
 _PRE_HOOK = None
 
@@ -112,9 +122,12 @@ def _swappable(params: list[torch.Tensor]) -> bool:
         if not _managed(p):
             return False
         g = p.grad
-        if g is not None and (not isinstance(g, DTensor) or g.placements != p.placements
-                              or g._local_tensor.shape != p._local_tensor.shape
-                              or g._local_tensor.dtype != p._local_tensor.dtype):
+        if g is not None and (
+            not isinstance(g, DTensor)
+            or g.placements != p.placements
+            or g._local_tensor.shape != p._local_tensor.shape
+            or g._local_tensor.dtype != p._local_tensor.dtype
+        ):
             return False
     return True
 
@@ -123,10 +136,15 @@ def _rewrap(value: Any, before: Any, param: DTensor, local: torch.Tensor) -> Any
     """A state value after a local step, as the DTensor-path state would hold it."""
     if isinstance(before, DTensor) and before._local_tensor is value:
         return before
-    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0 \
-            and value.shape == local.shape:
-        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+    if (
+        isinstance(value, torch.Tensor)
+        and not isinstance(value, DTensor)
+        and value.dim() > 0
+        and value.shape == local.shape
+    ):
+        return DTensor.from_local(
+            value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
     return value
 
 
@@ -143,8 +161,7 @@ def _on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     local_state: defaultdict = defaultdict(dict)
     for key, entry in saved_state.items():
         if key in local_of:
-            local_state[local_of[key]] = {k: v._local_tensor if isinstance(v, DTensor) else v
-                                          for k, v in entry.items()}
+            local_state[local_of[key]] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in entry.items()}
         else:
             local_state[key] = entry
     try:

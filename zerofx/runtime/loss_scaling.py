@@ -37,14 +37,17 @@ def make_loss_scaler(opts: Options, mesh: DeviceMesh):
         return None
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    return ShardedGradScaler(device=mesh.device_type, init_scale=opts.initial_loss_scale,
-                             growth_interval=opts.loss_scale_window)
+    return ShardedGradScaler(
+        device=mesh.device_type, init_scale=opts.initial_loss_scale, growth_interval=opts.loss_scale_window
+    )
 
 
 def loss_scaler(model: nn.Module):
     """The dynamic loss scaler of a model compiled with ``loss_scale="dynamic"``."""
     runtime = runtime_of(model)
     if runtime is None or runtime.scaler is None:
-        raise ZeroFXError("option loss_scale: this model has no loss scaler; compile it with "
-                          "zerofx.compile(model, mesh, loss_scale='dynamic')")
+        raise ZeroFXError(
+            "option loss_scale: this model has no loss scaler; compile it with "
+            "zerofx.compile(model, mesh, loss_scale='dynamic')"
+        )
     return runtime.scaler

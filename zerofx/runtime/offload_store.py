@@ -37,10 +37,18 @@ from zerofx.errors import ZeroFXError
 from zerofx.ir.offload_ops import default_offload_dir, new_file, paged_storages
 from zerofx.runtime.params import optimizer_state, runtime_of
 
-__all__ = ["check_offload_dir", "resolve_offload_dir", "DiskStore", "place_model_state", "offload_optimizer", "state_store"]
+__all__ = [
+    "check_offload_dir",
+    "resolve_offload_dir",
+    "DiskStore",
+    "place_model_state",
+    "offload_optimizer",
+    "state_store",
+]
 
 
 # -- the offload folder --------------------------------------------------------------------------
+
 
 def check_offload_dir(path: str | os.PathLike) -> None:
     """Create ``path`` if needed and prove it takes a file, or raise a ZeroFXError naming it."""
@@ -51,8 +59,10 @@ def check_offload_dir(path: str | os.PathLike) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
-        raise ZeroFXError(f"option offload_dir={str(path)!r} is not a writable folder ({e.strerror or e}); "
-                          "disk offload needs one: pass offload_dir=<a folder on a local disk>") from None
+        raise ZeroFXError(
+            f"option offload_dir={str(path)!r} is not a writable folder ({e.strerror or e}); "
+            "disk offload needs one: pass offload_dir=<a folder on a local disk>"
+        ) from None
 
 
 def resolve_offload_dir(options):
@@ -69,6 +79,7 @@ def resolve_offload_dir(options):
 
 
 # -- model state on disk -------------------------------------------------------------------------
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -97,8 +108,10 @@ class DiskStore:
         if nbytes == 0 or t in self:
             return
         if not local.is_contiguous() or local.device.type != "cpu":
-            raise ZeroFXError("disk offload keeps contiguous CPU tensors; got "
-                              f"{'a non-contiguous' if local.device.type == 'cpu' else local.device.type} tensor")
+            raise ZeroFXError(
+                "disk offload keeps contiguous CPU tensors; got "
+                f"{'a non-contiguous' if local.device.type == 'cpu' else local.device.type} tensor"
+            )
         fd = new_file(self.directory, nbytes)
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         data = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(local.dtype)
@@ -153,22 +166,28 @@ def place_model_state(model: torch.nn.Module, options) -> str:
         store = DiskStore(options.offload_dir)
         for p in params:
             if _local(p).device.type != "cpu":
-                raise ZeroFXError("offload_optimizer='disk' keeps parameter shards in memory-mapped files, "
-                                  f"which the device reads directly only on CPU; this model is on "
-                                  f"{_local(p).device}: use offload_optimizer='host'")
+                raise ZeroFXError(
+                    "offload_optimizer='disk' keeps parameter shards in memory-mapped files, "
+                    f"which the device reads directly only on CPU; this model is on "
+                    f"{_local(p).device}: use offload_optimizer='host'"
+                )
             store.adopt(p)
     for p in params:
         _param_store[p] = (tier, store, window)
     runtime = runtime_of(model)
     runtime.state_tier = tier
-    where = (f"{len(store.files)} memory-mapped files under {store.directory} ({store.nbytes} B)" if store
-             else "host memory" + (" (this CPU's own memory: nothing moves)" if params and
-                                   _local(params[0]).device.type == "cpu" else ""))
+    where = (
+        f"{len(store.files)} memory-mapped files under {store.directory} ({store.nbytes} B)"
+        if store
+        else "host memory"
+        + (" (this CPU's own memory: nothing moves)" if params and _local(params[0]).device.type == "cpu" else "")
+    )
     runtime.state_report = (
         f"model state: offload_optimizer={options.offload_optimizer!r} -> {tier}: {len(params)} parameter shards "
         f"({param_bytes} B; with Adam's two moments {3 * param_bytes} B"
         + (f", host_memory_cap {options.host_memory_cap} B" if options.host_memory_cap else "")
-        + f") in {where}; the optimizer steps {window} B windows (call zerofx.offload_optimizer(opt))")
+        + f") in {where}; the optimizer steps {window} B windows (call zerofx.offload_optimizer(opt))"
+    )
     return tier
 
 
@@ -198,8 +217,10 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     params = [p for g in optimizer.param_groups for p in g["params"]]
     placed = [state_store(p) for p in params]
     if not params or any(s is None for s in placed):
-        raise ZeroFXError("zerofx.offload_optimizer: build the optimizer over a model compiled with "
-                          "zerofx.compile(..., offload_optimizer='host' | 'disk' | 'auto')")
+        raise ZeroFXError(
+            "zerofx.offload_optimizer: build the optimizer over a model compiled with "
+            "zerofx.compile(..., offload_optimizer='host' | 'disk' | 'auto')"
+        )
     tier, store, window = placed[0]
     state = optimizer_state(optimizer, create=True)
     if state.offload is not None:
@@ -279,7 +300,7 @@ def _park(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], tier: st
 
 def _with_local(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if isinstance(like, DTensor):
-        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                                  shape=like.shape, stride=like.stride())
+        return DTensor.from_local(
+            local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+        )
     return local
-

@@ -46,8 +46,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from zerofx.runtime import eager_buckets
 from zerofx.ir.layout import local_rows, row_offset
+from zerofx.runtime import eager_buckets
 
 __all__ = ["GroupInfo", "ParamState", "ModelRuntime"]
 
@@ -140,11 +140,12 @@ class ParamState:
         if self.runtime.stage == 1 and not self.whole and pending.dtype == reduced.dtype:
             # ZeRO-1 keeps the whole gradient buffer: this rank's averaged rows land back in it
             # and the optimizer's gradient shard is a view of them (see docs/zero_stages.md)
-            rows = pending[self.first_row: self.first_row + self.shard_rows]
+            rows = pending[self.first_row : self.first_row + self.shard_rows]
             rows.copy_(reduced)
             reduced = rows
-        self.param.grad = DTensor.from_local(reduced, self.param.device_mesh, self.param.placements,
-                                             shape=self.param.shape, stride=self.param.stride())
+        self.param.grad = DTensor.from_local(
+            reduced, self.param.device_mesh, self.param.placements, shape=self.param.shape, stride=self.param.stride()
+        )
 
 
 @dataclass(eq=False)
