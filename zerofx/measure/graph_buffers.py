@@ -26,7 +26,7 @@ shards, gradients of earlier steps, user inputs) and eager code between graphs a
   separately so the device-side number means what it would on a GPU).
 * ``peak``: the most bytes of all tracked, resident buffers at once (forward and backward
   temporaries included): the step's peak above what existed before it.
-* ``flops``: per stage, counted with ``cost_model.op_flops`` (the same convention the plan uses).
+* ``flops``: per graph kind (forward, backward), counted with ``cost_model.op_flops`` (the same convention the plan uses).
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ class _Buffer:
 
 
 class _Mode(TorchDispatchMode):
-    def __init__(self, tracker: MemoryTracker, stage: str):
+    def __init__(self, tracker: MemoryTracker, kind: str):
         super().__init__()
         self.tracker = tracker
-        self.stage = stage
+        self.kind = kind
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -71,7 +71,7 @@ class _Mode(TorchDispatchMode):
         if func is _RELEASE and args[1] == 0:  # the graph freed a buffer's bytes (passes/transport.py)
             tracker._forget(id(args[0].untyped_storage()))
             return out
-        tracker.flops[self.stage] += op_flops(func, args, kwargs, out)
+        tracker.flops[self.kind] += op_flops(func, args, kwargs, out)
         returns = func._schema.returns
         outs = out if isinstance(out, (list, tuple)) else (out,)
         for i, t in enumerate(outs):
@@ -146,10 +146,10 @@ class MemoryTracker(Scoped):
             self.saved_at_boundary.append(self.live["saved"])
 
     # -- the executor's hook ---------------------------------------------------------------------
-    def run_graph(self, fn: Callable, args: list, stage: str, num_user_outputs: int | None) -> Any:
-        with _Mode(self, stage):
+    def run_graph(self, fn: Callable, args: list, kind: str, num_user_outputs: int | None) -> Any:
+        with _Mode(self, kind):
             out = fn(args)
-        if stage == "forward" and num_user_outputs is not None and isinstance(out, (list, tuple)):
+        if kind == "forward" and num_user_outputs is not None and isinstance(out, (list, tuple)):
             self._mark_saved(list(out[num_user_outputs:]))
         return out
 
