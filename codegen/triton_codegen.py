@@ -28,16 +28,9 @@ from zerofx.codegen.triton_emit import Unsupported, emit_group
 from zerofx.codegen.triton_ops import can_lower
 from zerofx.codegen.triton_runtime import FusedKernel, group_module, interpreting, launch_problem
 from zerofx.passes.contract import PassContext
-from zerofx.passes.graph import is_view
+from zerofx.passes.graph import copy_graph, is_view
 
 log = logging.getLogger(__name__)
-
-
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return fx.GraphModule(gm, graph)
 
 
 def graph_device(gm: fx.GraphModule) -> torch.device | None:
@@ -57,7 +50,7 @@ def _log_unlowerable(gm: fx.GraphModule) -> None:
 
 
 def _fuse(gm: fx.GraphModule, ctx: PassContext, recorder: Any, autotune: bool):
-    work = _copy(gm)
+    work = copy_graph(gm)
     opened = decompose_for_codegen(work, can_lower)
     _log_unlowerable(work)
     claimed: list[Claimed] = []

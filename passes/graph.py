@@ -73,6 +73,15 @@ def full_args(node: fx.Node) -> tuple:
     return node.args
 
 
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A structural copy of ``gm`` (nodes and meta; the module's attributes shared), cheap enough
+    to take before every pass."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
 def wait_of(collective: fx.Node) -> fx.Node | None:
     """The one ``wait_tensor`` of a collective node; None when it has none, or several."""
     waits = [u for u in collective.users if u.target is WAIT]

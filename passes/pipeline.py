@@ -29,6 +29,7 @@ from zerofx.ir.meta import PASS as PROVENANCE
 from zerofx.options import closest
 from zerofx.passes import bucket, checkpoint, gather, offload, reduce, regather, schedule, transport
 from zerofx.passes.contract import GRAPH_KINDS, Pass, PassContext
+from zerofx.passes.graph import copy_graph
 
 __all__ = [
     "PASS_NAMES",
@@ -127,7 +128,7 @@ def run_pipeline(
     for p in passes:
         if ctx.kind not in p.kinds or p.name in disabled:
             continue
-        before = _snapshot(gm) if observer is not None else None
+        before = copy_graph(gm) if observer is not None else None
         existing = {n.name for n in gm.graph.nodes}
         ctx.messages = []
         start = time.perf_counter()
@@ -141,14 +142,6 @@ def run_pipeline(
         if observer is not None:
             observer(ctx, p.name, before, gm, time.perf_counter() - start)
     return gm
-
-
-def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
-    """A structural copy of ``gm`` (nodes and meta), cheap enough to take before every pass."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return fx.GraphModule(gm, graph)
 
 
 def verify_graph(gm: fx.GraphModule, after: str, existing: set[str] = frozenset()) -> None:
