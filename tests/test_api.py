@@ -82,8 +82,10 @@ def test_option_validation_is_pure_and_the_offload_folder_is_checked_at_compile(
     opts = zerofx.Options(offload_activations="disk", offload_dir=bad)  # no I/O here: builds fine
     assert opts.memory.offload_dir == bad and opts.memory.uses_disk
     assert not (blocker / "sub").exists()
+    model = nn.Linear(2, 2)
     with pytest.raises(ZeroFXError, match="offload_dir=.*is not a writable folder"):
-        zerofx.compile(nn.Linear(2, 2), one_rank, offload_activations="disk", offload_dir=bad)
+        zerofx.compile(model, one_rank, offload_activations="disk", offload_dir=bad)
+    assert not zerofx.sharding.is_sharded(model)  # raised before anything was done to the model
 
 
 def test_options_are_read_by_concern_through_frozen_policies():
