@@ -41,7 +41,7 @@ def _aten_executor(
 
     ``make_boxed_func`` would only wrap the graph, leaving AOTAutograd's argument list holding
     every input until the graph returns: a backward would then keep all saved activations
-    alive to its end (measured: ~25% higher step peak on the test GPT). FX's boxed codegen
+    alive to its end (docs/measurements.md, executor). FX's boxed codegen
     unpacks and clears the list, so each saved tensor dies at its last use in the backward,
     as in eager autograd.
     """

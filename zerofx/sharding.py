@@ -123,9 +123,8 @@ def _group(mesh: DeviceMesh, dim: int) -> GroupInfo:
 # NOTE: norm layers under param_dtype
 # Buffers are never cast, so BatchNorm's running statistics stay fp32. In bf16 a running variance
 # near 1 has an ulp of 2^-7: a momentum update 0.1·(batch - running) under half of it rounds
-# away, so batch variances within 4% of the running one never move it (measured on
-# zerofx.models.ResNet, 20 training-mode forwards: a whole-bf16 model, buffers included as DeepSpeed casts
-# them, ends with running stats 7x further from fp32's than fp32 buffers under bf16 compute).
+# away, so batch variances within 4% of the running one never move it (what that does to a
+# whole-bf16 ResNet's running stats: docs/measurements.md, norm layers).
 # ATen's batch_norm (CPU and CUDA kernels) takes weight, bias and running stats in one dtype:
 # either the input's, or fp32 with a bf16/fp16 input ("mixed type": the kernel computes in fp32
 # and writes its output in the input's dtype). A bf16 weight next to fp32 running stats is

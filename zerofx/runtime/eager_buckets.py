@@ -2,8 +2,8 @@
 the whole copies after an optimizer step, and the accumulation-boundary reduce (zerofx/runtime/params.py,
 NOTE: the accumulation boundary).
 
-Issued one per parameter, these cost a collective's fixed price per parameter: ~0.25 ms on this
-machine's gloo whatever the size, a launch and NCCL's latency on a GPU. Here consecutive
+Issued one per parameter, these cost a collective's fixed price per parameter (gloo's latency,
+docs/measurements.md; a launch and NCCL's latency on a GPU). Here consecutive
 parameters of one process group and dtype travel together, in parameter order (the same on every
 rank), up to ``BUCKET_BYTES`` per collective. Inside a bucket the layout is rank-major: rank r's
 part is its padded shards of the bucket's parameters, one after the other (zerofx/ir/markers.py, NOTE:
