@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import zerofx
 from tests.models import MLP, GraphBreakNet
@@ -209,3 +210,29 @@ def test_world_size_one_with_bf16_goes_through_the_markers(one_rank, stage):
             o.step()
             o.zero_grad()
     assert {p.to_local().dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_torch_compile_backend_on_an_unsharded_model_in_a_multi_rank_job_warns():
+    """Without zerofx.shard, a zerofx-compiled model has no collectives: on N > 1 ranks every rank
+    would train alone. torch's fake process group stands in for a 2-rank job."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import zerofx.backend
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        zerofx.backend._warned_unsharded = False
+        torch._dynamo.reset()
+        model = nn.Linear(3, 2)
+        with pytest.warns(UserWarning, match=r"has not sharded, in a job of 2 ranks.*zerofx\.shard\(model, mesh\)"):
+            torch.compile(model, backend="zerofx")(torch.randn(4, 3)).sum().backward()
+        zerofx.backend._warned_unsharded = False
+        torch._dynamo.reset()
+        sharded = zerofx.shard(nn.Linear(3, 2), init_device_mesh("cpu", (2,)))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*has not sharded.*")
+            torch.compile(sharded, backend="zerofx")(torch.randn(4, 3)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -229,4 +230,29 @@ def zerofx_backend(
             f"zerofx.shard(model, mesh, {layout[0]}=...) before torch.compile(..., backend='zerofx'), "
             "or use zerofx.compile(model, mesh, **options)"
         )
+    _warn_if_unsharded(gm, example_inputs)
     return make_backend(opts)(gm, example_inputs)
+
+
+_warned_unsharded = False
+
+
+def _warn_if_unsharded(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> None:
+    """One warning per process when ``torch.compile(backend="zerofx")`` compiles trainable
+    parameters that ``zerofx.shard`` never touched, in a job of more than one rank: nothing in
+    such a graph synchronizes gradients, so every rank would train its own replica."""
+    global _warned_unsharded
+    import torch.distributed as dist
+
+    if _warned_unsharded or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    trainable = any(isinstance(x, torch.nn.Parameter) and x.requires_grad for x in example_inputs)
+    marked = any(str(n.target).startswith("zerofx.") for n in gm.graph.nodes if n.op == "call_function")
+    if trainable and not marked:
+        _warned_unsharded = True
+        warnings.warn(
+            f"torch.compile(backend='zerofx') is compiling trainable parameters that zerofx has not sharded, "
+            f"in a job of {dist.get_world_size()} ranks: their gradients are not synchronized, so each rank "
+            "trains alone. Call zerofx.shard(model, mesh) before torch.compile, or use zerofx.compile(model, mesh).",
+            stacklevel=2,
+        )
