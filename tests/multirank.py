@@ -128,6 +128,7 @@ def one_rank_mesh(folder: str) -> Iterator[Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    os.makedirs(folder, exist_ok=True)  # a FileStore in a missing folder waits forever
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=0, world_size=1)
     try:
         yield init_device_mesh("cpu", (1,))

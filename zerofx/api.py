@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ def _enter(fn):
     return zerofx_entry
 
 
-def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) -> nn.Module:
+def compile(model: nn.Module, mesh: DeviceMesh | None = None, *, config: Any = None, **options: Any) -> nn.Module:
     """Shard ``model`` over ``mesh`` (ZeRO-3 by default, ``stage=1``/``2`` on request) and
     compile it with the zerofx pipeline, in place.
 
@@ -41,7 +42,22 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) ->
 
     With ``offload_optimizer`` set, the parameter shards move to their tier now; wrap the
     optimizer with :func:`zerofx.offload_optimizer` so its state follows and it steps in windows.
+
+    ``config``: a DeepSpeed config (a dict or a JSON file's path) translated into these options
+    (zerofx/ds_config.py); keywords override what it leaves to ``"auto"``, a keyword that
+    contradicts it raises, keys with no effect here are named in one warning each, and its
+    training-loop settings (clipping, accumulation, ...) are kept in
+    ``zerofx.runtime.params.runtime_of(model).training``.
     """
+    training: dict[str, Any] = {}
+    if config is not None:
+        from zerofx.ds_config import from_deepspeed, hidden_size_of, merge_with_keywords
+
+        translation = from_deepspeed(config, hidden_size=hidden_size_of(model))
+        for line in translation.warnings:
+            warnings.warn(f"zerofx: DeepSpeed config: {line}", stacklevel=2)
+        options = merge_with_keywords(translation, options)
+        training = translation.training
     opts = Options.from_kwargs(**options)
     opts = resolve_offload_dir(opts)  # before sharding: a bad folder fails with the model untouched
     if not isinstance(model, nn.Module):
@@ -69,6 +85,7 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, **options: Any) ->
         recorder = recorder_for(opts)
         if recorder is not None:
             recorder.note("model", "state", runtime.state_report)
+    runtime.training = training
     backend = make_backend(opts, cost=cost)
     runtime.compiled = backend.zerofx_state
     model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=backend)

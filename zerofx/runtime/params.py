@@ -166,6 +166,7 @@ class ModelRuntime:
     state_tier: str = "none"  # where parameter shards and optimizer state live (offload_store.place_model_state)
     state_report: str | None = None  # the line saying so, for explain() and the dump
     compiled: Any = None  # zerofx.backend.CompileState of the compiled model (its per-graph estimates)
+    training: dict = field(default_factory=dict)  # a DeepSpeed config's training-loop settings (zerofx/ds_config.py)
 
     def on_local_grad(self, sink: torch.Tensor) -> None:
         """Post-accumulate-grad hook of every sink: schedule the boundary reduce."""

@@ -1,0 +1,431 @@
+"""DeepSpeed configs: ``zerofx.compile(model, mesh, config="ds_config.json")`` (a path or a dict).
+
+``from_deepspeed(config, hidden_size=...)`` translates the keys DeepSpeed users set into zerofx
+options, and says what it did with every other key: each key either becomes an option, is
+returned as a training-loop setting (``training``: clipping, accumulation, batch sizes, the
+optimizer and scheduler, which a loop or trainer applies, not the engine), is named in a
+one-line warning (a key with no effect here), or raises a ``ZeroFXError`` (a typo, a
+contradiction, a feature zerofx does not have). Nothing is dropped silently.
+
+    DeepSpeed                                           zerofx
+    zero_optimization.stage 1 | 2 | 3                   stage
+    zero_optimization.offload_optimizer.device          offload_optimizer: cpu -> "host", nvme -> "disk"
+      (and offload_param.device, stage 3)                 (one tier holds master shards and optimizer state)
+    ...offload_*.nvme_path                              offload_dir
+    zero_optimization.stage3_param_persistence_threshold persistence_threshold (elements)
+    zero_optimization.reduce_bucket_size (elements)     bucket_bytes (elements x the reduce dtype's size)
+    zero_optimization.stage3_prefetch_bucket_size       prefetch_bytes (elements x the compute dtype's size)
+    zero_optimization.overlap_comm = false              disable_passes += ("schedule",)
+    bf16.enabled                                        param_dtype=torch.bfloat16
+    fp16.enabled (+ initial_scale_power, loss_scale_window)  param_dtype=torch.float16, loss_scale="dynamic"
+    communication_data_type                             reduce_dtype
+    activation_checkpointing (+ cpu_checkpointing)      checkpoint="full" (+ offload_activations="host")
+
+``"auto"`` values are resolved as the HF transformers integration resolves them: bucket sizes
+and the persistence threshold from the model's hidden size (``hidden_size**2``,
+``0.9 * hidden_size**2``, ``10 * hidden_size``), or zerofx's own ``"auto"`` when the hidden size
+is unknown; ``bf16`` / ``fp16`` ``"auto"`` (which the Trainer resolves from ``--bf16`` /
+``--fp16``) is off unless a keyword argument of ``zerofx.compile`` says otherwise. Options that
+came from ``"auto"`` yield to keyword arguments; an explicit config value that a keyword argument
+contradicts is an error naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zerofx.errors import ZeroFXError
+from zerofx.options import closest
+
+__all__ = ["DeepSpeedTranslation", "from_deepspeed", "hidden_size_of", "merge_with_keywords"]
+
+_TIERS = {"none": "none", "cpu": "host", "nvme": "disk"}
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_SIZES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+
+# keys a training loop applies (returned in ``training``); one warning names them
+_TRAINING = (
+    "gradient_clipping",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "optimizer",
+    "scheduler",
+)
+# keys with no effect on what zerofx computes: logging, monitoring, DeepSpeed-internal switches
+_NO_EFFECT = (
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "dump_state",
+    "memory_breakdown",
+    "flops_profiler",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comms_logger",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "prescale_gradients",
+    "checkpoint",
+    "data_efficiency",
+    "elasticity",
+)
+_TOP = {
+    "zero_optimization",
+    "bf16",
+    "bfloat16",
+    "fp16",
+    "communication_data_type",
+    "activation_checkpointing",
+    "gradient_predivide_factor",
+    "amp",
+    *_TRAINING,
+    *_NO_EFFECT,
+}
+
+_ZERO_MAPPED = {
+    "stage",
+    "offload_optimizer",
+    "offload_param",
+    "stage3_param_persistence_threshold",
+    "reduce_bucket_size",
+    "stage3_prefetch_bucket_size",
+    "allgather_bucket_size",
+    "overlap_comm",
+    "cpu_offload",
+}
+# zero_optimization keys zerofx honours by construction (its collectives already behave so)
+_ZERO_BUILT_IN = {"contiguous_gradients": True, "reduce_scatter": True, "allgather_partitions": True}
+_ZERO_NO_EFFECT = {
+    "sub_group_size",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "round_robin_gradients",
+    "elastic_checkpoint",
+    "load_from_fp32_weights",
+    "ignore_unused_parameters",
+    "legacy_stage1",
+    "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+    "memory_efficient_linear",
+    "use_multi_rank_bucket_allreduce",
+    "log_trace_cache_warnings",
+}
+# not in zerofx (yet): an error when switched on
+_ZERO_UNSUPPORTED = {
+    "zero_quantized_weights": "quantized weight all-gathers (ZeRO++ qwZ)",
+    "zero_quantized_gradients": "quantized gradient reduction (ZeRO++ qgZ)",
+    "zero_quantized_nontrainable_weights": "quantized frozen weights (ZeRO++)",
+    "zero_hpz_partition_size": "hierarchical partitioning (ZeRO++ hpZ)",
+    "mics_shard_size": "MiCS sub-group sharding",
+    "mics_hierarchical_params_gather": "MiCS hierarchical gathers",
+}
+_ZERO = _ZERO_MAPPED | set(_ZERO_BUILT_IN) | _ZERO_NO_EFFECT | set(_ZERO_UNSUPPORTED)
+_OFFLOAD_KEYS = {
+    "device",
+    "nvme_path",
+    "pin_memory",
+    "buffer_count",
+    "buffer_size",
+    "fast_init",
+    "ratio",
+    "max_in_cpu",
+    "pipeline",
+    "pipeline_read",
+    "pipeline_write",
+}
+_FP16_KEYS = {
+    "enabled",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+    "auto_cast",
+    "fp16_master_weights_and_grads",
+}
+_AC_KEYS = {
+    "partition_activations",
+    "cpu_checkpointing",
+    "contiguous_memory_optimization",
+    "number_checkpoints",
+    "synchronize_checkpoint_boundary",
+    "profile",
+}
+
+
+@dataclass
+class DeepSpeedTranslation:
+    """What a DeepSpeed config means for zerofx (see the module docstring)."""
+
+    options: dict[str, Any] = field(default_factory=dict)  # zerofx.compile keywords
+    from_auto: set[str] = field(default_factory=set)  # options resolved from "auto": keywords override them
+    training: dict[str, Any] = field(default_factory=dict)  # for the training loop (clipping, accumulation, ...)
+    warnings: list[str] = field(default_factory=list)  # one line per key with no effect, for warnings.warn
+
+
+def hidden_size_of(model: torch.nn.Module) -> int | None:
+    """The hidden size HF's DeepSpeed integration sizes "auto" buckets by (``config.hidden_size``,
+    or the largest of ``config.hidden_sizes``), or None."""
+    config = getattr(model, "config", None)
+    sizes = getattr(config, "hidden_sizes", None)
+    if sizes:
+        return int(max(sizes))
+    size = getattr(config, "hidden_size", None)
+    return int(size) if isinstance(size, int) else None
+
+
+def _load(config: Any) -> dict:
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config) as f:
+                config = json.load(f)
+        except OSError as e:
+            raise ZeroFXError(f"config={str(config)!r}: cannot read the DeepSpeed config ({e.strerror or e})") from None
+        except json.JSONDecodeError as e:
+            raise ZeroFXError(f"config={str(config)!r} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ZeroFXError(
+            f"config must be a DeepSpeed config: a dict or the path of a JSON file, got {type(config).__name__}"
+        )
+    return config
+
+
+def _check_keys(section: dict, valid: set[str], where: str) -> None:
+    if not isinstance(section, dict):
+        raise ZeroFXError(f"DeepSpeed config: {where} must be an object, got {section!r}")
+    for key in section:
+        if key not in valid:
+            raise ZeroFXError(
+                f"DeepSpeed config: unknown key {where + '.' if where else ''}{key}"
+                f"{closest(key, valid)}; zerofx reads the keys DeepSpeed documents "
+                "(see zerofx/ds_config.py)"
+            )
+
+
+def _enabled(section: dict, where: str) -> bool | str:
+    value = section.get("enabled", False)
+    if value not in (True, False, "auto"):
+        raise ZeroFXError(f'DeepSpeed config: {where}.enabled={value!r}: give true, false or "auto"')
+    return value
+
+
+def _elements(value: Any, where: str) -> int | str:
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+        raise ZeroFXError(f'DeepSpeed config: {where}={value!r}: give a number of elements >= 0 or "auto"')
+    return int(value)
+
+
+def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedTranslation:
+    """Translate a DeepSpeed config (a dict or a JSON file's path); raises on what it cannot honour."""
+    cfg = _load(config)
+    _check_keys(cfg, _TOP, "")
+    out = DeepSpeedTranslation()
+    opts, notes = out.options, out.warnings
+
+    # -- precision ---------------------------------------------------------------------------------
+    bf16 = cfg.get("bf16", cfg.get("bfloat16", {}))
+    if "bf16" in cfg and "bfloat16" in cfg:
+        raise ZeroFXError("DeepSpeed config: both bf16 and bfloat16 are given; keep one")
+    _check_keys(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"}, "bf16")
+    fp16 = cfg.get("fp16", {})
+    _check_keys(fp16, _FP16_KEYS, "fp16")
+    if "amp" in cfg and _enabled(cfg["amp"], "amp") is True:
+        raise ZeroFXError("DeepSpeed config: amp (NVIDIA apex) is not supported; use bf16 or fp16")
+    b, f = _enabled(bf16, "bf16"), _enabled(fp16, "fp16")
+    if b is True and f is True:
+        raise ZeroFXError("DeepSpeed config: bf16.enabled and fp16.enabled are both true; choose one")
+    for name, value in (("bf16", b), ("fp16", f)):
+        if value == "auto":
+            notes.append(
+                f'{name}.enabled="auto" is resolved by the HF Trainer from --{name}; here it is off '
+                f"unless zerofx.compile(..., param_dtype=...) says otherwise"
+            )
+    if b is True:
+        opts["param_dtype"] = torch.bfloat16
+    if f is True:
+        opts["param_dtype"] = torch.float16
+        scale = fp16.get("loss_scale", 0)
+        if scale not in (0, 0.0):
+            raise ZeroFXError(
+                f"DeepSpeed config: fp16.loss_scale={scale!r} is a static loss scale; zerofx scales "
+                "dynamically: set loss_scale to 0"
+            )
+        opts["loss_scale"] = "dynamic"
+        if "initial_scale_power" in fp16:
+            opts["initial_loss_scale"] = 2.0 ** fp16["initial_scale_power"]
+        if "loss_scale_window" in fp16:
+            opts["loss_scale_window"] = fp16["loss_scale_window"]
+        ignored = sorted(set(fp16) & {"hysteresis", "consecutive_hysteresis", "min_loss_scale"})
+        if ignored:
+            notes.append(
+                f"fp16.{', fp16.'.join(ignored)}: zerofx's dynamic scaling (torch's ShardedGradScaler) backs "
+                "off at every overflow, with no hysteresis or floor"
+            )
+    if "communication_data_type" in cfg:
+        name = cfg["communication_data_type"]
+        if name not in _DTYPES:
+            raise ZeroFXError(f"DeepSpeed config: communication_data_type={name!r}: choose one of {sorted(_DTYPES)}")
+        opts["reduce_dtype"] = _DTYPES[name]
+    factor = cfg.get("gradient_predivide_factor", 1.0)
+    if factor != 1.0:
+        raise ZeroFXError(
+            f"DeepSpeed config: gradient_predivide_factor={factor!r}: zerofx averages gradients in "
+            "one division after the reduction; remove the key (or set 1.0)"
+        )
+
+    # -- ZeRO --------------------------------------------------------------------------------------
+    zero = cfg.get("zero_optimization", {})
+    _check_keys(zero, _ZERO, "zero_optimization")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ZeroFXError(f"DeepSpeed config: zero_optimization.stage={stage!r}: choose 1, 2 or 3")
+    if stage == 0:
+        raise ZeroFXError(
+            "DeepSpeed config: zero_optimization.stage is 0 (or missing): that is plain data "
+            "parallelism (use torch DDP); zerofx runs ZeRO stages 1, 2 and 3"
+        )
+    opts["stage"] = stage
+    for key, what in _ZERO_UNSUPPORTED.items():
+        if zero.get(key):
+            raise ZeroFXError(f"DeepSpeed config: zero_optimization.{key}={zero[key]!r}: {what} is not in zerofx yet")
+    for key, default in _ZERO_BUILT_IN.items():
+        if zero.get(key, default) != default:
+            notes.append(
+                f"zero_optimization.{key}={zero[key]!r} has no effect: zerofx's collectives always behave "
+                f"as {key}={str(default).lower()}"
+            )
+    no_effect = sorted(set(zero) & _ZERO_NO_EFFECT)
+    if no_effect:
+        notes.append(f"zero_optimization.{', zero_optimization.'.join(no_effect)}: no effect in zerofx")
+    if zero.get("overlap_comm", True) is False:
+        opts["disable_passes"] = ("schedule",)
+    _offload(zero, stage, opts)
+
+    compute = opts.get("param_dtype") or torch.float32
+    reduce = opts.get("reduce_dtype") or torch.float32
+    auto_sizes = {
+        "reduce_bucket_size": (lambda h: h * h, "bucket_bytes", _SIZES[reduce]),
+        "stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), "prefetch_bytes", _SIZES[compute]),
+        "stage3_param_persistence_threshold": (lambda h: 10 * h, "persistence_threshold", None),
+    }
+    for key, (from_hidden, option, element_bytes) in auto_sizes.items():
+        if key not in zero:
+            continue
+        if key.startswith("stage3_") and stage != 3:
+            notes.append(f"zero_optimization.{key} applies to stage 3 only: no effect at stage {stage}")
+            continue
+        value = _elements(zero[key], f"zero_optimization.{key}")
+        if value == "auto":
+            out.from_auto.add(option)
+            if hidden_size is None:
+                if option == "persistence_threshold":
+                    notes.append(
+                        f'zero_optimization.{key}="auto" needs the model\'s hidden size (config.hidden_size); '
+                        "none found: no parameter is kept whole"
+                    )
+                    continue
+                opts[option] = "auto"  # zerofx's own: the cost model's saturating size / one block
+                continue
+            value = from_hidden(hidden_size)
+        opts[option] = value if element_bytes is None else value * element_bytes
+    if "allgather_bucket_size" in zero and stage in (1, 2):
+        notes.append(
+            "zero_optimization.allgather_bucket_size: zerofx buckets the post-step all-gather in 32 MiB "
+            "flat buckets (zerofx/runtime/eager_buckets.py) whatever it says"
+        )
+    elif "allgather_bucket_size" in zero:
+        notes.append("zero_optimization.allgather_bucket_size applies to stages 1 and 2 only: no effect at stage 3")
+
+    # -- activation checkpointing -----------------------------------------------------------------
+    if "activation_checkpointing" in cfg:
+        ac = cfg["activation_checkpointing"]
+        _check_keys(ac, _AC_KEYS, "activation_checkpointing")
+        opts["checkpoint"] = "full"
+        if ac.get("cpu_checkpointing"):
+            opts["offload_activations"] = "host"
+        ignored = sorted(k for k in set(ac) - {"cpu_checkpointing"} if ac[k])
+        if ignored:
+            notes.append(
+                f"activation_checkpointing.{', activation_checkpointing.'.join(ignored)}: no effect (zerofx "
+                "checkpoints every transformer block of the traced graph; nothing is partitioned)"
+            )
+
+    # -- the training loop's and nobody's ---------------------------------------------------------
+    out.training = {k: cfg[k] for k in _TRAINING if k in cfg}
+    if out.training:
+        listed = ", ".join(
+            f"{k}={v!r}" if not isinstance(v, dict) else f"{k}={v.get('type', '?')}" for k, v in out.training.items()
+        )
+        notes.append(
+            f"training-loop settings zerofx leaves to the loop ({listed}): clip with "
+            "torch.nn.utils.clip_grad_norm_ (global norm over the shards), accumulate with zerofx.no_sync, "
+            "build the optimizer over model.parameters() after compile"
+        )
+    quiet = sorted(set(cfg) & set(_NO_EFFECT))
+    if quiet:
+        notes.append(f"{', '.join(quiet)}: no effect in zerofx")
+    return out
+
+
+def _offload(zero: dict, stage: int, opts: dict) -> None:
+    sections = {}
+    for key in ("offload_optimizer", "offload_param"):
+        if key in zero:
+            _check_keys(zero[key], _OFFLOAD_KEYS, f"zero_optimization.{key}")
+            device = zero[key].get("device", "none")
+            if device not in _TIERS:
+                raise ZeroFXError(
+                    f"DeepSpeed config: zero_optimization.{key}.device={device!r}: choose none, cpu or nvme"
+                )
+            if device == "nvme" and not zero[key].get("nvme_path"):
+                raise ZeroFXError(
+                    f"DeepSpeed config: zero_optimization.{key}.device=nvme needs nvme_path (a folder on a local disk)"
+                )
+            if device != "none":
+                sections[key] = zero[key]
+    if zero.get("cpu_offload"):  # DeepSpeed's old spelling of offload_optimizer.device=cpu
+        sections.setdefault("offload_optimizer", {"device": "cpu"})
+    if "offload_param" in sections and stage != 3:
+        raise ZeroFXError(
+            f"DeepSpeed config: zero_optimization.offload_param is for stage 3 (parameters are whole "
+            f"at stage {stage}); use offload_optimizer"
+        )
+    devices = {s["device"] for s in sections.values()}
+    if len(devices) > 1:
+        raise ZeroFXError(
+            "DeepSpeed config: offload_optimizer and offload_param name different devices; zerofx keeps "
+            "parameter shards and optimizer state in one tier: give both the same device"
+        )
+    paths = {s.get("nvme_path") for s in sections.values() if s["device"] == "nvme"}
+    if len(paths) > 1:
+        raise ZeroFXError(
+            "DeepSpeed config: offload_optimizer and offload_param name different nvme_path folders; "
+            "zerofx keeps both in one folder: give the same nvme_path"
+        )
+    if devices:
+        opts["offload_optimizer"] = _TIERS[devices.pop()]
+    if paths:
+        opts["offload_dir"] = paths.pop()
+
+
+def merge_with_keywords(translation: DeepSpeedTranslation, keywords: dict[str, Any]) -> dict[str, Any]:
+    """The config's options overridden by ``zerofx.compile``'s keyword arguments where the config
+    said "auto" (or nothing); a keyword that contradicts an explicit config value raises."""
+    merged = dict(translation.options)
+    for name, value in keywords.items():
+        if name in merged and name not in translation.from_auto and merged[name] != value:
+            raise ZeroFXError(
+                f"option {name}={value!r} contradicts the DeepSpeed config, which gives "
+                f"{merged[name]!r}; change one of them"
+            )
+        merged[name] = value
+    return merged
