@@ -15,10 +15,14 @@ or on disk, ``offload_optimizer`` (with ``zerofx.offload_optimizer(opt)``) keeps
 and optimizer state there; ``zerofx.MemoryTracker`` measures what the compiled graphs allocate.
 """
 
-from zerofx import (
-    checkpoint,
-    ir,  # noqa: F401  (first: registers the zerofx:: ops every other layer uses)
-)
+import warnings
+
+# torch warns "Failed to initialize NumPy" when it is imported without NumPy installed, and
+# importing zerofx is what imports torch in zerofx's own processes (the demo's ranks). zerofx
+# does not use NumPy (not a dependency), so that warning is not the user's to see from us.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+from zerofx import checkpoint, ir  # noqa: F401  (ir registers the zerofx:: ops every layer uses)
 from zerofx.api import compile, explain
 from zerofx.errors import ZeroFXError
 from zerofx.ir.collectives import CollectiveCounter
