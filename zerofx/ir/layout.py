@@ -10,10 +10,14 @@ exactly the full tensor (padding only ever sits after the last real row).
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["padded_rows", "local_rows", "row_offset", "pad_rows"]
+T = TypeVar("T")
+
+__all__ = ["padded_rows", "local_rows", "row_offset", "pad_rows", "pack_consecutive"]
 
 
 def padded_rows(full_rows: int, group_size: int) -> int:
@@ -38,3 +42,19 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if missing == 0:
         return t
     return F.pad(t, [0, 0] * (t.dim() - 1) + [0, missing])
+
+
+def pack_consecutive(items: list[T], nbytes: Callable[[T], int], limit: int) -> list[list[T]]:
+    """``items`` in order, cut into runs of at most ``limit`` bytes; an item larger than
+    ``limit`` is a run of its own (optimizer windows, export files)."""
+    runs: list[list[T]] = []
+    used = 0
+    for item in items:
+        size = nbytes(item)
+        if runs and used + size <= limit:
+            runs[-1].append(item)
+            used += size
+        else:
+            runs.append([item])
+            used = size
+    return runs

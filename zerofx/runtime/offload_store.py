@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zerofx.errors import ZeroFXError
+from zerofx.ir.layout import pack_consecutive
 from zerofx.ir.offload_ops import default_offload_dir, new_file, paged_storages
 from zerofx.runtime.params import optimizer_state, runtime_of
 
@@ -194,17 +195,7 @@ def place_model_state(model: torch.nn.Module, options) -> str:
 def _windows(params: list[torch.Tensor], window: int, state_factor: int = 3) -> list[list[torch.Tensor]]:
     """Consecutive groups of parameters whose bytes (with their optimizer state) fit ``window``;
     a parameter larger than the window is a group of its own."""
-    groups: list[list[torch.Tensor]] = []
-    used = 0
-    for p in params:
-        nbytes = _local(p).numel() * _local(p).element_size() * state_factor
-        if groups and used + nbytes <= window:
-            groups[-1].append(p)
-            used += nbytes
-        else:
-            groups.append([p])
-            used = nbytes
-    return groups
+    return pack_consecutive(params, lambda p: _local(p).numel() * _local(p).element_size() * state_factor, window)
 
 
 def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
