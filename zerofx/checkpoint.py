@@ -3,6 +3,8 @@
     zerofx.checkpoint.save("ckpt/step100", model, optimizer, extra={"step": 100})   # every rank
     extra = zerofx.checkpoint.load("ckpt/step100", model, optimizer)                 # every rank
     zerofx.checkpoint.export_full_state_dict("ckpt/step100", "model.pt")              # one process
+    zerofx.checkpoint.export("ckpt/step100", "hf_out", to="hf")   # sharded safetensors, one process
+    zerofx.checkpoint.load_hf("hf_out", model)                     # every rank reads its rows only
 
 What is saved is what torch's ``torch.distributed.checkpoint.state_dict`` helpers return for
 the model and optimizer: parameters and optimizer state are DTensors, so each rank writes only
@@ -29,6 +31,7 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +48,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from zerofx.errors import ZeroFXError
+from zerofx.ir.layout import pack_consecutive
+from zerofx.ir.offload_ops import bytes_view
 from zerofx.runtime.params import runtime_of
 
-__all__ = ["save", "load", "export_full_state_dict", "COMPLETE_MARKER"]
+__all__ = ["save", "load", "export_full_state_dict", "export", "load_hf", "COMPLETE_MARKER"]
 
 COMPLETE_MARKER = "ZEROFX_COMPLETE"
 
@@ -118,6 +123,7 @@ def save(
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "loss_scaler": scaler,
             "extra": json.loads(extra_json),
+            "hf_config": _hf_config(model),
         }
         with open(tmp / COMPLETE_MARKER, "w") as f:
             json.dump(marker, f)
@@ -170,6 +176,14 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     return info["extra"]
 
 
+def _load_in_one_process(state: dict[str, Any], reader: dcp.FileSystemReader) -> None:
+    """``dcp.load`` with no process group, without DCP's warning that there is none (which is
+    the point here, not something the user did)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+
+
 def export_full_state_dict(
     path: str | os.PathLike, out_file: str | os.PathLike | None = None
 ) -> dict[str, torch.Tensor]:
@@ -187,7 +201,274 @@ def export_full_state_dict(
     for key, item in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
             model_sd[key[len("model.") :]] = torch.empty(item.size, dtype=item.properties.dtype)
-    dcp.load({"model": model_sd}, storage_reader=reader, no_dist=True)
+    _load_in_one_process({"model": model_sd}, reader)
     if out_file is not None:
         torch.save(model_sd, out_file)
     return model_sd
+
+
+# -- checkpoints users take anywhere ----------------------------------------------------------------
+
+
+def _hf_config(model: nn.Module) -> dict[str, Any] | None:
+    """An HF transformers model's config as config.json would hold it (None for other models),
+    kept in the completion marker so that :func:`export` can write a folder ``from_pretrained``
+    loads without the user finding the config again."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_json_string", None)):
+        return None
+    out = json.loads(config.to_json_string(use_diff=False))
+    if not out.get("architectures"):
+        cls = type(model)
+        while cls.__name__.startswith("ZeroFX") and cls.__bases__:  # zerofx's sharded subclass
+            cls = cls.__bases__[0]
+        out["architectures"] = [cls.__name__]
+    return out
+
+
+_FORMATS = {
+    # to: (single file, shard file pattern, index file)
+    "hf": ("model.safetensors", "model-{i:05d}-of-{n:05d}.safetensors", "model.safetensors.index.json"),
+    "torch": ("pytorch_model.bin", "pytorch_model-{i:05d}-of-{n:05d}.bin", "pytorch_model.bin.index.json"),
+}
+
+
+def _model_tensors(path: Path) -> tuple[dcp.FileSystemReader, dict[str, TensorStorageMetadata]]:
+    reader = dcp.FileSystemReader(str(path))
+    metadata = reader.read_metadata()
+    tensors = {
+        key[len("model.") :]: item
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+    }
+    if not tensors:
+        raise ZeroFXError(f"checkpoint {path} holds no model tensors (was it written by zerofx.checkpoint.save?)")
+    return reader, tensors
+
+
+def _plan_files(
+    tensors: dict[str, TensorStorageMetadata], dtype: torch.dtype | None, max_shard_bytes: int
+) -> list[list[str]]:
+    """Consecutive keys (the model's state_dict order) in files of at most ``max_shard_bytes``
+    (a tensor larger than that is a file of its own, as in HF's save_pretrained)."""
+
+    def nbytes(key: str) -> int:
+        return tensors[key].size.numel() * (dtype or tensors[key].properties.dtype).itemsize
+
+    return pack_consecutive(list(tensors), nbytes, max_shard_bytes)
+
+
+def export(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    to: str = "hf",
+    max_shard_bytes: int = 2 << 30,
+    dtype: torch.dtype | None = None,
+    config: Any = None,
+) -> Path:
+    """Write the model of checkpoint ``path`` unsharded into a new folder ``out``, one file at a time.
+
+    ``to="hf"``: safetensors files (``model.safetensors``, or ``model-00001-of-0000N.safetensors``
+    plus ``model.safetensors.index.json`` past ``max_shard_bytes``), loadable by HF's
+    ``from_pretrained(out)`` and by ``safetensors.torch.load_file``; ``to="torch"``: the same
+    layout in ``torch.save`` files (``pytorch_model*.bin``). ``config.json`` is written from
+    ``config`` (an HF config, a dict or a config.json path) or else from the HF config the
+    checkpoint recorded when an HF model was saved. ``dtype`` casts on the way (default: the
+    stored master dtype, fp32 for a mixed-precision run).
+
+    One process, no process group. Each output file is read from the checkpoint (DCP reads just
+    those tensors' chunks from whichever rank's file holds them) and written before the next is
+    read, so memory stays near one output file, never the whole model (DeepSpeed's zero_to_fp32
+    holds the whole model). Writes into a temporary folder renamed into place at the end: an
+    error or a crash leaves no ``out``; an existing ``out`` is an error, never overwritten.
+    """
+    if to not in _FORMATS:
+        raise ZeroFXError(f"export: to={to!r}; choose one of {sorted(_FORMATS)}")
+    if max_shard_bytes < 1:
+        raise ZeroFXError(f"export: max_shard_bytes must be positive, got {max_shard_bytes}")
+    path, out = Path(path), Path(out)
+    info = _check_complete(path)
+    if out.exists():
+        raise ZeroFXError(f"export: {out} already exists; choose a new folder (nothing was written)")
+    hf_config = _config_dict(config) if config is not None else info.get("hf_config")
+    reader, tensors = _model_tensors(path)
+    groups = _plan_files(tensors, dtype, max_shard_bytes)
+    single, pattern, index_name = _FORMATS[to]
+    names = [single] if len(groups) == 1 else [pattern.format(i=i + 1, n=len(groups)) for i in range(len(groups))]
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir(parents=True)
+    try:
+        weight_map: dict[str, str] = {}
+        total = 0
+        for name, keys in zip(names, groups):
+            total += _write_file(tmp / name, to, keys, tensors, reader, dtype)
+            weight_map.update(dict.fromkeys(keys, name))
+        if len(names) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / index_name).write_text(json.dumps(index, indent=2))
+        if hf_config is not None:
+            stored_as = str(dtype or next(iter(tensors.values())).properties.dtype).removeprefix("torch.")
+            keys = [k for k in ("dtype", "torch_dtype") if k in hf_config] or ["dtype"]
+            hf_config = {**hf_config, **dict.fromkeys(keys, stored_as)}
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        for f in tmp.iterdir():
+            if f.suffix == ".json" or to == "torch":
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        os.rename(tmp, out)  # fails if a non-empty out appeared meanwhile (POSIX rename)
+        _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _read_tensors(
+    keys: list[str], tensors: dict[str, TensorStorageMetadata], reader: dcp.FileSystemReader, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """The whole tensors ``keys`` of the checkpoint's model (DCP reads their chunks from every
+    rank's file), cast to ``dtype``."""
+    part = {k: torch.empty(tensors[k].size, dtype=tensors[k].properties.dtype) for k in keys}
+    _load_in_one_process({"model": part}, reader)
+    return part if dtype is None else {k: v.to(dtype) for k, v in part.items()}
+
+
+# safetensors' dtype names (its format: 8-byte little-endian header length, a JSON header of
+# dtype / shape / byte offsets per tensor, then the tensors' bytes)
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def _write_file(
+    file: Path,
+    to: str,
+    keys: list[str],
+    tensors: dict[str, TensorStorageMetadata],
+    reader: dcp.FileSystemReader,
+    dtype: torch.dtype | None,
+) -> int:
+    """Write one output file; returns its tensors' bytes.
+
+    torch files hold the file's tensors at once (``torch.save`` of a dict). safetensors files
+    are written here rather than by ``safetensors.torch.save_file``, which first copies every
+    tensor into one bytes object (twice the file in memory): the header follows from the
+    checkpoint's metadata alone, then each tensor is read from the checkpoint and its bytes
+    written straight from the tensor, so memory holds one tensor, not one file. Reading is
+    left to the safetensors library (the tests load these files with it)."""
+    if to == "torch":
+        part = _read_tensors(keys, tensors, reader, dtype)
+        torch.save(part, file)
+        return sum(v.numel() * v.element_size() for v in part.values())
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for k in keys:
+        kind = dtype or tensors[k].properties.dtype
+        if kind not in _SAFETENSORS_DTYPES:
+            raise ZeroFXError(f"export: {k} is {kind}, which safetensors cannot hold")
+        nbytes = tensors[k].size.numel() * kind.itemsize
+        header[k] = {
+            "dtype": _SAFETENSORS_DTYPES[kind],
+            "shape": list(tensors[k].size),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(file, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for k in keys:
+            (value,) = _read_tensors([k], tensors, reader, dtype).values()
+            f.write(bytes_view(value.contiguous()))
+            del value
+        f.flush()
+        os.fsync(f.fileno())
+    return offset
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            return json.loads(Path(config).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ZeroFXError(f"export: cannot read config {config}: {e}") from None
+    if callable(getattr(config, "to_json_string", None)):
+        return json.loads(config.to_json_string(use_diff=False))
+    raise ZeroFXError(f"export: config must be an HF config, a dict or a config.json path, got {type(config).__name__}")
+
+
+def _check_compatible(
+    what: str, model: nn.Module, state: dict[str, Any], stored: dict[str, TensorStorageMetadata]
+) -> None:
+    """Every tensor ``state`` (the model's state_dict) needs is stored with its shape; else one
+    error naming the differences, raised before anything is read into the model."""
+    problems = []
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        item = stored.get(key)
+        if item is None:
+            problems.append(f"{key} is missing")
+        elif tuple(item.size) != tuple(value.shape):
+            problems.append(f"{key} has shape {tuple(item.size)} there, {tuple(value.shape)} in the model")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise ZeroFXError(f"{what} does not fit this {type(model).__name__}: {shown} (the model was not changed)")
+
+
+def load_hf(path: str | os.PathLike, model: nn.Module) -> None:
+    """Load HF safetensors weights (a ``save_pretrained`` or :func:`export` folder) into ``model``;
+    a collective when ``model`` is sharded.
+
+    Through DCP's ``HuggingFaceStorageReader``: every rank reads only the rows of its own shards
+    out of the files (safetensors slices), so no rank holds the whole checkpoint. Works before
+    or after ``zerofx.compile``, at any stage and mesh; stored dtypes are converted to the
+    model's. Keys and shapes are checked first: a checkpoint of another model is one error
+    naming what differs, with the model untouched. Tensors the model ties to another (HF leaves
+    ``lm_head.weight`` out when it is the embedding) are read through the tensor they share.
+    """
+    try:
+        import safetensors  # noqa: F401  (the reader imports it lazily: fail here, clearly)
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+    except ImportError:
+        raise ZeroFXError("load_hf reads safetensors: pip install 'zerofx[hf]' (or safetensors)") from None
+    path = Path(path)
+    if not path.is_dir() or not any(path.glob("*.safetensors")):
+        raise ZeroFXError(f"load_hf: {path} is not a folder with .safetensors files")
+    reader = HuggingFaceStorageReader(str(path))
+    stored = {
+        k: v for k, v in reader.read_metadata().state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
+    }
+    state = get_model_state_dict(model)
+    # a tied parameter missing from the files is loaded through the name that is there
+    by_param: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), []).append(name)
+    for names in by_param.values():
+        present = [n for n in names if n in stored]
+        if present:
+            for n in names:
+                if n not in stored:
+                    state.pop(n, None)
+    _check_compatible(f"checkpoint {path}", model, state, stored)
+    dcp.load(state, storage_reader=reader)
+    set_model_state_dict(model, state)
+    runtime = runtime_of(model)
+    if runtime is not None:
+        runtime.refresh()

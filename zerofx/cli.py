@@ -50,6 +50,23 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("--stage", type=int, choices=(1, 2, 3), default=3, help="ZeRO stage (default 3)")
     verify.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for FACTORY")
     verify.add_argument("--json", dest="json_path", default=None, help="also write every rank's report here")
+    convert = sub.add_parser(
+        "convert",
+        help="write a zerofx checkpoint's model unsharded: HF safetensors or torch files",
+        description="Read the model of CHECKPOINT (a zerofx.checkpoint.save folder, any world size) "
+        "and write it unsharded into the new folder OUT, one file at a time (memory stays near one "
+        "output file): --to hf writes safetensors (+ index, + config.json when the checkpoint is of "
+        "an HF model or --config is given), loadable by from_pretrained(OUT); --to torch writes "
+        "torch.save files in the same layout. OUT must not exist.",
+    )
+    convert.add_argument("checkpoint", metavar="CHECKPOINT")
+    convert.add_argument("out", metavar="OUT")
+    convert.add_argument("--to", choices=("hf", "torch"), default="hf", help="output format (default hf)")
+    convert.add_argument(
+        "--max-shard-size", default="2GiB", help="largest output file, e.g. 5GB, 500MiB or bytes (default 2GiB)"
+    )
+    convert.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="cast on the way")
+    convert.add_argument("--config", default=None, help="config.json to write alongside (HF)")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -69,6 +86,47 @@ def main(argv: list[str] | None = None) -> int:
         run_demo(cfg)
     elif args.command == "verify":
         return _verify(parser, args)
+    elif args.command == "convert":
+        return _convert(parser, args)
+    return 0
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5e9, ``"500MiB"`` -> 500 * 2**20, ``"1024"`` -> 1024 (HF's max_shard_size spellings)."""
+    number = text.strip().rstrip("bBiIkKmMgG")
+    unit = text.strip()[len(number) :].lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise ValueError(f"{text!r} is not a size (e.g. 5GB, 500MiB, 1048576)")
+    return int(value * _UNITS[unit])
+
+
+def _convert(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import torch
+
+    from zerofx import checkpoint
+    from zerofx.errors import ZeroFXError
+
+    try:
+        max_bytes = parse_size(args.max_shard_size)
+    except ValueError as e:
+        parser.error(f"--max-shard-size: {e}")
+    dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    try:
+        out = checkpoint.export(
+            args.checkpoint, args.out, to=args.to, max_shard_bytes=max_bytes, dtype=dtype, config=args.config
+        )
+    except ZeroFXError as e:
+        print(f"zerofx convert: {e}", file=sys.stderr)
+        return 1
+    files = sorted(p.name for p in out.iterdir())
+    print(f"zerofx convert: wrote {out} ({len(files)} files: {', '.join(files)})")
     return 0
 
 

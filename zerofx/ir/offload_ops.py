@@ -26,7 +26,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["OFFLOAD", "RELOAD", "RELOAD_WAIT", "PAGE_OUT", "default_offload_dir", "new_file", "paged_storages"]
+__all__ = [
+    "OFFLOAD",
+    "RELOAD",
+    "RELOAD_WAIT",
+    "PAGE_OUT",
+    "bytes_view",
+    "default_offload_dir",
+    "new_file",
+    "paged_storages",
+]
 
 
 def default_offload_dir() -> str:
@@ -49,7 +58,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int = 0) -> None:
         data, offset = data[n:], offset + n
 
 
-def _bytes_view(t: torch.Tensor) -> memoryview:
+def bytes_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (and without needing numpy); the
     caller keeps ``t`` alive while the view is used."""
     nbytes = t.numel() * t.element_size()
@@ -84,7 +93,7 @@ def _write_parked(fd: int, src: torch.Tensor, event: Any) -> None:
     try:
         if event is not None:
             event.synchronize()
-        _pwrite_all(fd, _bytes_view(src))
+        _pwrite_all(fd, bytes_view(src))
     finally:
         os.close(fd)
 
