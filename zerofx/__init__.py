@@ -23,7 +23,7 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 from zerofx import checkpoint, ir  # noqa: F401  (ir registers the zerofx:: ops every layer uses)
-from zerofx.api import compile, explain
+from zerofx.api import Gathered, compile, explain, gathered
 from zerofx.errors import ZeroFXError
 from zerofx.ir.collectives import CollectiveCounter
 from zerofx.measure.graph_buffers import MemoryTracker
@@ -39,6 +39,8 @@ __version__ = "0.1.0"
 __all__ = [
     "compile",
     "explain",
+    "gathered",
+    "Gathered",
     "shard",
     "no_sync",
     "loss_scaler",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -17,7 +19,7 @@ from zerofx.runtime.offload_store import place_model_state, resolve_offload_dir
 from zerofx.runtime.params import runtime_of
 from zerofx.sharding import is_sharded, mesh_of, shard
 
-__all__ = ["compile", "explain"]
+__all__ = ["compile", "explain", "gathered", "Gathered"]
 
 
 def _enter(fn):
@@ -121,3 +123,56 @@ def explain(model: nn.Module, *example_inputs: Any, backward: bool = True, **opt
     report = recorder.summary()
     print(report)
     return report
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What :func:`gathered` holds: ``nbytes`` of whole parameters beyond the shards (per rank)."""
+
+    params: int
+    nbytes: int
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[Gathered]:
+    """Gather every sharded parameter once; forwards inside read them with no communication.
+
+        with torch.no_grad(), zerofx.gathered(model) as g:   # g.nbytes: the memory it costs
+            tokens = model.generate(ids, max_new_tokens=64)
+
+    For inference on a ZeRO-3 model: generation calls forward once per token, and each forward
+    otherwise all-gathers every parameter (what makes ZeRO-3 generation slow in RLHF loops).
+    Entering is a collective (one all-gather per parameter, the same order on every rank); the
+    whole parameters, in the compute dtype, stay until the context exits, so each rank holds
+    the whole model for that long: ``nbytes`` says how much that adds (0 for stages 1 and 2,
+    which keep whole copies anyway). Inside, the model runs eagerly (not through its compiled
+    graphs: shapes change every token) and a forward that would need gradients for a trainable
+    parameter is an error: the gathered copies are detached from the shards.
+    """
+    runtime = runtime_of(model)
+    if runtime is None:
+        raise ZeroFXError("zerofx.gathered: the model is not sharded by zerofx (zerofx.compile or zerofx.shard)")
+    if runtime.gathered is not None:  # nested: the outer context already holds them
+        yield Gathered(len(runtime.gathered), 0)
+        return
+    whole: dict = {}
+    extra = 0
+    with torch.no_grad():
+        for state in runtime.states:
+            if state.full is not None:  # stages 1 and 2: the whole copy forward already reads
+                whole[state] = state.full
+                continue
+            value = state.param.full_tensor()  # an all-gather unless the parameter is kept whole
+            if state.compute_dtype is not None:
+                value = value.to(state.compute_dtype)
+            whole[state] = value
+            if not state.whole or state.compute_dtype is not None:  # not the shard itself
+                extra += value.numel() * value.element_size()
+    compiled = model.__dict__.get("_compiled_call_impl")
+    runtime.gathered = whole
+    model._compiled_call_impl = None
+    try:
+        yield Gathered(len(whole), extra)
+    finally:
+        runtime.gathered = None
+        model._compiled_call_impl = compiled

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from zerofx.errors import ZeroFXError
 from zerofx.ir.layout import local_rows, row_offset
 from zerofx.runtime import eager_buckets
 
@@ -87,6 +88,14 @@ class ParamState:
 
     def forward_value(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The whole parameter for forward, through the markers of this stage and mode."""
+        if self.runtime.gathered is not None:  # inside zerofx.gathered(model): no communication
+            if param.requires_grad and torch.is_grad_enabled():
+                raise ZeroFXError(
+                    f"{self.qualname}: zerofx.gathered(model) is for inference (generate, evaluation): "
+                    "the whole parameters it holds are not connected to the shards' gradients. "
+                    "Run the forward under torch.no_grad() / torch.inference_mode(), or outside the context to train"
+                )
+            return self.runtime.gathered[self]
         ops = torch.ops.zerofx
         local = param.to_local()
         run, rdt, cdt = self.runtime, self.reduce_dtype, self.compute_dtype
@@ -167,6 +176,7 @@ class ModelRuntime:
     state_report: str | None = None  # the line saying so, for explain() and the dump
     compiled: Any = None  # zerofx.backend.CompileState of the compiled model (its per-graph estimates)
     training: dict = field(default_factory=dict)  # a DeepSpeed config's training-loop settings (zerofx/ds_config.py)
+    gathered: dict | None = None  # ParamState -> whole parameter, inside zerofx.gathered(model)
 
     def on_local_grad(self, sink: torch.Tensor) -> None:
         """Post-accumulate-grad hook of every sink: schedule the boundary reduce."""

@@ -1,0 +1,114 @@
+"""Rank side of tests/test_hf.py: an HF LlamaForCausalLM (from a config, no download) trained,
+saved, exported, loaded back with ``zerofx.checkpoint.load_hf`` and asked to ``generate``."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.multirank import attempt
+
+VOCAB = 96
+PROMPT = torch.tensor([[3, 17, 42, 5, 9], [1, 2, 3, 4, 5]])
+NEW_TOKENS = 4
+
+
+def tiny_llama(seed: int = 0, hidden: int = 32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def _mesh(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def _full_state(model) -> dict[str, torch.Tensor]:
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
+    }
+
+
+def train_and_save(rank: int, world: int, folder: str) -> None:
+    """Stage 3: two AdamW steps on rank-dependent tokens, then a checkpoint; rank 0 also writes
+    the trained whole parameters, which the export must reproduce exactly."""
+    import zerofx
+
+    model = zerofx.compile(tiny_llama(), _mesh(world))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(2):
+        ids = torch.randint(0, VOCAB, (2, 12), generator=gen)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    zerofx.checkpoint.save(f"{folder}/ckpt", model, opt)
+    state = _full_state(model)
+    if rank == 0:
+        torch.save(state, f"{folder}/trained.pt")
+
+
+def _generate(model, **kwargs) -> torch.Tensor:
+    return model.generate(
+        PROMPT,
+        attention_mask=torch.ones_like(PROMPT),
+        pad_token_id=0,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        **kwargs,
+    )
+
+
+def load_and_generate(rank: int, world: int, folder: str, stages: list[int]) -> dict:
+    """Per stage: a differently initialized model, compiled, loaded from the exported HF folder;
+    its parameters must be the trained ones bit for bit, and generate() must give the
+    reference's tokens with and without ``zerofx.gathered``."""
+    import zerofx
+
+    trained = torch.load(f"{folder}/trained.pt")
+    reference = tiny_llama(seed=7).eval()
+    reference.load_state_dict(trained)
+    with torch.no_grad():
+        want_tokens = _generate(reference)
+        want_logits = reference(input_ids=PROMPT).logits
+    results: dict = {}
+
+    def one(stage: int) -> dict:
+        model = zerofx.compile(tiny_llama(seed=stage).eval(), _mesh(world), stage=stage)
+        zerofx.checkpoint.load_hf(f"{folder}/hf", model)
+        loaded = _full_state(model)
+        out = {"params_equal": sorted(k for k in trained if torch.equal(loaded[k], trained[k]))}
+        with torch.no_grad():
+            out["per_step_tokens"] = _generate(model).tolist()
+            with zerofx.gathered(model) as g:
+                out["gathered_nbytes"] = g.nbytes
+                out["gathered_tokens"] = _generate(model).tolist()
+                out["gathered_logits_equal"] = torch.equal(model(input_ids=PROMPT).logits, want_logits)
+        try:  # gradients cannot flow through the gathered copies: an error, not a silent no-op
+            with zerofx.gathered(model):
+                model(input_ids=PROMPT)
+            out["grad_error"] = None
+        except zerofx.ZeroFXError as e:
+            out["grad_error"] = str(e)
+        out["expected_nbytes"] = sum(
+            s.param.numel() * s.param.element_size() for s in zerofx.sharding.runtime_of(model).states if not s.whole
+        )
+        return out
+
+    for stage in stages:
+        attempt(results, f"stage{stage}", lambda: one(stage))
+    results["want_tokens"] = want_tokens.tolist()
+    results["keys"] = sorted(trained)
+    return results

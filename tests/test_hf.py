@@ -1,0 +1,195 @@
+"""Checkpoints users take anywhere, and generation (issue 18, items 4 and 5), on an HF Llama.
+
+Two gloo runs at 2 ranks: train + save (stage 3), then, after a one-process export to HF
+safetensors, load + generate at stages 1, 2 and 3. The rest runs in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+# the hf extra, which tox installs with the test extra (pip install -e ".[test,hf]")
+import transformers  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from torch import nn
+
+import zerofx
+import zerofx.checkpoint as ck
+from tests import hf_scenarios as hs
+from tests.multirank import run_ranks, scenario_results
+from zerofx import ZeroFXError
+from zerofx.cli import main as cli_main
+from zerofx.cli import parse_size
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-rank stage-3 checkpoint of the tiny Llama, its trained whole parameters, and its
+    export to HF safetensors in several files."""
+    folder = tmp_path_factory.mktemp("hf")
+    run_ranks(hs.train_and_save, 2, str(folder))
+    ck.export(folder / "ckpt", folder / "hf", max_shard_bytes=40_000)
+    return folder, torch.load(folder / "trained.pt")
+
+
+def test_export_to_hf_loads_with_from_pretrained_and_safetensors(trained):
+    folder, params = trained
+    out = folder / "hf"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 1 and sorted(set(index["weight_map"].values())) == files
+    assert set(index["weight_map"]) == set(params)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in params.values())
+    from_files = {}
+    for name in files:
+        from_files.update(load_file(out / name))
+    assert set(from_files) == set(params)
+    assert all(torch.equal(from_files[k], params[k]) for k in params)
+
+    config = json.loads((out / "config.json").read_text())  # recorded by checkpoint.save
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["hidden_size"] == 32
+    hf = transformers.LlamaForCausalLM.from_pretrained(out)
+    loaded = hf.state_dict()
+    assert set(loaded) == set(params)
+    assert [k for k in params if not torch.equal(loaded[k], params[k])] == []
+
+
+def test_export_to_torch_files_and_dtype(trained, tmp_path):
+    folder, params = trained
+    out = ck.export(folder / "ckpt", tmp_path / "pt", to="torch")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "pytorch_model.bin"]
+    sd = torch.load(out / "pytorch_model.bin")
+    assert [k for k in params if not torch.equal(sd[k], params[k])] == []
+    hf = transformers.LlamaForCausalLM.from_pretrained(out)
+    assert all(torch.equal(hf.state_dict()[k], params[k]) for k in params)
+
+    bf16 = ck.export(folder / "ckpt", tmp_path / "bf16", dtype=torch.bfloat16)
+    sd = load_file(bf16 / "model.safetensors")
+    assert all(sd[k].dtype == torch.bfloat16 and torch.equal(sd[k], params[k].bfloat16()) for k in params)
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_load_hf_and_generate_at_every_stage(trained):
+    folder, params = trained
+    per_rank = run_ranks(hs.load_and_generate, 2, str(folder), [1, 2, 3], timeout=600)
+    for r in per_rank:
+        want = r["want_tokens"]
+        assert len(want[0]) == hs.PROMPT.shape[1] + hs.NEW_TOKENS
+    for stage in (1, 2, 3):
+        for rank, got in enumerate(scenario_results(per_rank, f"stage{stage}")):
+            where = f"stage {stage}, rank {rank}"
+            assert got["params_equal"] == sorted(params), where  # every parameter, bit for bit
+            assert got["per_step_tokens"] == per_rank[rank]["want_tokens"], where
+            assert got["gathered_tokens"] == per_rank[rank]["want_tokens"], where
+            assert got["gathered_logits_equal"], where
+            assert got["grad_error"] is not None and "zerofx.gathered(model) is for inference" in got["grad_error"]
+            # stage 3 holds the whole parameters while inside; stages 1 and 2 keep them anyway
+            assert got["gathered_nbytes"] == (got["expected_nbytes"] if stage == 3 else 0), where
+            if stage == 3:
+                assert got["gathered_nbytes"] > 0
+
+
+def test_load_hf_refuses_another_models_checkpoint_with_the_model_untouched(trained):
+    folder, _ = trained
+    other = hs.tiny_llama(seed=3, hidden=48)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ZeroFXError, match=r"does not fit this LlamaForCausalLM: model\.embed_tokens\.weight has shape"):
+        ck.load_hf(folder / "hf", other)
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    with pytest.raises(ZeroFXError, match="not a folder with .safetensors files"):
+        ck.load_hf(folder / "ckpt", other)
+
+
+def test_load_hf_into_an_unsharded_model(trained):
+    folder, params = trained
+    model = hs.tiny_llama(seed=11)
+    ck.load_hf(folder / "hf", model)
+    assert all(torch.equal(model.state_dict()[k], params[k]) for k in params)
+
+
+def test_export_refuses_an_existing_folder_and_leaves_nothing_when_it_fails(trained, tmp_path, monkeypatch):
+    folder, _ = trained
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(ZeroFXError, match="already exists; choose a new folder"):
+        ck.export(folder / "ckpt", tmp_path / "taken")
+    with pytest.raises(ZeroFXError, match="to='onnx'"):
+        ck.export(folder / "ckpt", tmp_path / "x", to="onnx")
+    with pytest.raises(ZeroFXError, match="is incomplete|does not exist"):
+        ck.export(folder / "hf", tmp_path / "x")  # not a zerofx checkpoint
+
+    calls = []
+    real = ck._write_file
+
+    def fail_on_second(file, *args):
+        calls.append(file)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(file, *args)
+
+    monkeypatch.setattr(ck, "_write_file", fail_on_second)
+    with pytest.raises(OSError, match="disk full"):
+        ck.export(folder / "ckpt", tmp_path / "partial", max_shard_bytes=40_000)
+    assert len(calls) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no output, no temporary folder
+
+
+def test_convert_command_line(trained, tmp_path, capsys):
+    folder, params = trained
+    assert cli_main(["convert", str(folder / "ckpt"), str(tmp_path / "out"), "--max-shard-size", "50KB"]) == 0
+    assert "zerofx convert: wrote" in capsys.readouterr().out
+    files = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert len(files) == 2  # ~75 kB of fp32 parameters in files of at most 50 kB
+    assert cli_main(["convert", str(folder / "ckpt"), str(tmp_path / "out")]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MiB") == 500 << 20 and parse_size("1024") == 1024
+    with pytest.raises(ValueError, match="is not a size"):
+        parse_size("5 parsecs")
+
+
+_RSS_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from torch import nn
+    import zerofx.checkpoint as ck
+    from zerofx.measure.allocations import peak_rss_bytes, reset_peak_rss
+    folder, shard = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(16)])  # 64 MiB fp32
+    ck.save(folder + "/ckpt", model)
+    ck.export(folder + "/ckpt", folder + "/warm", to="torch")  # the first load imports DCP's reader side
+    del model
+    import gc; gc.collect()
+    reset_peak_rss()
+    import zerofx.measure.allocations as a
+    base = a.rss_bytes()
+    ck.export(folder + "/ckpt", folder + "/out", max_shard_bytes=shard)
+    print(json.dumps({"base": base, "peak": peak_rss_bytes()}))
+    """
+)
+
+
+def test_export_memory_stays_near_one_output_file(tmp_path):
+    """64 MiB of parameters (4 MiB tensors) exported in 16 MiB files: the process's resident
+    memory grows by less than two files' worth, and by less than half the model (a whole-model
+    export, as zero_to_fp32 does, needs all 64 MiB). Export holds one tensor at a time, so the
+    growth follows the largest tensor (its copy, DCP's read of it, what the allocator keeps)."""
+    shard = 16 << 20
+    run = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, str(tmp_path), str(shard)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) == 4
+    assert got["peak"] - got["base"] < 2 * shard, got  # 32 MiB: also half the model
+
+
+def test_gathered_needs_a_sharded_model():
+    with pytest.raises(ZeroFXError, match="not sharded by zerofx"):
+        with zerofx.gathered(nn.Linear(2, 2)):
+            pass
