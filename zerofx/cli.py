@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zerofx.demo import DemoConfig, run_demo
+from zerofx.demo import DemoConfig, check_plotting, run_demo
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +26,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("bf16", "fp32"),
         default=None,
         help="compute dtype; bf16 gathers bf16 from fp32 master shards",
+    )
+    demo.add_argument("--plot", dest="plot_dir", default=None, help="write loss.png and memory.png here")
+    demo.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines"),
+        default="auto",
+        help="a progress bar redrawn in place, or a line per step (auto: a bar on a terminal)",
     )
     verify = sub.add_parser(
         "verify",
@@ -82,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
             dump_dir=args.dump_dir,
             stage=args.stage,
             param_dtype=None if args.param_dtype == "fp32" else args.param_dtype,
+            progress=args.progress == "bar" or (args.progress == "auto" and sys.stdout.isatty()),
+            plot_dir=args.plot_dir,
         )
+        if cfg.plot_dir:
+            check_plotting()
         run_demo(cfg)
     elif args.command == "verify":
         return _verify(parser, args)

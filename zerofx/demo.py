@@ -7,6 +7,10 @@ as ``torchrun --standalone --nproc-per-node N`` would, so nothing here is a home
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import sys
 import time
 from dataclasses import dataclass
 
@@ -29,6 +33,36 @@ class DemoConfig:
     dump_dir: str | None = None
     stage: int = 3
     param_dtype: str | None = None  # "bf16" for bf16 compute from fp32 master shards
+    progress: bool = False  # one progress line redrawn in place (a terminal) instead of a line per step
+    plot_dir: str | None = None  # write loss.png, memory.png and demo.json here
+
+
+class ProgressLine:
+    """A progress bar on one terminal line, redrawn in place: ``[####......] 7/20`` with the
+    step's numbers and the time left. A dependency (tqdm, rich) would do the same for the one
+    bar the demo draws; this is the few lines it needs, and nothing to install."""
+
+    def __init__(self, total: int, stream=None):
+        self.total = total
+        self.stream = stream or sys.stdout
+        self.first_done: float | None = None  # when the first step (which compiles) ended
+
+    def update(self, done: int, text: str) -> None:
+        width = shutil.get_terminal_size((100, 20)).columns
+        now = time.perf_counter()
+        if self.first_done is None:
+            self.first_done = now
+        # time left from the steps after the first: compiling makes the first one no guide
+        eta = (now - self.first_done) / (done - 1) * (self.total - done) if done > 1 else 0.0
+        bar_width = 20
+        filled = bar_width * done // self.total
+        line = f"[{'#' * filled}{'.' * (bar_width - filled)}] {done}/{self.total} ETA {eta:.0f}s {text}"
+        self.stream.write("\r" + line[: width - 1].ljust(width - 1))
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
 
 
 def _mb(n: float) -> str:
@@ -68,16 +102,20 @@ def _rank_main(cfg: DemoConfig) -> dict:
             f"parameters ({_mb(psi)}), ZeRO-{cfg.stage}{' with ' + cfg.param_dtype + ' compute' if cfg.param_dtype else ''} "
             f"over {world} gloo ranks, {cfg.steps} AdamW steps"
         )
-        say(f"{'step':>9} {'loss':>8} {'time':>9} {'all-gather':>12} {'reduce-scatter':>15}")
+        bar = ProgressLine(cfg.steps) if cfg.progress and rank == 0 else None
+        if bar is None:
+            say(f"{'step':>9} {'loss':>8} {'time':>9} {'all-gather':>12} {'reduce-scatter':>15}")
         comm_per_step = {}
+        series: dict[str, list[float]] = {"loss": [], "measured_peak": [], "step_ms": []}
         started = time.perf_counter()
         for step in range(cfg.steps):
             rows = dataset[torch.randint(0, cfg.dataset_size, (cfg.batch,), generator=gen)]
             tokens, targets = rows[:, :-1], rows[:, 1:]
             t0 = time.perf_counter()
             with zerofx.CollectiveCounter() as comm:  # stages 1-2 all-gather after the step
-                loss = model(tokens, targets)
-                loss.backward()
+                with zerofx.MemoryTracker() as mem:  # what the compiled graphs allocate
+                    loss = model(tokens, targets)
+                    loss.backward()
                 opt.step()
             if step == cfg.steps - 1:
                 state = zerofx.model_state_bytes(model, opt)  # grads still held: the step's peak
@@ -86,11 +124,24 @@ def _rank_main(cfg: DemoConfig) -> dict:
             mean_loss = loss.detach().float()
             dist.all_reduce(mean_loss)
             comm_per_step = dict(comm.bytes)
-            say(
-                f"{step + 1:>4}/{cfg.steps:<4} {mean_loss.item() / world:8.4f} {elapsed * 1e3:7.0f}ms "
-                f"{_mb(comm.bytes['all_gather']):>12} {_mb(comm.bytes['reduce_scatter']):>15}",
-                flush=True,
-            )
+            series["loss"].append(mean_loss.item() / world)
+            series["measured_peak"].append(mem.peak)
+            series["step_ms"].append(elapsed * 1e3)
+            if bar is not None:
+                bar.update(
+                    step + 1,
+                    f"loss {mean_loss.item() / world:.4f} {elapsed * 1e3:.0f} ms/step "
+                    f"all-gather {_mb(comm.bytes['all_gather'])} reduce-scatter {_mb(comm.bytes['reduce_scatter'])}",
+                )
+            else:
+                say(
+                    f"{step + 1:>4}/{cfg.steps:<4} {mean_loss.item() / world:8.4f} {elapsed * 1e3:7.0f}ms "
+                    f"{_mb(comm.bytes['all_gather']):>12} {_mb(comm.bytes['reduce_scatter']):>15}",
+                    flush=True,
+                )
+        if bar is not None:
+            bar.close()
+            say(f"loss {series['loss'][0]:.4f} -> {series['loss'][-1]:.4f}")
         # tensors, not all_gather_object: object collectives need NumPy, which zerofx does not
         mine = torch.tensor([state.params, state.grads, state.optimizer, state.total], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -117,9 +168,77 @@ def _rank_main(cfg: DemoConfig) -> dict:
                 bound += f"; all-gathers move {cfg.param_dtype}"
             print(f"collective bytes per step per rank: {_mb(moved)} ({bound})")
             print(f"{cfg.steps} steps in {total_time:.1f}s (first step includes compilation)")
+            if cfg.plot_dir:
+                series["estimated_peak"] = _estimated_peak(model)
+                for line in write_plots(cfg, series):
+                    print(line)
         return {"state": per_rank[rank], "comm": comm_per_step, "psi": psi}
     finally:
         dist.destroy_process_group()
+
+
+def _estimated_peak(model) -> int:
+    """The cost model's predicted forward + backward peak of the compiled graphs (every frame
+    in the order it ran), what ``MemoryTracker.peak`` measures."""
+    from zerofx.passes.cost_model import predict_step_peak
+    from zerofx.runtime.params import runtime_of
+
+    estimates = runtime_of(model).compiled.memory_estimates
+    frames = sorted({g for g, kind in estimates if kind == "backward"}, key=lambda g: int(g.removeprefix("frame")))
+    return predict_step_peak(estimates, frames)
+
+
+def check_plotting() -> None:
+    """``--plot`` needs matplotlib (the plots extra): fail before any rank starts."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("zerofx demo --plot draws with matplotlib: pip install 'zerofx[plots]'") from None
+
+
+def write_plots(cfg: DemoConfig, series: dict) -> list[str]:
+    """loss.png (loss per step), memory.png (per step: the measured peak of what the compiled
+    graphs allocate, against the cost model's estimate) and demo.json (the numbers) in
+    ``cfg.plot_dir``; returns the lines saying where they are."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(cfg.plot_dir, exist_ok=True)
+    steps = list(range(1, len(series["loss"]) + 1))
+    title = f"zerofx demo: GPT, ZeRO-{cfg.stage}, {cfg.world_size} ranks"
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, series["loss"], marker="o", markersize=3)
+    ax.set(xlabel="step", ylabel="loss (mean over ranks)", title=title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    loss_png = os.path.join(cfg.plot_dir, "loss.png")
+    fig.savefig(loss_png, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(
+        steps, [b / 2**20 for b in series["measured_peak"]], marker="o", markersize=3, label="measured (MemoryTracker)"
+    )
+    ax.axhline(series["estimated_peak"] / 2**20, color="C1", linestyle="--", label="estimated (cost model)")
+    ax.set(xlabel="step", ylabel="forward + backward peak, MiB (rank 0)", title=title)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    memory_png = os.path.join(cfg.plot_dir, "memory.png")
+    fig.savefig(memory_png, dpi=120)
+    plt.close(fig)
+
+    data_json = os.path.join(cfg.plot_dir, "demo.json")
+    with open(data_json, "w") as f:
+        json.dump({"config": cfg.__dict__, **series}, f, indent=2)
+    last = series["measured_peak"][-1]
+    return [
+        f"plots: {loss_png}, {memory_png} (numbers: {data_json}); peak of the last step "
+        f"{_mb(last)} measured, {_mb(series['estimated_peak'])} estimated"
+    ]
 
 
 def run_demo(cfg: DemoConfig) -> dict:
