@@ -112,3 +112,77 @@ def load_and_generate(rank: int, world: int, folder: str, stages: list[int]) -> 
     results["want_tokens"] = want_tokens.tolist()
     results["keys"] = sorted(trained)
     return results
+
+
+# -- the HF Trainer ---------------------------------------------------------------------------------
+
+TRAINER_STEPS = 3
+TRAINER_ACCUMULATION = 2
+TRAINER_PER_RANK = 2
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Fixed random token sequences (learnable by memorizing), as a Trainer dataset."""
+
+    def __init__(self, n: int = 48, seq: int = 12):
+        self.ids = torch.randint(0, VOCAB, (n, seq), generator=torch.Generator().manual_seed(5))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def trainer_args(out: str, per_device: int, **extra):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=TRAINER_ACCUMULATION,
+        max_steps=TRAINER_STEPS,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        **extra,
+    )
+
+
+def trainer_history(trainer) -> list[dict]:
+    return [{"loss": h["loss"], "grad_norm": h["grad_norm"]} for h in trainer.state.log_history if "loss" in h]
+
+
+def unsharded_trainer(out: str, world: int) -> dict:
+    """The reference: one process, the whole global batch per device (world x per-rank)."""
+    from transformers import Trainer
+
+    trainer = Trainer(
+        model=tiny_llama(), args=trainer_args(out, TRAINER_PER_RANK * world), train_dataset=TokenDataset()
+    )
+    trainer.train()
+    return {
+        "history": trainer_history(trainer),
+        "params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+    }
+
+
+def zerofx_trainer(out: str, stage: int) -> dict:
+    """One rank of a torchrun-launched job (zerofx.launch.local_ranks): ZeroFXTrainer, then
+    save_model; returns the logged history (the parent compares it with the unsharded run)."""
+    from zerofx.hf import ZeroFXTrainer
+
+    trainer = ZeroFXTrainer(
+        model=tiny_llama(),
+        args=trainer_args(f"{out}/run", TRAINER_PER_RANK, ddp_backend="gloo"),
+        train_dataset=TokenDataset(),
+        zerofx_options={"stage": stage},
+    )
+    trainer.train()
+    trainer.save_model(f"{out}/saved")
+    return {"history": trainer_history(trainer)}

@@ -66,7 +66,8 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _same_on_every_rank(value: str) -> str:
+def same_on_every_rank(value: str) -> str:
+    """Rank 0's ``value`` on every rank (a collective when a process group exists)."""
     if not (dist.is_available() and dist.is_initialized()):
         return value
     # tensors, not broadcast_object_list: object collectives need NumPy, which zerofx does not
@@ -110,7 +111,7 @@ def save(
         extra_json = json.dumps(extra or {})
     except TypeError as e:
         raise ZeroFXError(f"checkpoint extra must be JSON-serializable: {e}") from e
-    tmp = path.parent / _same_on_every_rank(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+    tmp = path.parent / same_on_every_rank(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
     if _rank() == 0:
         tmp.mkdir(parents=True)
     _barrier()
