@@ -186,3 +186,54 @@ def zerofx_trainer(out: str, stage: int) -> dict:
     trainer.train()
     trainer.save_model(f"{out}/saved")
     return {"history": trainer_history(trainer)}
+
+
+def meta_load_and_generate(rank: int, world: int, folder: str, stages: list[int]) -> dict:
+    """Per stage: the model built on the meta device, sharded (each rank allocates its rows
+    only), refused a forward before loading, then loaded with ``load_hf`` (its rotary buffers
+    recomputed by HF's own init); the allocator's peak over build + shard + load, against the
+    whole model's bytes."""
+    import zerofx
+    from zerofx.measure.allocations import AllocationTrace
+
+    trained = torch.load(f"{folder}/trained.pt")
+    whole_bytes = sum(t.numel() * t.element_size() for t in trained.values())
+    reference = tiny_llama(seed=7).eval()
+    reference.load_state_dict(trained)
+    with torch.no_grad():
+        want_tokens = _generate(reference).tolist()
+    results: dict = {"whole_bytes": whole_bytes, "want_tokens": want_tokens}
+
+    def one(stage: int) -> dict:
+        mesh = _mesh(world)
+        with AllocationTrace() as trace:
+            t0 = trace.mark()
+            with torch.device("meta"):
+                model = tiny_llama(seed=stage).eval()
+            zerofx.compile(model, mesh, stage=stage)
+            t1 = trace.mark()
+            zerofx.checkpoint.load_hf(f"{folder}/hf", model)
+            t2 = trace.mark()
+        out = {
+            "shard_peak": trace.peak_between(t0, t1) - trace.live_at(t0),
+            "load_peak": trace.peak_between(t1, t2) - trace.live_at(t0),
+        }
+        with torch.device("meta"):
+            unloaded = zerofx.compile(tiny_llama().eval(), mesh, stage=stage)
+        try:
+            with torch.no_grad():
+                unloaded(input_ids=PROMPT)
+            out["refused"] = None
+        except zerofx.ZeroFXError as e:
+            out["refused"] = str(e)
+        out["unloaded"] = sorted(zerofx.sharding.runtime_of(model).unloaded)
+        loaded = _full_state(model)
+        out["params_equal"] = sorted(k for k in trained if torch.equal(loaded[k], trained[k]))
+        out["rotary_equal"] = torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+        with torch.no_grad():
+            out["tokens"] = _generate(model).tolist()
+        return out
+
+    for stage in stages:
+        attempt(results, f"stage{stage}", lambda: one(stage))
+    return results

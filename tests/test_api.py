@@ -35,8 +35,23 @@ def test_model_on_a_device_the_mesh_does_not_cover(one_rank):
     cuda_mesh = DeviceMesh("cuda", [0], _init_backend=False)  # a mesh over devices the model is not on
     with pytest.raises(ZeroFXError, match=r"weight is on device cpu, which the mesh \(device_type='cuda'\)"):
         zerofx.compile(nn.Linear(2, 2), cuda_mesh)
-    with pytest.raises(ZeroFXError, match="meta device"):
-        zerofx.compile(nn.Linear(2, 2, device="meta"), one_rank)
+
+
+def test_a_model_built_on_meta_runs_only_once_loaded(one_rank):
+    model = zerofx.compile(nn.Linear(2, 2, device="meta"), one_rank)  # allocated, uninitialized
+    assert model.weight.device.type == "cpu"
+    with pytest.raises(
+        ZeroFXError, match=r"built on the meta device and 2 of its tensors were never loaded \(bias, weight\)"
+    ):
+        model(torch.ones(1, 2))
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.zero_()
+    zerofx.sharding.mark_loaded(model, ["weight"])
+    with pytest.raises(ZeroFXError, match=r"1 of its tensors were never loaded \(bias\)"):
+        model(torch.ones(1, 2))
+    zerofx.sharding.mark_loaded(model, ["bias"])
+    assert torch.equal(model(torch.ones(1, 2)), torch.full((1, 2), 2.0))
 
 
 def test_bad_mesh_and_params_are_clear_errors(one_rank):

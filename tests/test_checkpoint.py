@@ -108,3 +108,17 @@ def test_export_gives_a_plain_state_dict(tmp_path):
     plain = _model(1)
     plain.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
     assert _equal(plain, model)
+
+
+def test_loading_another_models_checkpoint_is_one_clear_error_with_the_model_untouched(tmp_path):
+    zerofx.checkpoint.save(tmp_path / "ck", _model(0))
+    torch.manual_seed(1)
+    other = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2), nn.Linear(2, 2))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(
+        ZeroFXError, match=r"does not fit this Sequential: 0\.weight has shape \(8, 4\) there, \(16, 4\)"
+    ):
+        zerofx.checkpoint.load(tmp_path / "ck", other)
+    with pytest.raises(ZeroFXError, match=r"3\.weight is missing"):
+        zerofx.checkpoint.load(tmp_path / "ck", other)
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())

@@ -240,3 +240,37 @@ def test_hf_trainer_refuses_a_deepspeed_config_that_contradicts_training_argumen
             ZeroFXTrainer(
                 model=hs.tiny_llama(), args=args, train_dataset=hs.TokenDataset(), mesh=mesh, zerofx_config=config
             )
+
+
+def test_a_model_built_on_meta_is_never_whole_on_any_rank(trained):
+    """Built under torch.device("meta"), compiled at stage 3 on 2 ranks: sharding allocates each
+    rank's rows only (half the model, plus uneven rows), a forward before loading is refused by
+    name, and load_hf adds at most one safetensors file of transient memory (measured: exactly
+    the file's bytes; the reader holds a file while it slices it); HF's own init recomputes the rotary buffers no checkpoint holds.
+    Stage 2 keeps whole copies by design, so there only the loading is checked."""
+    folder, params = trained
+    largest_file = max(p.stat().st_size for p in (folder / "hf").glob("*.safetensors"))
+    per_rank = run_ranks(hs.meta_load_and_generate, 2, str(folder), [3, 2], timeout=600)
+    for stage in (3, 2):
+        for rank, got in enumerate(scenario_results(per_rank, f"stage{stage}")):
+            where = f"stage {stage}, rank {rank}"
+            assert "built on the meta device" in got["refused"] and "never loaded" in got["refused"], where
+            assert got["unloaded"] == [] and got["rotary_equal"], where
+            assert got["params_equal"] == sorted(params), where
+            assert got["tokens"] == per_rank[rank]["want_tokens"], where
+            if stage == 3:
+                whole = per_rank[rank]["whole_bytes"]
+                assert got["shard_peak"] <= 0.55 * whole, (where, got["shard_peak"], whole)
+                assert got["load_peak"] <= got["shard_peak"] + largest_file, (where, got["load_peak"], largest_file)
+                assert got["load_peak"] < whole, (where, got["load_peak"], whole)
+
+
+def test_mixing_meta_and_real_tensors_is_refused(tmp_path):
+    from tests.multirank import one_rank_mesh
+
+    model = hs.tiny_llama()
+    with torch.device("meta"):
+        model.lm_head = nn.Linear(32, hs.VOCAB, bias=False)
+    with one_rank_mesh(str(tmp_path / "pg")) as mesh:
+        with pytest.raises(ZeroFXError, match=r"lm_head\.weight is on the meta device but .* is not"):
+            zerofx.compile(model, mesh)

@@ -51,6 +51,7 @@ from zerofx.errors import ZeroFXError
 from zerofx.ir.layout import pack_consecutive
 from zerofx.ir.offload_ops import bytes_view
 from zerofx.runtime.params import runtime_of
+from zerofx.sharding import mark_loaded
 
 __all__ = ["save", "load", "export_full_state_dict", "export", "load_hf", "COMPLETE_MARKER"]
 
@@ -163,12 +164,15 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """
     path = Path(path)
     info = _check_complete(path)
+    _init_unsaved_buffers(model)
     state = _state(model, optimizer)
+    _check_compatible(f"checkpoint {path}", model, state["model"], _model_tensors(path)[1])
     dcp.load(state, checkpoint_id=str(path))
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    mark_loaded(model, state["model"])
     runtime = runtime_of(model)
     if runtime is not None:
         runtime.refresh()  # stages 1 and 2: whole copies from the loaded shards
@@ -433,12 +437,36 @@ def _check_compatible(
         raise ZeroFXError(f"{what} does not fit this {type(model).__name__}: {shown} (the model was not changed)")
 
 
+def _init_unsaved_buffers(model: nn.Module) -> None:
+    """A model built on the meta device (zerofx/sharding.py, NOTE: models built on meta) has
+    buffers no checkpoint holds (non-persistent: HF's rotary ``inv_freq``). For an HF model,
+    its own ``_init_weights`` recomputes them, module by module, for modules that own no
+    parameters (so nothing loaded is overwritten); other models set theirs and call ``mark_loaded``."""
+    runtime = runtime_of(model)
+    init = getattr(model, "_init_weights", None)
+    if runtime is None or not runtime.unloaded or not callable(init):
+        return
+    saved = set(model.state_dict())
+    done = []
+    for prefix, module in model.named_modules():
+        names = [f"{prefix}.{n}" if prefix else n for n, b in module._buffers.items() if b is not None]
+        unsaved = [n for n in names if n in runtime.unloaded and n not in saved]
+        if unsaved and not any(True for _ in module.parameters(recurse=False)):
+            with torch.no_grad():
+                init(module)
+            done += names
+    mark_loaded(model, done)
+
+
 def load_hf(path: str | os.PathLike, model: nn.Module) -> None:
     """Load HF safetensors weights (a ``save_pretrained`` or :func:`export` folder) into ``model``;
     a collective when ``model`` is sharded.
 
     Through DCP's ``HuggingFaceStorageReader``: every rank reads only the rows of its own shards
-    out of the files (safetensors slices), so no rank holds the whole checkpoint. Works before
+    out of the files, into the model's own tensors, so no rank holds the whole checkpoint (the
+    transient is one safetensors file at a time, which the reader holds while it slices it). With
+    a model built on the meta device (zerofx/sharding.py, NOTE: models built on meta) the whole
+    model never exists on any rank. Works before
     or after ``zerofx.compile``, at any stage and mesh; stored dtypes are converted to the
     model's. Keys and shapes are checked first: a checkpoint of another model is one error
     naming what differs, with the model untouched. Tensors the model ties to another (HF leaves
@@ -456,7 +484,9 @@ def load_hf(path: str | os.PathLike, model: nn.Module) -> None:
     stored = {
         k: v for k, v in reader.read_metadata().state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
     }
-    state = get_model_state_dict(model)
+    # the model's own tensors (a state_dict shares their storage), loaded in place: DCP's
+    # get/set_model_state_dict would add two transient copies of every shard
+    state = model.state_dict()
     # a tied parameter missing from the files is loaded through the name that is there
     by_param: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -468,8 +498,7 @@ def load_hf(path: str | os.PathLike, model: nn.Module) -> None:
                 if n not in stored:
                     state.pop(n, None)
     _check_compatible(f"checkpoint {path}", model, state, stored)
+    _init_unsaved_buffers(model)
     dcp.load(state, storage_reader=reader)
-    set_model_state_dict(model, state)
-    runtime = runtime_of(model)
-    if runtime is not None:
-        runtime.refresh()
+    model.load_state_dict(state, strict=False)  # a no-op copy where storage is shared; stages 1-2 refresh here
+    mark_loaded(model, state)

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils._pytree import tree_map
 
 from zerofx.errors import ZeroFXError
-from zerofx.ir.layout import row_offset
+from zerofx.ir.layout import local_rows, row_offset
 from zerofx.options import Options
 from zerofx.runtime.local_step import install as install_local_step
 from zerofx.runtime.loss_scaling import make_loss_scaler
@@ -48,7 +48,7 @@ from zerofx.runtime.params import GroupInfo, ModelRuntime, ParamState, runtime_o
 
 log = logging.getLogger(__name__)
 
-__all__ = ["shard", "resolve_mesh", "is_sharded", "mesh_of", "runtime_of"]
+__all__ = ["shard", "resolve_mesh", "is_sharded", "mesh_of", "runtime_of", "mark_loaded"]
 
 
 def _model_device_type(model: nn.Module) -> str | None:
@@ -57,8 +57,9 @@ def _model_device_type(model: nn.Module) -> str | None:
     return None
 
 
-def resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
-    """Check ``mesh`` against ``model`` (or build the default 1-D mesh) with clear errors."""
+def resolve_mesh(model: nn.Module, mesh: DeviceMesh | None, on_meta: bool = False) -> DeviceMesh:
+    """Check ``mesh`` against ``model`` (or build the default 1-D mesh) with clear errors;
+    ``on_meta``: the model was built on the meta device (see NOTE: models built on meta)."""
     if mesh is None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ZeroFXError(
@@ -67,6 +68,8 @@ def resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
                 "e.g. under torchrun); no mesh was given and no process group is initialized"
             )
         device_type = _model_device_type(model) or "cpu"
+        if device_type == "meta":
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise ZeroFXError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
@@ -76,9 +79,9 @@ def resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
             f"sharding; got a {mesh.ndim}-D mesh {tuple(mesh.shape)} (pass mesh[dim_names] to select dimensions)"
         )
     for name, t in (*model.named_parameters(), *model.named_buffers()):
-        if t.device.type == "meta":
+        if t.device.type == "meta" and not on_meta:
             raise ZeroFXError(f"{name} is on the meta device; materialize the model before zerofx.shard")
-        if t.device.type != mesh.device_type:
+        if t.device.type != mesh.device_type and not on_meta:
             raise ZeroFXError(
                 f"{name} is on device {t.device}, which the mesh (device_type={mesh.device_type!r}) does "
                 f"not cover; move the model with model.to({mesh.device_type!r}) or build the mesh for "
@@ -180,12 +183,18 @@ def _make_state(
     placements = [Replicate() if whole else Shard(0)]
     if hybrid:
         placements = [Replicate(), *placements]
-    dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=0)
+    device = torch.device(mesh.device_type) if param.is_meta else param.device
+    if param.is_meta:  # only this rank's rows exist, uninitialized until loaded (NOTE: models built on meta)
+        rows = param.shape[0] if whole else local_rows(param.shape[0], shard_group.size, shard_group.rank)
+        local = torch.empty((rows, *param.shape[1:]), dtype=param.dtype, device=device)
+        dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
+    else:
+        dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=0)
     master = param.dtype
     compute = opts.param_dtype if opts.param_dtype not in (None, master) and not full_precision else None
     full = None
     if opts.stage in (1, 2) and not whole:
-        full = torch.empty(param.shape, dtype=compute or master, device=param.device)
+        full = torch.empty(param.shape, dtype=compute or master, device=device)
         if compute is None:
             # the shard is a view of its own rows of the whole copy: no second copy of them
             offset = row_offset(param.shape[0], shard_group.size, shard_group.rank)
@@ -198,7 +207,7 @@ def _make_state(
     reduce = opts.reduce_dtype or master
     sink = None
     if param.requires_grad:
-        sink = torch.empty_strided(param.shape, (0,) * param.dim(), dtype=reduce, device=param.device)
+        sink = torch.empty_strided(param.shape, (0,) * param.dim(), dtype=reduce, device=device)
         sink.zero_().requires_grad_()
         sink.register_post_accumulate_grad_hook(runtime.on_local_grad)
     state = ParamState(
@@ -216,6 +225,73 @@ def _make_state(
     )
     track(state)
     return state
+
+
+# NOTE: models built on meta
+# A model built under ``torch.device("meta")`` has shapes and no memory. ``shard`` then allocates
+# only each rank's rows of each parameter (and the buffers) on the mesh's device, uninitialized,
+# so the whole model never exists on any rank; its weights must be loaded
+# (``zerofx.checkpoint.load_hf`` reads each rank's rows from safetensors, ``checkpoint.load``
+# from a zerofx checkpoint). Until every parameter and buffer has been loaded, forward is an error
+# naming what is missing (``ModelRuntime.unloaded``), never a run on uninitialized memory.
+# Buffers no checkpoint holds (non-persistent ones, such as HF's rotary ``inv_freq``) are
+# recomputed by ``load_hf`` through the HF model's own ``_init_weights`` for modules that own
+# no parameters; any other must be set by the user, who then calls ``mark_loaded``.
+
+
+def _built_on_meta(model: nn.Module) -> bool:
+    named = [*model.named_parameters(), *model.named_buffers()]
+    meta = [n for n, t in named if t.is_meta]
+    if meta and len(meta) != len(named):
+        real = next(n for n, t in named if not t.is_meta)
+        raise ZeroFXError(
+            f"{meta[0]} is on the meta device but {real} is not: build the whole model under "
+            "torch.device('meta') (zerofx then allocates only each rank's shards) or none of it"
+        )
+    return bool(meta)
+
+
+def _not_loaded_hook(runtime: ModelRuntime):
+    def check(module, args, kwargs):
+        if runtime.unloaded:
+            missing = sorted(runtime.unloaded)
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ZeroFXError(
+                f"the model was built on the meta device and {len(missing)} of its tensors were never loaded "
+                f"({shown}): load its weights first (zerofx.checkpoint.load_hf or zerofx.checkpoint.load); "
+                "set buffers no checkpoint holds yourself, then zerofx.sharding.mark_loaded(model, names)"
+            )
+
+    return check
+
+
+def _expect_loading(model: nn.Module, runtime: ModelRuntime) -> None:
+    runtime.unloaded = set(model.state_dict()) | {n for n, _ in model.named_buffers()}
+    runtime.unloaded_hook = model.register_forward_pre_hook(_not_loaded_hook(runtime), with_kwargs=True)
+
+
+def mark_loaded(model: nn.Module, names) -> None:
+    """Record that ``names`` (state_dict keys or buffer names) of a model built on the meta
+    device now hold their values (the loaders call this; so does a user who sets a buffer no
+    checkpoint holds). Names of tied parameters count for every name of the same parameter."""
+    runtime = runtime_of(model)
+    if runtime is None or not runtime.unloaded:
+        return
+    names = set(names)
+    for group in _alias_names(model):
+        if names & group:
+            names |= group
+    runtime.unloaded -= names
+    if not runtime.unloaded and runtime.unloaded_hook is not None:
+        runtime.unloaded_hook.remove()
+        runtime.unloaded_hook = None
+
+
+def _alias_names(model: nn.Module) -> list[set[str]]:
+    by_param: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), set()).add(name)
+    return [g for g in by_param.values() if len(g) > 1]
 
 
 def _cast_inputs_hook(dtype: torch.dtype):
@@ -239,13 +315,17 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     opts = Options.from_kwargs(options, **kwargs)
     if is_sharded(model):
         raise ZeroFXError("model is already sharded by zerofx; call zerofx.shard once per model")
-    mesh = resolve_mesh(model, mesh)
+    on_meta = _built_on_meta(model)
+    mesh = resolve_mesh(model, mesh, on_meta)
     full_precision = _full_precision_params(model, opts)
     runtime = ModelRuntime(stage=opts.stage, mesh=mesh, options=opts, local_step=opts.local_optimizer_step)
     model._zerofx = runtime
     runtime.scaler = make_loss_scaler(opts, mesh)
     if mesh.size() == 1 and opts.param_dtype is None:
         log.info("zerofx: mesh has one rank; parameters stay whole")
+        if on_meta:
+            model.to_empty(device=mesh.device_type)
+            _expect_loading(model, runtime)
         return model
 
     states: dict[int, ParamState] = {}  # id(original param) -> its one state
@@ -267,6 +347,12 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
             module._parameters[name] = module._zerofx_params[name].param
         module.__class__ = _sharded_class(type(module), names)
     runtime.states = list(states.values())
+    if on_meta:
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.is_meta:
+                    module._buffers[name] = torch.empty_like(buf, device=mesh.device_type)
+        _expect_loading(model, runtime)
     if opts.local_optimizer_step:
         install_local_step()
     runtime.refresh()

@@ -177,6 +177,8 @@ class ModelRuntime:
     compiled: Any = None  # zerofx.backend.CompileState of the compiled model (its per-graph estimates)
     training: dict = field(default_factory=dict)  # a DeepSpeed config's training-loop settings (zerofx/ds_config.py)
     gathered: dict | None = None  # ParamState -> whole parameter, inside zerofx.gathered(model)
+    unloaded: set = field(default_factory=set)  # built on meta: names not loaded yet (zerofx/sharding.py)
+    unloaded_hook: Any = None  # the forward pre-hook that refuses to run while ``unloaded``
 
     def on_local_grad(self, sink: torch.Tensor) -> None:
         """Post-accumulate-grad hook of every sink: schedule the boundary reduce."""
