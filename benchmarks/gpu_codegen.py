@@ -22,7 +22,6 @@ saying so, rather than running over. Nothing is downloaded: shapes and models ar
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -51,30 +50,10 @@ if ARGS.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (see codegen/triton_runtime.py)
 
 
-def _import_checkout() -> None:
-    """Use this checkout's zerofx even when it is not installed (passes/ and codegen/ live at the
-    top of the repository and install as zerofx.passes / zerofx.codegen)."""
-    if "zerofx" in sys.modules:
-        return
+sys.path.insert(0, str(ROOT))
+from benchmarks._checkout import import_checkout  # noqa: E402
 
-    def load(name: str, folder: Path):
-        spec = importlib.util.spec_from_file_location(
-            name, folder / "__init__.py", submodule_search_locations=[str(folder)]
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        return spec, module
-
-    sys.path.insert(0, str(ROOT))
-    top_spec, top = load("zerofx", ROOT / "zerofx")
-    subs = [load(f"zerofx.{sub}", ROOT / sub) for sub in ("passes", "codegen")]
-    for (spec, module), sub in zip(subs, ("passes", "codegen")):
-        setattr(top, sub, module)
-        spec.loader.exec_module(module)
-    top_spec.loader.exec_module(top)
-
-
-_import_checkout()
+import_checkout()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
