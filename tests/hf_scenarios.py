@@ -3,6 +3,8 @@ saved, exported, loaded back with ``zerofx.checkpoint.load_hf`` and asked to ``g
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tests.multirank import attempt
@@ -205,19 +207,31 @@ def meta_load_and_generate(rank: int, world: int, folder: str, stages: list[int]
     results: dict = {"whole_bytes": whole_bytes, "want_tokens": want_tokens}
 
     def one(stage: int) -> dict:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
         mesh = _mesh(world)
-        with AllocationTrace() as trace:
+        with AllocationTrace() as trace:  # no collective runs in here: no frees on gloo's threads to miss
             t0 = trace.mark()
             with torch.device("meta"):
                 model = tiny_llama(seed=stage).eval()
             zerofx.compile(model, mesh, stage=stage)
             t1 = trace.mark()
+        out = {"shard_peak": trace.peak_between(t0, t1) - trace.live_at(t0)}
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in model.state_dict().values()]
+        out["local_bytes"] = sum(t.numel() * t.element_size() for t in local)
+        read = []  # what the reader takes out of the files, request by request
+        real = HuggingFaceStorageReader._process_read_request
+
+        def counted(self, f, req, planner):
+            read.append(math.prod(req.lengths) * planner.resolve_tensor(req).element_size())
+            return real(self, f, req, planner)
+
+        HuggingFaceStorageReader._process_read_request = counted
+        try:
             zerofx.checkpoint.load_hf(f"{folder}/hf", model)
-            t2 = trace.mark()
-        out = {
-            "shard_peak": trace.peak_between(t0, t1) - trace.live_at(t0),
-            "load_peak": trace.peak_between(t1, t2) - trace.live_at(t0),
-        }
+        finally:
+            HuggingFaceStorageReader._process_read_request = real
+        out["read_bytes"] = sum(read)
         with torch.device("meta"):
             unloaded = zerofx.compile(tiny_llama().eval(), mesh, stage=stage)
         try:
