@@ -120,6 +120,9 @@ class ZeroFXTrainer(Trainer):
             )
         args.device  # noqa: B018  (accelerate initializes the process group from torchrun's environment here)
         if not is_sharded(model):
+            first = next(iter(model.parameters()), None)
+            if first is not None and not first.is_meta and first.device != args.device:
+                model.to(args.device)  # what the Trainer would do; it leaves a model on this path where it is
             if not (dist.is_available() and dist.is_initialized()):
                 raise ZeroFXError(
                     "ZeroFXTrainer: no process group after TrainingArguments set up its devices; "
