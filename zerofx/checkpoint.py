@@ -51,7 +51,7 @@ from zerofx.errors import ZeroFXError
 from zerofx.ir.layout import pack_consecutive
 from zerofx.ir.offload_ops import bytes_view
 from zerofx.runtime.params import runtime_of
-from zerofx.sharding import mark_loaded
+from zerofx.sharding import alias_names, mark_loaded
 
 __all__ = ["save", "load", "export_full_state_dict", "export", "load_hf", "COMPLETE_MARKER"]
 
@@ -488,15 +488,10 @@ def load_hf(path: str | os.PathLike, model: nn.Module) -> None:
     # get/set_model_state_dict would add two transient copies of every shard
     state = model.state_dict()
     # a tied parameter missing from the files is loaded through the name that is there
-    by_param: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_param.setdefault(id(p), []).append(name)
-    for names in by_param.values():
-        present = [n for n in names if n in stored]
-        if present:
-            for n in names:
-                if n not in stored:
-                    state.pop(n, None)
+    for names in alias_names(model):
+        if names & stored.keys():
+            for n in names - stored.keys():
+                state.pop(n, None)
     _check_compatible(f"checkpoint {path}", model, state, stored)
     _init_unsaved_buffers(model)
     dcp.load(state, storage_reader=reader)

@@ -278,7 +278,7 @@ def mark_loaded(model: nn.Module, names) -> None:
     if runtime is None or not runtime.unloaded:
         return
     names = set(names)
-    for group in _alias_names(model):
+    for group in alias_names(model):
         if names & group:
             names |= group
     runtime.unloaded -= names
@@ -287,7 +287,8 @@ def mark_loaded(model: nn.Module, names) -> None:
         runtime.unloaded_hook = None
 
 
-def _alias_names(model: nn.Module) -> list[set[str]]:
+def alias_names(model: nn.Module) -> list[set[str]]:
+    """The names of each parameter that has more than one (tied parameters)."""
     by_param: dict[int, set[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_param.setdefault(id(p), set()).add(name)
