@@ -153,7 +153,7 @@ def test_transport_lowers_only_gloo_reduce_scatters_to_all_to_all_plus_local_sum
     assert (wait.target, view.target, avg.target) == (WAIT, aten.view.default, aten.div.Tensor)
     assert tuple(view.meta["val"].shape) == (2, 3, 4) and tuple(avg.meta["val"].shape) == (3, 4)
     assert avg.args[1] == 2
-    assert graph_collectives(gm) == before == [("reduce_scatter", 6 * 4 * 4 // 2)]  # same algorithm, same bytes
+    assert [c[:2] for c in graph_collectives(gm)] == [c[:2] for c in before] == [("reduce_scatter", 6 * 4 * 4 // 2)]
     # the graph frees the received chunks itself once the sum has read them; the sent input is
     # the graph's own input and the averaged shard is returned: both left alone
     nodes = list(gm.graph.nodes)

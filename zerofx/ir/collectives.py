@@ -39,6 +39,7 @@ __all__ = [
     "backend_of",
     "CollectiveCounter",
     "record_collectives",
+    "simulated_backend",
 ]
 
 _F = torch.ops._c10d_functional
@@ -86,12 +87,35 @@ def collective_group_size(spec: CollectiveSpec, args: tuple) -> int:
     return _resolve_process_group(args[spec.group_name_arg]).size()
 
 
+_simulated: list[str] = []
+
+
 def backend_of(group_name: str) -> str:
-    """The backend ("gloo", "nccl", ...) of the process group registered as ``group_name``."""
+    """The backend ("gloo", "nccl", ...) of the process group registered as ``group_name``; inside
+    ``simulated_backend(name)``, a fake process group answers ``name``."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return str(dist.get_backend(_resolve_process_group(group_name)))
+    backend = str(dist.get_backend(_resolve_process_group(group_name)))
+    if backend == "fake" and _simulated:
+        return _simulated[-1]
+    return backend
+
+
+class simulated_backend:
+    """``with simulated_backend("nccl"):`` the fake process groups ``zerofx.plan`` builds stand for
+    ``name``, so every decision that depends on the backend (passes/transport.py's gloo
+    rewrite, the eager buckets' algorithm) is the one a real run on that backend makes."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> simulated_backend:
+        _simulated.append(self.name)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _simulated.pop()
 
 
 def wire_bytes(kind: str, tensor_bytes: int, group_size: int) -> int:
@@ -118,18 +142,21 @@ class CollectiveCounter(Scoped):
     def __init__(self) -> None:
         self.bytes: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+        self.by_group: Counter[tuple[str, str]] = Counter()  # (kind, process group name) -> bytes
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
 
 
-def record_collectives(collectives: list[tuple[str, int]]) -> None:
-    """Add ``(kind, wire_bytes)`` pairs to every active CollectiveCounter (cheap when none is)."""
+def record_collectives(collectives: list[tuple[str, int, str]]) -> None:
+    """Add ``(kind, wire_bytes, group_name)`` triples to every active CollectiveCounter (cheap
+    when none is)."""
     if not CollectiveCounter._scoped_entered:
         return
     with CollectiveCounter._scoped_lock:
         for counter in CollectiveCounter._scoped_entered:
-            for kind, nbytes in collectives:
+            for kind, nbytes, group in collectives:
                 counter.bytes[kind] += nbytes
                 counter.calls[kind] += 1
+                counter.by_group[(kind, group)] += nbytes

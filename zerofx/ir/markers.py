@@ -80,7 +80,7 @@ def unshard(
     padded = pad_rows(_cast(shard, compute_dtype), rows).contiguous()
     gathered = _F.all_gather_into_tensor(padded, group_size, group_name)
     gathered = _F.wait_tensor(gathered)
-    record_collectives([("all_gather", wire_bytes("all_gather", _nbytes(gathered), group_size))])
+    record_collectives([("all_gather", wire_bytes("all_gather", _nbytes(gathered), group_size), group_name)])
     return gathered[:full_rows]  # a view of a fresh buffer, not of an input: allowed
 
 
@@ -103,7 +103,7 @@ def reduce_grad(
     padded = pad_rows(_cast(grad, reduce_dtype), rows * group_size).contiguous()
     reduced = _F.reduce_scatter_tensor(padded, "avg", group_size, group_name)
     reduced = _F.wait_tensor(reduced)
-    record_collectives([("reduce_scatter", wire_bytes("reduce_scatter", _nbytes(padded), group_size))])
+    record_collectives([("reduce_scatter", wire_bytes("reduce_scatter", _nbytes(padded), group_size), group_name)])
     out = reduced[:shard_rows]
     return out.to(out_dtype) if out_dtype is not None and out_dtype != out.dtype else out
 
@@ -194,7 +194,7 @@ def all_reduce_grad(
     """The gradient averaged over the group, reduced in ``reduce_dtype``."""
     src = _cast(grad, reduce_dtype).contiguous()
     reduced = _F.wait_tensor(_F.all_reduce(src, "avg", group_name))
-    record_collectives([("all_reduce", wire_bytes("all_reduce", _nbytes(src), group_size))])
+    record_collectives([("all_reduce", wire_bytes("all_reduce", _nbytes(src), group_size), group_name)])
     return reduced.to(out_dtype) if out_dtype is not None and out_dtype != reduced.dtype else reduced
 
 

@@ -19,8 +19,8 @@ from zerofx.measure.graph_buffers import active_tracker
 __all__ = ["graph_collectives", "instrument"]
 
 
-def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int]]:
-    """``(kind, wire bytes per rank)`` of every collective ``gm`` issues, in graph order."""
+def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int, str]]:
+    """``(kind, wire bytes per rank, group name)`` of every collective ``gm`` issues, in graph order."""
     out = []
     for node in gm.graph.nodes:
         spec = COLLECTIVE_OPS.get(node.target)
@@ -28,7 +28,8 @@ def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int]]:
             continue
         val = (node if spec.sized == "out" else node.args[0]).meta["val"]
         kind = collective_kind(node)
-        out.append((kind, wire_bytes(kind, val.numel() * val.element_size(), collective_group_size(spec, node.args))))
+        nbytes = wire_bytes(kind, val.numel() * val.element_size(), collective_group_size(spec, node.args))
+        out.append((kind, nbytes, node.args[spec.group_name_arg]))
     return out
 
 

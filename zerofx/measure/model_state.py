@@ -30,8 +30,9 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
-    """The distinct storages behind ``tensors`` (local shards for DTensors): address -> bytes.
+def _storages(tensors: list[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
+    """The distinct storages behind ``tensors`` (local shards for DTensors), by identity (fake
+    tensors' storages too: ``zerofx.plan`` counts a fake step with this function).
 
     Counting storages, not numel, is what memory really holds: a stage-1/2 shard that is a view
     of its rows of the whole copy costs nothing extra, and a gradient that is a view of a larger
@@ -43,7 +44,7 @@ def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
         if t.numel() == 0 or 0 in t.stride():  # empty shards; stride-0 gradient sinks hold one element
             continue
         storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        seen[storage._cdata] = storage
     return seen
 
 
@@ -68,9 +69,9 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     state (e.g. Adam's ``step``) is not per-element state and is left out.
     """
     params, grads, opt = _model_state_tensors(model, optimizer)
-    return ModelStateBytes(*(sum(_storages(ts).values()) for ts in (params, grads, opt)))
+    return ModelStateBytes(*(sum(int(st.nbytes()) for st in _storages(ts).values()) for ts in (params, grads, opt)))
 
 
 def model_state_addresses(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> set[int]:
     """Addresses of the storages :func:`model_state_bytes` counts (for ``AllocationTrace.step_peak``)."""
-    return {addr for ts in _model_state_tensors(model, optimizer) for addr in _storages(ts)}
+    return {st.data_ptr() for ts in _model_state_tensors(model, optimizer) for st in _storages(ts).values()}

@@ -78,7 +78,13 @@ def refresh(states: list) -> None:
         flat = torch.cat(shards) if len(shards) > 1 else shards[0].contiguous()
         gathered = _F.wait_tensor(_F.all_gather_into_tensor(flat, group.size, group.name)).view(group.size, -1)
         record_collectives(
-            [("all_gather", wire_bytes("all_gather", gathered.numel() * gathered.element_size(), group.size))]
+            [
+                (
+                    "all_gather",
+                    wire_bytes("all_gather", gathered.numel() * gathered.element_size(), group.size),
+                    group.name,
+                )
+            ]
         )
         offset = 0
         for s in bucket:
@@ -127,7 +133,9 @@ def _reduce_bucket(bucket: list) -> None:
         reduced = rank_ordered_sum(received.view(world, -1)).div_(world)
     else:
         reduced = _F.wait_tensor(_F.reduce_scatter_tensor(inp.view(-1), "avg", world, group.name))
-    record_collectives([("reduce_scatter", wire_bytes("reduce_scatter", inp.numel() * inp.element_size(), world))])
+    record_collectives(
+        [("reduce_scatter", wire_bytes("reduce_scatter", inp.numel() * inp.element_size(), world), group.name)]
+    )
     offset = 0
     for s, g, chunk in zip(bucket, grads, chunks):
         n = chunk.shape[1]
