@@ -13,6 +13,8 @@ The API is small on purpose:
     storage_key(node)                     which buffer the value lives in (views share one)
     storage_bytes(node)                   bytes of that whole buffer
     estimate_memory(gm, ...)              liveness-based peak of the bytes a graph allocates
+    memory_timeline(gm, ...)              the same simulation node by node (symbolic on request)
+    estimate_time(gm, device, comm_for)   compute and exposed communication of a graph, simulated
     saved_activation_bytes(fw_gm, n)      bytes a forward graph keeps alive for the backward
     tensor_bytes(val) / node_bytes(node)  the one byte count (symbolic on request)
     is_alias(node)                        the one aliasing rule (views, waits, in-place, ...)
@@ -85,8 +87,11 @@ __all__ = [
     "saved_activation_bytes",
     "MemoryEstimate",
     "estimate_memory",
+    "memory_timeline",
     "predict_step_peak",
     "DeviceModel",
+    "TimeEstimate",
+    "estimate_time",
     "CommModel",
     "CostModel",
     "calibrate_comm",
@@ -298,6 +303,41 @@ class MemoryEstimate:
     output_bytes: int  # bytes still alive at the end that the graph allocated (its outputs)
 
 
+def _liveness(
+    gm: fx.GraphModule, inputs_freed_at_last_use: bool, owned_inputs: Iterable[str] | None, symbolic: bool
+) -> tuple[list[tuple[str, Any]], Any]:
+    """The one liveness simulation behind ``estimate_memory`` and ``memory_timeline``: for every
+    node in graph order, the bytes live right after it allocated (before what dies there is
+    freed), relative to the live bytes before the graph; and the bytes of the graph's outputs."""
+    nodes = list(gm.graph.nodes)
+    order = positions(gm.graph)
+    output = nodes[-1]
+    outputs = {storage_root(a) for a in output.all_input_nodes}
+    last_use: dict[fx.Node, int] = {}
+    for node in nodes:
+        for inp in node.all_input_nodes:
+            root = storage_root(inp)
+            last_use[root] = max(last_use.get(root, -1), order[node])
+    names = set(owned_inputs or ())
+    owned = {n for n in nodes if n.op == "placeholder" and (inputs_freed_at_last_use or n.name in names)}
+    frees: dict[int, list[fx.Node]] = {}
+    for root, idx in last_use.items():
+        if root not in outputs and (root.op != "placeholder" or root in owned):
+            frees.setdefault(idx, []).append(root)
+    live: Any = sympy.Integer(0) if symbolic else 0  # relative to the start: owned inputs are already live
+    timeline = []
+    for node in nodes:
+        live = live + allocated_bytes(node, symbolic)
+        timeline.append((node.name, live))
+        for dead in frees.get(order[node], ()):
+            if dead.op == "placeholder":
+                live = live - tensor_bytes(dead.meta.get("val"), symbolic)
+            else:
+                live = live - allocated_bytes(dead, symbolic)
+    out_bytes = sum((allocated_bytes(r, symbolic) for r in outputs if r.op == "call_function"), live * 0)
+    return timeline, out_bytes
+
+
 def estimate_memory(
     gm: fx.GraphModule, inputs_freed_at_last_use: bool = False, owned_inputs: Iterable[str] | None = None
 ) -> MemoryEstimate:
@@ -312,33 +352,25 @@ def estimate_memory(
     last use), or those named in ``owned_inputs``. The result is relative to the live bytes
     before the graph (owned inputs included), so the peak is what running the graph adds.
     """
-    nodes = list(gm.graph.nodes)
-    order = positions(gm.graph)
-    output = nodes[-1]
-    outputs = {storage_root(a) for a in output.all_input_nodes}
-    last_use: dict[fx.Node, int] = {}
-    for node in nodes:
-        for inp in node.all_input_nodes:
-            root = storage_root(inp)
-            last_use[root] = max(last_use.get(root, -1), order[node])
+    timeline, out_bytes = _liveness(gm, inputs_freed_at_last_use, owned_inputs, symbolic=False)
     peak, peak_node = 0, "start"
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    names = set(owned_inputs or ())
-    owned = {n for n in placeholders if inputs_freed_at_last_use or n.name in names}
-    live = sum(tensor_bytes(n.meta.get("val")) for n in owned)
-    frees: dict[int, list[fx.Node]] = {}
-    for root, idx in last_use.items():
-        if root not in outputs and (root.op != "placeholder" or root in owned):
-            frees.setdefault(idx, []).append(root)
-    baseline = live
-    for node in nodes:
-        live += allocated_bytes(node)
-        if live - baseline > peak:
-            peak, peak_node = live - baseline, node.name
-        for dead in frees.get(order[node], ()):
-            live -= tensor_bytes(dead.meta.get("val")) if dead.op == "placeholder" else allocated_bytes(dead)
-    out_bytes = sum(allocated_bytes(r) for r in outputs if r.op == "call_function")
+    for name, live in timeline:
+        if live > peak:
+            peak, peak_node = live, name
     return MemoryEstimate(int(peak), peak_node, int(out_bytes))
+
+
+def memory_timeline(
+    gm: fx.GraphModule,
+    inputs_freed_at_last_use: bool = False,
+    owned_inputs: Iterable[str] | None = None,
+    *,
+    symbolic: bool = False,
+) -> tuple[list[tuple[str, Any]], Any]:
+    """``estimate_memory``'s simulation node by node: ``[(node name, live bytes)]`` and the
+    output bytes; with ``symbolic=True`` sympy expressions in the graph's size symbols (what
+    ``zerofx.plan`` solves for the largest batch and sequence that fit)."""
+    return _liveness(gm, inputs_freed_at_last_use, owned_inputs, symbolic)
 
 
 def predict_step_peak(estimates: dict[tuple[str, str], MemoryEstimate], graph_ids: list[str]) -> int:
@@ -381,6 +413,17 @@ class DeviceModel:
     disk_bytes_per_s: float = 2e9  # host <-> NVMe
 
     @classmethod
+    def preset(cls, name: str) -> DeviceModel:
+        """Round datasheet rates of a device by name (``PRESETS``: bf16 dense matmul FLOP/s, memory
+        bandwidth; the host link as its PCIe generation): what ``zerofx plan --device`` prices a
+        step with. Real kernels reach a fraction of these, so predicted times are lower bounds."""
+        if name == "cpu":
+            return cls.for_device("cpu")
+        if name not in PRESETS:
+            raise ValueError(f"unknown device {name!r}; known: cpu, {', '.join(sorted(PRESETS))}")
+        return cls(**PRESETS[name])
+
+    @classmethod
     def for_device(cls, device_type: str) -> DeviceModel:
         if device_type == "cpu":
             # one core's matmul throughput; host "transfers" are memcpys; disk as NVMe
@@ -406,6 +449,13 @@ class DeviceModel:
             return 0.0
         moved = allocated_bytes(node) + sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
         return max(node_flops(node) / self.flops_per_s, moved / self.memory_bytes_per_s) + self.op_overhead_s
+
+
+PRESETS: dict[str, dict[str, float]] = {
+    "a100": dict(flops_per_s=312e12, memory_bytes_per_s=2.0e12, host_link_bytes_per_s=25e9, disk_bytes_per_s=3e9),
+    "h100": dict(flops_per_s=989e12, memory_bytes_per_s=3.35e12, host_link_bytes_per_s=50e9, disk_bytes_per_s=5e9),
+    "h200": dict(flops_per_s=989e12, memory_bytes_per_s=4.8e12, host_link_bytes_per_s=50e9, disk_bytes_per_s=5e9),
+}
 
 
 # --------------------------------------------------------------------------- communication --
@@ -436,6 +486,44 @@ class CommModel:
     def saturating_bytes(self) -> int:
         """Wire bytes at which latency is a fifth of a collective's time: a good bucket size."""
         return int(4 * self.latency_s / self.seconds_per_byte)
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """One graph's step time on two streams: compute in graph order, collectives in issue order."""
+
+    total_s: float  # when the last op (compute or collective) finishes
+    compute_s: float  # the roofline time of every compute op
+    comm_s: float  # every collective's time, hidden or not
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Communication compute did not hide: what the schedule left on the critical path."""
+        return self.total_s - self.compute_s
+
+
+def estimate_time(gm: fx.GraphModule, device: DeviceModel, comm_for: Any) -> TimeEstimate:
+    """Simulate ``gm`` on a compute stream and a communication stream: a compute op runs after the
+    previous one (``device.node_time``); a collective starts when it is issued and the previous
+    collective is done (``comm_for(group_name).node_time``); a wait holds compute until its
+    collective is done. So the exposed communication is what the pass pipeline's order (bucket,
+    schedule) leaves uncovered, on these rates."""
+    clock = free = compute = comm = 0.0
+    done: dict[fx.Node, float] = {}
+    for node in gm.graph.nodes:
+        spec = COLLECTIVE_OPS.get(node.target) if node.op == "call_function" else None
+        if spec is not None:
+            took = comm_for(node.args[spec.group_name_arg]).node_time(node)
+            free = max(clock, free) + took
+            done[node] = free
+            comm += took
+        elif node.op == "call_function" and node.target is WAIT:
+            clock = max(clock, done.get(node.args[0], 0.0))
+        else:
+            took = device.node_time(node)
+            clock += took
+            compute += took
+    return TimeEstimate(max(clock, free), compute, comm)
 
 
 def graph_device_type(gm: fx.GraphModule) -> str:

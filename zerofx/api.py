@@ -51,13 +51,27 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, *, config: Any = N
     training-loop settings (clipping, accumulation, ...) are kept in
     ``zerofx.runtime.params.runtime_of(model).training``.
     """
+    return _compile(model, mesh, config, options)
+
+
+def _compile(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    config: Any,
+    options: dict[str, Any],
+    *,
+    cost: Any = None,
+    keep_graphs: bool = False,
+) -> nn.Module:
+    """``compile``'s body; ``zerofx.plan`` also passes the cost model its decisions are priced
+    with and asks the backend to keep the final graphs."""
     training: dict[str, Any] = {}
     if config is not None:
         from zerofx.ds_config import from_deepspeed, hidden_size_of, merge_with_keywords
 
         translation = from_deepspeed(config, hidden_size=hidden_size_of(model))
         for line in translation.warnings:
-            warnings.warn(f"zerofx: DeepSpeed config: {line}", stacklevel=2)
+            warnings.warn(f"zerofx: DeepSpeed config: {line}", stacklevel=3)
         options = merge_with_keywords(translation, options)
         training = translation.training
     opts = Options.from_kwargs(**options)
@@ -78,8 +92,7 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, *, config: Any = N
         shard(model, mesh, opts)
     mesh = mesh_of(model)
     runtime = runtime_of(model)
-    cost = None
-    if opts.comm.calibrate and mesh.size() > 1:
+    if cost is None and opts.comm.calibrate and mesh.size() > 1:
         from zerofx.passes.cost_model import CostModel, calibrate_comm
 
         cost = CostModel(comm=calibrate_comm(mesh.get_group(), device=mesh.device_type))
@@ -90,6 +103,8 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, *, config: Any = N
     runtime.training = training
     backend = make_backend(opts, cost=cost)
     runtime.compiled = backend.zerofx_state
+    if keep_graphs:
+        runtime.compiled.graphs = {}
     model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=backend)
     return model
 

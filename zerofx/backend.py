@@ -85,6 +85,8 @@ class CompileState:
     options: Options
     cost: CostModel
     memory_estimates: dict[tuple[str, str], MemoryEstimate] = field(default_factory=dict)
+    # the final graphs, (graph_id, kind) -> GraphModule, when asked for (zerofx.plan reads them)
+    graphs: dict[tuple[str, str], fx.GraphModule] | None = None
 
 
 class _FrameCompiler:
@@ -114,6 +116,8 @@ class _FrameCompiler:
         # the aten executor frees a backward's saved inputs at their last use
         estimate = estimate_memory(gm, inputs_freed_at_last_use=(kind == "backward"))
         self.state.memory_estimates[(self.graph_id, kind)] = estimate
+        if self.state.graphs is not None:
+            self.state.graphs[(self.graph_id, kind)] = gm
         if self.recorder is not None:
             self.recorder.note(
                 self.graph_id,
