@@ -155,3 +155,127 @@ def random_images(cfg: ResNetConfig, batch: int, generator: torch.Generator) -> 
     """Random images (standard normal pixels) and random class labels."""
     images = torch.randn(batch, cfg.in_channels, cfg.image_size, cfg.image_size, generator=generator)
     return images, torch.randint(0, cfg.num_classes, (batch,), generator=generator)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama-style decoder (RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP,
+    untied embeddings), optionally with mixture-of-experts MLPs: the shapes of Llama 3 and
+    Mixtral without transformers installed (``zerofx plan``'s built-in models)."""
+
+    vocab_size: int = 256
+    seq_len: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_kv_head: int = 2
+    d_model: int = 64
+    ffn_hidden: int = 176
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    n_experts: int = 0  # 0: dense MLPs
+    experts_per_token: int = 2
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.q = nn.Linear(cfg.d_model, cfg.n_head * self.head_dim, bias=False)
+        self.kv = nn.Linear(cfg.d_model, 2 * cfg.n_kv_head * self.head_dim, bias=False)
+        self.o = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2 * self.n_kv_head, self.head_dim).transpose(1, 2).chunk(2, dim=1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class ExpertChoiceMoE(nn.Module):
+    """Mixture of experts with expert-choice routing (Zhou et al., 2022): each expert takes the
+    ``tokens · experts_per_token / n_experts`` tokens that score it highest, so every shape is
+    fixed by the batch (no data-dependent sizes) and the compute equals top-k routing's."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_experts, self.k = cfg.n_experts, cfg.experts_per_token
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model, 2 * cfg.ffn_hidden))
+        self.down = nn.Parameter(torch.empty(cfg.n_experts, cfg.ffn_hidden, cfg.d_model))
+        nn.init.normal_(self.gate_up, std=0.02)
+        nn.init.normal_(self.down, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        scores = self.router(flat).softmax(dim=-1)  # (tokens, experts)
+        capacity = max(1, b * t * self.k // self.n_experts)
+        weight, chosen = scores.t().topk(capacity, dim=-1)  # (experts, capacity)
+        picked = flat[chosen]  # (experts, capacity, d)
+        gate, up = torch.bmm(picked, self.gate_up).chunk(2, dim=-1)
+        out = torch.bmm(F.silu(gate) * up, self.down) * weight.unsqueeze(-1)
+        return torch.zeros_like(flat).index_add(0, chosen.reshape(-1), out.reshape(-1, d)).view(b, t, d)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = LlamaAttention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = ExpertChoiceMoE(cfg) if cfg.n_experts else SwiGLU(cfg.d_model, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    """``forward(tokens, targets)`` returns the mean cross-entropy (logits without targets)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        head_dim = cfg.d_model // cfg.n_head
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device, dtype=torch.float32)
+        angles = torch.outer(pos, self.inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        x = self.embed(tokens)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
