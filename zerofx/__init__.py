@@ -13,6 +13,9 @@ Memory below the sum of its parts (docs/memory.md): ``activation_budget`` and th
 ``checkpoint*`` options recompute activations, ``offload_activations`` parks them in host memory
 or on disk, ``offload_optimizer`` (with ``zerofx.offload_optimizer(opt)``) keeps master shards
 and optimizer state there; ``zerofx.MemoryTracker`` measures what the compiled graphs allocate.
+
+Before launch, ``zerofx.plan(model_fn, mesh_shape, ...)`` (or ``zerofx plan``) predicts a step's
+memory, communication and time per rank at any scale, from fake tensors (zerofx/planner.py).
 """
 
 import warnings
@@ -29,6 +32,7 @@ from zerofx.ir.collectives import CollectiveCounter
 from zerofx.measure.graph_buffers import MemoryTracker
 from zerofx.measure.model_state import model_state_bytes
 from zerofx.options import Options
+from zerofx.planner import Plan, plan
 from zerofx.runtime.accumulation import no_sync
 from zerofx.runtime.loss_scaling import loss_scaler
 from zerofx.runtime.offload_store import offload_optimizer
@@ -51,4 +55,6 @@ __all__ = [
     "model_state_bytes",
     "MemoryTracker",
     "offload_optimizer",
+    "plan",
+    "Plan",
 ]

@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     convert.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="cast on the way")
     convert.add_argument("--config", default=None, help="config.json to write alongside (HF)")
+    _add_plan_parser(sub)
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -99,15 +100,127 @@ def main(argv: list[str] | None = None) -> int:
         return _verify(parser, args)
     elif args.command == "convert":
         return _convert(parser, args)
+    elif args.command == "plan":
+        return _plan(parser, args)
     return 0
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from zerofx.planner import BUILTIN_MODELS
+
+    plan = sub.add_parser(
+        "plan",
+        help="predict memory, communication and step time per rank, at any scale, before launch",
+        description="Build MODEL with fake tensors (no memory), simulate WORLD_SIZE ranks with a fake "
+        "process group, run zerofx's real pass pipeline on one training step and report per rank: "
+        "model state, activations, the peak and where it occurs, collective bytes per mesh dimension, "
+        "a roofline step time, and with --device-memory the largest batch and sequence that fit. "
+        f"MODEL: a built-in shape ({', '.join(BUILTIN_MODELS)}) or MODULE:FUNCTION returning an nn.Module "
+        "(called with --kwargs). Exit status 0; 1 for bad input; 3 when it does not fit --device-memory.",
+    )
+    plan.add_argument("model", metavar="MODEL")
+    plan.add_argument("--world-size", "-n", type=int, default=None, help="ranks (default: the mesh's product)")
+    plan.add_argument("--mesh", default=None, help="mesh shape, e.g. 128x8 (replicate x shard); default 1-D")
+    plan.add_argument("--batch", type=int, default=1, help="sequences per rank per micro-step (default 1)")
+    plan.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks")
+    plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's, else 1024)")
+    plan.add_argument("--param-dtype", choices=("bf16", "fp16", "fp32"), default=None, help="compute dtype")
+    plan.add_argument("--stage", type=int, choices=(1, 2, 3), default=None, help="ZeRO stage (default 3)")
+    plan.add_argument(
+        "--activation-budget",
+        type=lambda t: int(t) if t.isdigit() else float(t),
+        default=None,
+        help="zerofx's activation_budget: bytes (an integer) or a fraction in (0, 1]",
+    )
+    plan.add_argument("--offload-optimizer", choices=("none", "cpu", "disk"), default=None)
+    plan.add_argument("--device", default="h100", help="rates to price the step with: cpu, a100, h100, h200")
+    plan.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GiB: solve for what fits")
+    plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
+    plan.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default nccl (gloo for cpu)")
+    plan.add_argument("--compare", action="store_true", help="also plan each memory option that changes the answer")
+    plan.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for MODULE:FUNCTION")
+    plan.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
+    plan.add_argument("--plot", dest="plot_path", default=None, help="draw the step's memory timeline (PNG)")
+
+
+def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from zerofx import planner
+    from zerofx.errors import ZeroFXError
+
+    def fail(message: str) -> int:
+        print(f"zerofx plan: {message}", file=sys.stderr)
+        return 1
+
+    try:
+        kwargs = json.loads(args.kwargs)
+    except json.JSONDecodeError as e:
+        return fail(f"--kwargs is not JSON: {e}")
+    if not isinstance(kwargs, dict):
+        return fail("--kwargs must be a JSON object")
+    mesh = None
+    if args.mesh:
+        try:
+            mesh = tuple(int(n) for n in args.mesh.lower().split("x"))
+        except ValueError:
+            return fail(f"--mesh {args.mesh!r}: give sizes joined by x, e.g. 128x8")
+    if args.plot_path:
+        check_plotting()
+    if os.getcwd() not in sys.path:  # after the installed packages: a user's module, never a shadow of zerofx
+        sys.path.append(os.getcwd())
+    options = {
+        k: v
+        for k, v in {
+            "stage": args.stage,
+            "param_dtype": args.param_dtype if args.param_dtype != "fp32" else None,
+            "activation_budget": args.activation_budget,
+            "offload_optimizer": args.offload_optimizer,
+        }.items()
+        if v is not None
+    }
+    try:
+        memory = parse_size(args.device_memory) if args.device_memory else None
+    except ValueError as e:
+        return fail(f"--device-memory: {e}")
+    try:
+        result = planner.plan(
+            args.model,
+            mesh,
+            world_size=args.world_size,
+            batch=args.batch,
+            seq=args.seq,
+            global_batch=args.global_batch,
+            device=args.device,
+            device_memory=memory,
+            optimizer=args.optimizer,
+            backend=args.backend,
+            factory_kwargs=kwargs,
+            compare=args.compare,
+            **options,
+        )
+    except ZeroFXError as e:
+        return fail(str(e))
+    print(result.report())
+    if args.json_path:
+        planner.dump_json(result, args.json_path)
+        print(f"wrote {args.json_path}")
+    if args.plot_path:
+        print(f"wrote {planner.write_timeline_plot(result, args.plot_path)}")
+    if result.fits is False:
+        print(f"zerofx plan: {result.advice()}", file=sys.stderr)
+        return 3
+    return 0
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
 
 def parse_size(text: str) -> int:
     """``"5GB"`` -> 5e9, ``"500MiB"`` -> 500 * 2**20, ``"1024"`` -> 1024 (HF's max_shard_size spellings)."""
-    number = text.strip().rstrip("bBiIkKmMgG")
+    number = text.strip().rstrip("bBiIkKmMgGtT")
     unit = text.strip()[len(number) :].lower()
     try:
         value = float(number)

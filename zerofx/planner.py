@@ -1,0 +1,798 @@
+"""``zerofx.plan``: memory, communication and step time of a training step at any scale, before launch.
+
+    plan = zerofx.plan("llama3-70b", (128, 8), batch=1, seq=8192, param_dtype="bf16",
+                       device="h100", device_memory="80GiB")
+    print(plan.report()); plan.to_json()
+
+How it works: nothing is approximated by a second model of zerofx. The planner builds the model
+under a ``FakeTensorMode`` (no memory for weights or activations), joins a fake process group of
+``world_size`` ranks as one of them (torch's ``fake`` backend: collectives complete without
+moving data, so 1024 ranks plan in one process), shards and compiles it with ``zerofx.compile``
+and the given options, and runs one training step (forward, backward, optimizer step) on fake
+tensors. Every pass runs as in a real job, and the numbers come from what the real runs are
+measured with: ``model_state_bytes`` of the fake model and optimizer, the ``CollectiveCounter``
+of the fake step (graph and eager collectives, per process group, so per mesh dimension), and the
+cost model over the final graphs (``estimate_memory`` / ``predict_step_peak`` for the peak,
+``estimate_time`` for compute and the communication the schedule leaves exposed).
+
+With ``device_memory``, batch and sequence are traced symbolically (``torch._dynamo.mark_dynamic``)
+so every live-bytes figure of the step is a polynomial in them (sympy), and the largest batch and
+sequence that fit are the roots of those polynomials, solved (NOTE: solving for the largest batch).
+
+Rank 0 is planned: ``torch.chunk`` shards give the first ranks the largest shards, so rank 0's
+numbers bound every rank's. Graphs are traced on the CPU (fake CPU tensors) and priced with the
+target ``device``'s rates; kernels that exist only on GPUs (flash attention) save what the CPU
+kernels save, so activation bytes agree up to the kernels' own workspace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import sympy
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerofx.errors import ZeroFXError
+
+__all__ = ["plan", "Plan", "PerRank", "BUILTIN_MODELS", "load_factory", "write_timeline_plot", "dump_json"]
+
+
+# ------------------------------------------------------------------------------ the models --
+
+
+def _llama(**shape: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from zerofx.models import Llama, LlamaConfig
+
+        return Llama(LlamaConfig(**shape))
+
+    return build
+
+
+def _gpt(**shape: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from zerofx.models import GPT, GPTConfig
+
+        return GPT(GPTConfig(**shape))
+
+    return build
+
+
+# Published shapes, built from zerofx.models (no transformers needed). GPT-2 XL's attention has no
+# qkv bias here (0.23M of its 1.56B parameters); the Mixtral-like MoE routes by expert choice.
+BUILTIN_MODELS: dict[str, Callable[[], nn.Module]] = {
+    "llama3-8b": _llama(vocab_size=128256, n_layer=32, n_head=32, n_kv_head=8, d_model=4096, ffn_hidden=14336),
+    "llama3-70b": _llama(vocab_size=128256, n_layer=80, n_head=64, n_kv_head=8, d_model=8192, ffn_hidden=28672),
+    "llama3-405b": _llama(vocab_size=128256, n_layer=126, n_head=128, n_kv_head=8, d_model=16384, ffn_hidden=53248),
+    "gpt2-xl": _gpt(vocab_size=50257, seq_len=1024, n_layer=48, n_head=25, d_model=1600),
+    "mixtral-8x7b": _llama(
+        vocab_size=32000,
+        n_layer=32,
+        n_head=32,
+        n_kv_head=8,
+        d_model=4096,
+        ffn_hidden=14336,
+        rope_theta=1e6,
+        n_experts=8,
+        experts_per_token=2,
+    ),
+}
+
+
+def load_factory(spec: str | Callable[..., nn.Module], kwargs: dict | None = None) -> Callable[[], nn.Module]:
+    """A model factory from a built-in name, a ``module:function`` path or a callable."""
+    kwargs = dict(kwargs or {})
+    if callable(spec):
+        return lambda: spec(**kwargs)
+    if spec in BUILTIN_MODELS:
+        if kwargs:
+            raise ZeroFXError(f"--kwargs: the built-in model {spec!r} takes none (give a module:function factory)")
+        return BUILTIN_MODELS[spec]
+    if ":" not in spec:
+        raise ZeroFXError(
+            f"unknown model {spec!r}: give a built-in name ({', '.join(BUILTIN_MODELS)}) or a factory "
+            "as module:function (e.g. mypkg.models:build_llama)"
+        )
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ZeroFXError(
+            f"model factory {spec!r}: cannot import module {module_name!r} ({e}); check the path and that "
+            "its package is installed or on PYTHONPATH"
+        ) from None
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ZeroFXError(f"model factory {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ZeroFXError(f"model factory {spec!r} is a {type(fn).__name__}, not a function")
+    return lambda: fn(**kwargs)
+
+
+def _parse_memory(value: int | str | None) -> int | None:
+    from zerofx.cli import parse_size
+
+    if value is None or isinstance(value, int):
+        return value
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ZeroFXError(f"device_memory: {e}") from None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+# ------------------------------------------------------------------------------- the result --
+
+
+@dataclass
+class PerRank:
+    """Bytes one rank holds (rank 0: the largest shards)."""
+
+    params_bytes: int  # parameter shards in their master dtype (and replicated small parameters)
+    whole_copy_bytes: int  # stages 1-2: whole parameters in the compute dtype
+    grad_bytes: int  # gradients at the end of the backward (shards; whole ones pending reduction)
+    optimizer_bytes: int  # per-element optimizer state (Adam: two moments, master dtype)
+    buffer_bytes: int
+    activation_bytes: int  # saved for the backward, resident (not offloaded)
+    step_peak_bytes: int  # forward + backward above the step's start (the allocator's count)
+    peak_bytes: int  # model state at rest + buffers + the step's peak
+    peak_node: str
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters, gradients and optimizer state (ZeRO's "model states"), by storage."""
+        return self.params_bytes + self.whole_copy_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass
+class Plan:
+    """What one training step costs per rank, predicted (``zerofx.plan``)."""
+
+    model: str
+    parameters: int
+    world_size: int
+    mesh: dict[str, int]  # dimension name -> size, outer first
+    batch: int
+    seq: int | None
+    device: str
+    options: dict[str, Any]
+    per_rank: PerRank
+    comm_bytes_per_step: dict[str, dict[str, int]]  # kind -> mesh dimension -> wire bytes per rank
+    step_time_s: float
+    compute_s: float
+    exposed_comm_s: float
+    optimizer_step_s: float
+    device_memory: int | None = None
+    max_batch: int | None = None
+    max_seq: int | None = None
+    plan_seconds: float = 0.0
+    timeline: list[tuple[str, int]] = field(default_factory=list, repr=False)
+    symbolic_peak: str | None = None
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.per_rank.peak_bytes <= self.device_memory
+
+    def advice(self) -> str | None:
+        """For a plan that does not fit: by how much, and what each memory option frees."""
+        if self.fits is not False:
+            return None
+        r, over = self.per_rank, self.per_rank.peak_bytes - self.device_memory
+        frees = []
+        if self.options.get("offload_optimizer") in (None, "none") and r.optimizer_bytes:
+            frees.append((r.optimizer_bytes, "offload_optimizer='cpu'"))
+        if self.options.get("stage", 3) != 3 and r.whole_copy_bytes:
+            frees.append((r.whole_copy_bytes, "stage=3"))
+        if self.options.get("activation_budget") is None and r.activation_bytes:
+            frees.append((r.activation_bytes, "activation_budget=0 (at most)"))
+        listed = ", ".join(f"{what} {_gib(n)}" for n, what in sorted(frees, reverse=True)) or "nothing"
+        enough = [what for n, what in frees if n >= over]
+        verdict = f"{' or '.join(enough)} alone would fit" if enough else "no single option is enough: combine them"
+        if self.batch > 1:
+            verdict += f", or a smaller batch (the largest that fits: {self.max_batch})"
+        step = r.peak_bytes - r.model_state_bytes + r.grad_bytes  # what does not shrink with more ranks
+        ranks = ""
+        if step < self.device_memory:
+            state = (r.model_state_bytes - r.grad_bytes) * self.mesh.get("shard", self.world_size)
+            ranks = f"; sharding over >= {math.ceil(state / (self.device_memory - step))} ranks would fit it"
+        return (
+            f"does not fit: peak {_gib(r.peak_bytes)} per rank is {_gib(over)} over device_memory "
+            f"{_gib(self.device_memory)}; options free: {listed}; {verdict}{ranks} (plan each exactly with --compare)"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["per_rank"]["model_state_bytes"] = self.per_rank.model_state_bytes
+        out["fits"] = self.fits
+        out["advice"] = self.advice()
+        out["options"] = {k: str(v) if isinstance(v, torch.dtype) else v for k, v in self.options.items()}
+        return out
+
+    def report(self) -> str:
+        r = self.per_rank
+        mesh = "x".join(str(v) for v in self.mesh.values())
+        lines = [
+            f"zerofx plan: {self.model} ({self.parameters / 1e9:.3g}B parameters), {self.world_size} ranks "
+            f"(mesh {mesh}: {', '.join(self.mesh)}), batch {self.batch} x seq {self.seq}, device {self.device}, "
+            f"options {self.options or 'defaults'}",
+            "per rank (rank 0):",
+            f"  parameters (shards)        {_gib(r.params_bytes):>12}",
+            f"  whole copies (stages 1-2)  {_gib(r.whole_copy_bytes):>12}",
+            f"  gradients                  {_gib(r.grad_bytes):>12}",
+            f"  optimizer state            {_gib(r.optimizer_bytes):>12}",
+            f"  model state                {_gib(r.model_state_bytes):>12}",
+            f"  buffers                    {_gib(r.buffer_bytes):>12}",
+            f"  saved activations          {_gib(r.activation_bytes):>12}",
+            f"  step peak above its start  {_gib(r.step_peak_bytes):>12}  (at {r.peak_node})",
+            f"  peak                       {_gib(r.peak_bytes):>12}",
+            "communication per step per rank:",
+        ]
+        for kind, dims in sorted(self.comm_bytes_per_step.items()):
+            lines.append(f"  {kind:<15} " + ", ".join(f"{d}: {_gib(b)}" for d, b in dims.items()))
+        lines.append(
+            f"step time {self.step_time_s * 1e3:.1f} ms: compute {self.compute_s * 1e3:.1f} ms, exposed "
+            f"communication {self.exposed_comm_s * 1e3:.1f} ms, optimizer step {self.optimizer_step_s * 1e3:.1f} ms "
+            f"(roofline on {self.device}'s rates: a lower bound)"
+        )
+        if self.device_memory is not None:
+            fit = "fits" if self.fits else "DOES NOT FIT"
+            lines.append(
+                f"device memory {_gib(self.device_memory)}: {fit}; largest batch {self.max_batch} (at seq "
+                f"{self.seq}), largest seq {self.max_seq} (at batch {self.batch})"
+            )
+            if not self.fits:
+                lines.append(self.advice())
+        for alt in self.alternatives:
+            lines.append(
+                f"  with {alt['change']}: peak {_gib(alt['peak_bytes'])}, model state {_gib(alt['model_state_bytes'])}, "
+                f"step {alt['step_time_s'] * 1e3:.1f} ms, comm {_gib(alt['comm_bytes'])}"
+            )
+        lines.append(f"planned in {self.plan_seconds:.1f} s")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ the planner --
+
+
+def _link(name: str) -> Any:
+    from zerofx.passes.cost_model import CommModel
+
+    # round per-rank collective bandwidths: NVLink-class inside a node, 400 Gb/s NICs across nodes
+    links = {"intra": CommModel(latency_s=10e-6, seconds_per_byte=1 / 350e9), "inter": CommModel(20e-6, 1 / 45e9)}
+    return links[name]
+
+
+@contextlib.contextmanager
+def _fake_world(world_size: int, rank: int, backend: str):
+    """This process as ``rank`` of a fake process group of ``world_size`` ranks (no communication)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers torch's "fake" backend)
+
+    from zerofx.ir.collectives import simulated_backend
+
+    if dist.is_initialized():
+        raise ZeroFXError(
+            "zerofx.plan simulates the job with a fake process group and cannot run where one is already "
+            "initialized: call it before init_process_group, or run `zerofx plan` in its own process"
+        )
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=dist.HashStore())
+    try:
+        with simulated_backend(backend):
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _default_inputs(model: nn.Module) -> Callable[[int, int], tuple]:
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    vocab = getattr(cfg, "vocab_size", None)
+    if vocab is None:
+        raise ZeroFXError(
+            f"zerofx.plan: cannot make inputs for {type(model).__name__} (no cfg.vocab_size / config.vocab_size): "
+            "pass example_inputs_fn(batch, seq) -> (args, kwargs)"
+        )
+    hf = (
+        hasattr(model, "config")
+        and hasattr(model, "generation_config")
+        or type(model).__module__.startswith("transformers")
+    )
+
+    def inputs(batch: int, seq: int) -> tuple:
+        tokens = torch.randint(0, vocab, (batch, seq))
+        if hf:
+            return (), {"input_ids": tokens, "labels": tokens}
+        return (tokens, tokens), {}
+
+    return inputs
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        loss = out if isinstance(out, torch.Tensor) else out[0]
+    return loss if loss.dim() == 0 else loss.float().sum()
+
+
+def _max_positions(model: nn.Module) -> int | None:
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    if type(model).__name__ == "GPT":
+        return getattr(cfg, "seq_len", None)
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+def _make_optimizer(params: list, optimizer: str | Callable) -> torch.optim.Optimizer:
+    if callable(optimizer):
+        return optimizer(params)
+    table = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    if optimizer not in table:
+        raise ZeroFXError(f"optimizer {optimizer!r}: give adamw, adam, sgd or a callable(params) -> Optimizer")
+    return table[optimizer](params, lr=1e-3) if optimizer != "sgd" else table[optimizer](params, lr=1e-3, momentum=0.9)
+
+
+@dataclass
+class _Traced:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    comm_by_group: dict
+    mesh: Any
+
+
+def plan(
+    model_fn: str | Callable[..., nn.Module],
+    mesh_shape: tuple[int, ...] | int | None = None,
+    example_inputs_fn: Callable[[int, int], tuple] | None = None,
+    *,
+    world_size: int | None = None,
+    batch: int = 1,
+    seq: int | None = None,
+    global_batch: int | None = None,
+    device: str = "h100",
+    device_memory: int | str | None = None,  # bytes, or a size such as "80GiB"
+    optimizer: str | Callable = "adamw",
+    backend: str | None = None,
+    gpus_per_node: int = 8,
+    factory_kwargs: dict | None = None,
+    compare: bool = False,
+    **options: Any,
+) -> Plan:
+    """Plan one training step of ``model_fn()`` sharded by zerofx over ``mesh_shape`` (module docstring).
+
+    ``model_fn``: a callable, a ``module:function`` path or a built-in name (``BUILTIN_MODELS``);
+    ``mesh_shape``: ``(world,)`` or ``(replicate, shard)``; ``example_inputs_fn(batch, seq)`` ->
+    ``(args, kwargs)`` of one forward (default: token ids and targets for models with a
+    ``vocab_size``); ``batch``: sequences per rank per micro-step (or ``global_batch``, divided by
+    the data-parallel size); ``device``: the rates the step is priced with (``cpu``, ``a100``,
+    ``h100``, ``h200``); ``backend``: the collective backend simulated (default nccl, gloo on cpu);
+    ``compare``: also plan each memory option that changes the answer; ``options``: those of
+    ``zerofx.compile``. Runs in a process without a process group (it simulates one), and resets
+    dynamo's caches (``torch._dynamo.reset()``) before each trace: plan before compiling anything
+    you keep in the same process."""
+    started = time.perf_counter()
+    if isinstance(mesh_shape, int):
+        mesh_shape = (mesh_shape,)
+    if mesh_shape is None:
+        if world_size is None:
+            raise ZeroFXError("zerofx.plan: give mesh_shape or world_size")
+        mesh_shape = (world_size,)
+    mesh_shape = tuple(int(n) for n in mesh_shape)
+    if len(mesh_shape) not in (1, 2) or min(mesh_shape) < 1:
+        raise ZeroFXError(f"mesh {mesh_shape}: give (world,) or (replicate, shard), e.g. --mesh 128x8")
+    world = math.prod(mesh_shape)
+    if world_size is not None and world_size != world:
+        raise ZeroFXError(
+            f"mesh {'x'.join(map(str, mesh_shape))} has {world} ranks but world size is {world_size}: make the "
+            "mesh dimensions multiply to --world-size"
+        )
+    if global_batch is not None:
+        if global_batch % world:
+            raise ZeroFXError(
+                f"global batch {global_batch} is not divisible by the data-parallel size {world}: give a multiple "
+                f"of {world} (e.g. {world * max(1, global_batch // world)}) or --batch per rank"
+            )
+        batch = global_batch // world
+    if batch < 1:
+        raise ZeroFXError(f"batch {batch}: give at least one sequence per rank")
+    memory = _parse_memory(device_memory)
+    from zerofx.passes.cost_model import DeviceModel
+
+    try:
+        rates = DeviceModel.preset(device)
+    except ValueError as e:
+        raise ZeroFXError(f"device: {e}") from None
+    backend = backend or ("gloo" if device == "cpu" else "nccl")
+    factory = load_factory(model_fn, factory_kwargs)
+    name = model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", type(model_fn).__name__)
+
+    request = _Request(
+        factory, name, mesh_shape, example_inputs_fn, batch, seq, device, rates, backend, gpus_per_node, memory,
+        optimizer, memory is not None, options,
+    )  # fmt: skip
+    result = _plan_once(request)
+    if compare:
+        for change in _alternatives(options):
+            alt = _plan_once(dataclasses.replace(request, memory=None, symbolic=False, options={**options, **change}))
+            result.alternatives.append(
+                {
+                    "change": ", ".join(f"{k}={v!r}" for k, v in change.items()),
+                    "peak_bytes": alt.per_rank.peak_bytes,
+                    "model_state_bytes": alt.per_rank.model_state_bytes,
+                    "step_time_s": alt.step_time_s,
+                    "comm_bytes": sum(b for dims in alt.comm_bytes_per_step.values() for b in dims.values()),
+                }
+            )
+    result.plan_seconds = time.perf_counter() - started
+    return result
+
+
+def _alternatives(options: dict) -> list[dict]:
+    """The memory options that change a plan's answer, each changed alone."""
+    out = [{"stage": s} for s in (1, 2, 3) if s != options.get("stage", 3)]
+    if options.get("activation_budget") is None:
+        out.append({"activation_budget": 0})
+    if options.get("offload_optimizer") in (None, "none"):
+        out.append({"offload_optimizer": "cpu"})
+    return out
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What one trace of the planner is asked."""
+
+    factory: Callable[[], nn.Module]
+    name: str
+    mesh_shape: tuple[int, ...]
+    example_inputs_fn: Callable | None
+    batch: int
+    seq: int | None
+    device: str
+    rates: Any  # DeviceModel
+    backend: str
+    gpus_per_node: int
+    memory: int | None
+    optimizer: str | Callable
+    symbolic: bool
+    options: dict[str, Any]
+
+
+def _plan_once(req: _Request) -> Plan:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = ("shard",) if len(req.mesh_shape) == 1 else ("replicate", "shard")
+    options = dict(req.options)
+    options.setdefault("calibrate", False)  # the fake group has nothing to measure: decide on the defaults
+    torch._dynamo.reset()  # a fresh compile, as at launch (and no recompile limit left over from earlier plans)
+    with _fake_world(math.prod(req.mesh_shape), 0, req.backend):
+        mesh = init_device_mesh("cpu", req.mesh_shape, mesh_dim_names=dims)  # real tensors: outside the fake mode
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return _trace_step(dataclasses.replace(req, options=options), mesh, dims)
+
+
+def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
+    """One training step of the fake model on the fake mesh, read into a Plan."""
+    from torch.fx.experimental import _config as fx_config
+
+    import zerofx
+    from zerofx.api import _compile
+    from zerofx.measure.model_state import local_nbytes, model_state_bytes
+    from zerofx.passes.cost_model import CommModel, CostModel, DeviceModel
+    from zerofx.runtime.params import runtime_of
+
+    factory, name, mesh_shape, batch, seq, device = (
+        req.factory,
+        req.name,
+        req.mesh_shape,
+        req.batch,
+        req.seq,
+        req.device,
+    )
+    rates, memory, symbolic, options = req.rates, req.memory, req.symbolic, req.options
+    world = math.prod(mesh_shape)
+    try:
+        model = factory()
+    except ZeroFXError:
+        raise
+    except Exception as e:
+        raise ZeroFXError(f"the model factory {name!r} raised {type(e).__name__}: {e}") from e
+    if not isinstance(model, nn.Module):
+        raise ZeroFXError(f"the model factory {name!r} returned a {type(model).__name__}, not an nn.Module")
+    parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    limit = _max_positions(model)
+    seq = seq or limit or 1024
+    if limit is not None and seq > limit:
+        raise ZeroFXError(f"seq {seq} is longer than the model's {limit} positions: give --seq <= {limit}")
+    inputs_fn = req.example_inputs_fn or _default_inputs(model)
+    # what a real compile decides with (default constants; accelerator rates for a GPU target)
+    decide = CostModel(comm=CommModel(), device=None if device == "cpu" else DeviceModel())
+    _compile(model, mesh["shard"] if len(mesh_shape) == 1 else mesh, None, options, cost=decide, keep_graphs=True)
+    opt = _make_optimizer(list(model.parameters()), req.optimizer)
+    hints = (max(batch, 2), max(seq, 3)) if symbolic else (batch, seq)
+    args, kwargs = _split(inputs_fn(*hints))
+    if symbolic:
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.mark_dynamic(t, 1)
+    with zerofx.CollectiveCounter() as comm:
+        duck = fx_config.use_duck_shape
+        fx_config.use_duck_shape = False  # batch and seq get symbols of their own even when equal
+        try:
+            _loss_of(model(*args, **kwargs)).backward()
+        finally:
+            fx_config.use_duck_shape = duck
+        state = model_state_bytes(model, opt)  # the backward's gradients still held: the step's peak
+        opt.step()
+    runtime = runtime_of(model)
+    compiled = runtime.compiled
+    whole = sum({id(s.full): local_nbytes(s.full) for s in runtime.states if s.full is not None}.values())
+    buffers = sum(local_nbytes(b) for b in model.buffers())
+    opt_bytes = model_state_bytes(model, opt).optimizer
+    group_dim = {mesh.get_group(i).group_name: d for i, d in enumerate(dims)}
+    comm_bytes: dict[str, dict[str, int]] = {}
+    for (kind, group), nbytes in comm.by_group.items():
+        dim = group_dim.get(group, group)
+        comm_bytes.setdefault(kind, {}).setdefault(dim, 0)
+        comm_bytes[kind][dim] += int(_hint(nbytes))
+
+    links = {
+        "shard": _link("intra" if mesh_shape[-1] <= req.gpus_per_node else "inter"),
+        "replicate": _link("inter"),
+    }
+    if device == "cpu":
+        links = {d: CommModel() for d in dims}
+    time_parts = _step_time(compiled, rates, lambda g: links[group_dim.get(g, "shard")], comm, group_dim, links)
+    params_bytes = state.params - whole
+    opt_s = 2 * (state.params + state.grads + opt_bytes) / rates.memory_bytes_per_s
+    per_rank, act, timeline, sym_peak, max_batch, max_seq = _memory(
+        compiled, symbolic, batch, seq, params_bytes + whole + opt_bytes + buffers, memory
+    )
+    if limit is not None and max_seq is not None and max_seq > limit:
+        max_seq = limit  # memory would allow more; the model has no more positions
+    result = Plan(
+        model=name,
+        parameters=parameters,
+        world_size=world,
+        mesh=dict(zip(dims, mesh_shape)),
+        batch=batch,
+        seq=seq,
+        device=device,
+        options={k: v for k, v in options.items() if k != "calibrate" or v},
+        per_rank=PerRank(
+            params_bytes=params_bytes,
+            whole_copy_bytes=whole,
+            grad_bytes=state.grads,
+            optimizer_bytes=opt_bytes,
+            buffer_bytes=buffers,
+            activation_bytes=act,
+            step_peak_bytes=per_rank[0],
+            peak_bytes=params_bytes + whole + opt_bytes + buffers + per_rank[0],
+            peak_node=per_rank[1],
+        ),
+        comm_bytes_per_step=comm_bytes,
+        step_time_s=time_parts[0] + opt_s,
+        compute_s=time_parts[1],
+        exposed_comm_s=time_parts[2],
+        optimizer_step_s=opt_s,
+        device_memory=memory,
+        max_batch=max_batch,
+        max_seq=max_seq,
+        timeline=timeline,
+        symbolic_peak=sym_peak,
+    )
+    return result
+
+
+def _split(inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict):
+        return tuple(inputs[0]), inputs[1]
+    if isinstance(inputs, dict):
+        return (), inputs
+    return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
+
+
+def _hint(x: Any) -> int:
+    from zerofx.passes.cost_model import hint
+
+    return hint(x)
+
+
+def _frames(compiled: Any) -> list[str]:
+    return sorted(
+        {g for g, kind in compiled.memory_estimates if kind == "backward"}, key=lambda g: int(g.removeprefix("frame"))
+    )
+
+
+def _step_time(compiled, rates, comm_for, counter, group_dim, links) -> tuple[float, float, float]:
+    """(graph time, compute, exposed communication) of a step; collectives outside the graphs
+    (stages 1-2: the post-step all-gather, stage 1's boundary reduce) are exposed in full."""
+    from zerofx.measure.instrument import graph_collectives
+    from zerofx.passes.cost_model import estimate_time
+
+    total = compute = 0.0
+    in_graphs: dict[tuple[str, str], int] = {}
+    for gm in compiled.graphs.values():
+        t = estimate_time(gm, rates, comm_for)
+        total, compute = total + t.total_s, compute + t.compute_s
+        for kind, nbytes, group in graph_collectives(gm):
+            in_graphs[(kind, group)] = in_graphs.get((kind, group), 0) + _hint(nbytes)
+    eager = 0.0
+    for (kind, group), nbytes in counter.by_group.items():
+        rest = _hint(nbytes) - in_graphs.get((kind, group), 0)
+        if rest > 0:
+            eager += links[group_dim.get(group, "shard")].time(rest)
+    total += eager
+    return total, compute, total - compute
+
+
+# NOTE: solving for the largest batch
+# With symbolic batch B and sequence S, the live bytes after every node of every graph of the
+# step are polynomials in (B, S) with non-negative coefficients (a sum of the sizes of the tensors
+# live there), so the step's peak is the largest of them and grows with B and S. The largest batch
+# that fits is the smallest, over those polynomials, of the positive root of
+# static + p_i(B, seq) = device_memory: each is linear in B (transformers' tensors are), solved in
+# exact rationals; the largest sequence is the same with p_i(batch, S), at most quadratic (attention
+# without a fused kernel), solved by sympy. Polynomials are deduplicated first, and ones dominated
+# coefficient by coefficient by another are dropped (their roots are never the smallest).
+
+
+def _memory(compiled, symbolic, batch, seq, static, memory):
+    """((step peak, peak node), saved activations, downsampled timeline, symbolic peak, max batch,
+    max seq). Saved activations: what the forward graphs allocate and return beyond their inputs."""
+    from zerofx.passes.cost_model import memory_timeline, predict_step_peak
+
+    frames = _frames(compiled)
+    graphs = compiled.graphs
+    labels: list[str] = []
+    values: list[Any] = []
+    live: Any = sympy.Integer(0) if symbolic else 0
+
+    def walk(gid: str, kind: str, base: Any) -> Any:
+        gm = graphs[(gid, kind)]
+        tl, out = memory_timeline(gm, inputs_freed_at_last_use=(kind == "backward"), symbolic=symbolic)
+        for node, v in tl:
+            labels.append(f"{gid}.{kind}:{node}")
+            values.append(base + v)
+        return out
+
+    fw_out = {}
+    for gid in frames:
+        fw_out[gid] = walk(gid, "forward", live)
+        live = live + fw_out[gid]
+    for gid in reversed(frames):
+        out = walk(gid, "backward", live)
+        live = live + out - fw_out[gid]
+    if not symbolic:
+        peak = predict_step_peak(compiled.memory_estimates, frames)
+        i = max(range(len(values)), key=lambda j: values[j]) if values else 0
+        node = labels[i] if labels else "start"
+        return (peak, node), int(sum(fw_out.values())), _downsample(labels, values), None, None, None
+    B, S = _symbols(compiled)
+    at = {B: batch, S: seq} if B is not None else {}
+    numeric = [int(sympy.sympify(v).subs(at)) for v in values]
+    i = max(range(len(numeric)), key=lambda j: numeric[j])
+    peak = max(numeric[i], 0)
+    polys = _envelope(values)
+    max_batch = _solve(polys, B, {S: seq}, memory - static) if B is not None else None
+    max_seq = _solve(polys, S, {B: batch}, memory - static) if S is not None else None
+    sym = str(sympy.sympify(values[i]).expand()) if values else None
+    act = int(sympy.sympify(sum(fw_out.values(), sympy.Integer(0))).subs(at))
+    return (peak, labels[i]), act, _downsample(labels, numeric), sym, max_batch, max_seq
+
+
+def _symbols(compiled) -> tuple[Any, Any]:
+    """The size symbols of batch and sequence: the first forward input with two symbolic dims."""
+    for (gid, kind), gm in sorted(compiled.graphs.items()):
+        if kind != "forward":
+            continue
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() >= 2:
+                b, s = val.shape[0], val.shape[1]
+                if isinstance(b, torch.SymInt) and isinstance(s, torch.SymInt):
+                    return b.node.expr, s.node.expr
+    return None, None
+
+
+def _envelope(values: list[Any]) -> list[sympy.Expr]:
+    """The distinct symbolic live-bytes expressions of the step."""
+    return list({e: None for e in (sympy.expand(sympy.sympify(v)) for v in values) if e.free_symbols})
+
+
+def _solve(exprs: list[sympy.Expr], var: Any, fixed: dict, room: int) -> int:
+    """The largest integer ``var`` >= 1 at which every expression (at ``fixed``) is <= ``room``
+    (NOTE: solving for the largest batch); 0 when even 1 does not fit."""
+    if room <= 0:
+        return 0
+    best: Any = None
+    seen: set = set()
+    for expr in exprs:
+        e = sympy.expand(expr.subs(fixed))
+        if var not in e.free_symbols:
+            if e > room:
+                return 0
+            continue
+        coeffs = tuple(sympy.Poly(e, var).all_coeffs())
+        if coeffs in seen:
+            continue
+        seen.add(coeffs)
+        bound = _first_crossing(coeffs, room)
+        if bound is not None and (best is None or bound < best):
+            best = bound
+    if best is None:
+        return 2**62  # nothing grows with var: any size fits
+    return max(int(sympy.floor(best)), 0)
+
+
+def _first_crossing(coeffs: tuple, room: int) -> Any:
+    """The smallest x > 0 where the polynomial with ``coeffs`` (highest first) rises through
+    ``room``; 0 if it is above ``room`` already at x -> 0+; None if it never rises through it.
+    Closed form for degree 1 (exact rationals), sympy's real roots above."""
+    if len(coeffs) == 2:  # a*x + b
+        a, b = (sympy.Rational(c) for c in coeffs)
+        if a <= 0:
+            return None if b <= room else 0
+        return (room - b) / a
+    x = sympy.Symbol("x", positive=True)
+    poly = sympy.Poly(sum(c * x**k for k, c in enumerate(reversed(coeffs))) - room, x)
+    if poly.eval(0) > 0:
+        return 0
+    for r in sorted(poly.real_roots()):
+        if r > 0 and poly.diff(x).eval(r) >= 0:
+            return r
+    return None
+
+
+def _downsample(labels: list[str], values: list[int], points: int = 2000) -> list[tuple[str, int]]:
+    """At most ``points`` (label, bytes), keeping each bin's largest value (the peak survives)."""
+    if len(values) <= points:
+        return [(lbl, int(v)) for lbl, v in zip(labels, values)]
+    step = len(values) / points
+    out = []
+    for k in range(points):
+        lo, hi = int(k * step), max(int((k + 1) * step), int(k * step) + 1)
+        j = max(range(lo, min(hi, len(values))), key=lambda i: values[i])
+        out.append((labels[j], int(values[j])))
+    return out
+
+
+def write_timeline_plot(p: Plan, path: str) -> str:
+    """The step's estimated memory timeline per rank (matplotlib, the ``plots`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = p.per_rank
+    at_rest = r.params_bytes + r.whole_copy_bytes + r.optimizer_bytes + r.buffer_bytes
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.plot([(at_rest + v) / 2**30 for _, v in p.timeline], lw=1, label="live bytes (estimate)")
+    ax.axhline(at_rest / 2**30, color="gray", ls=":", label="model state at rest")
+    if p.device_memory is not None:
+        ax.axhline(p.device_memory / 2**30, color="red", ls="--", label="device memory")
+    ax.set_xlabel("graph nodes in execution order (forward, then backward)")
+    ax.set_ylabel("GiB per rank")
+    ax.set_title(f"{p.model}: {p.world_size} ranks, batch {p.batch} x seq {p.seq}")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def dump_json(p: Plan, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(p.to_json(), f, indent=1)
