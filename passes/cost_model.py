@@ -69,7 +69,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
-from zerofx.ir.collectives import COLLECTIVE_OPS, WAIT, collective_group_size, collective_kind, wire_bytes
+from zerofx.ir.collectives import COLLECTIVE_OPS, WAIT, backend_of, collective_group_size, collective_kind, wire_bytes
 from zerofx.passes.graph import is_view, positions
 
 __all__ = [
@@ -303,6 +303,28 @@ class MemoryEstimate:
     output_bytes: int  # bytes still alive at the end that the graph allocated (its outputs)
 
 
+# NOTE: collective workspace
+# Backends may hold buffers of their own while a collective runs. gloo's all-gather gathers into
+# a flat buffer it allocates and copies the result out of it (ProcessGroupGloo's allgather), so
+# for the duration of the collective a rank holds one more output-sized buffer; NCCL writes into
+# the output. gloo runs the collective on its own thread, so the buffer exists from the issue
+# until the wait returns (measured with AllocationTrace: it appears after compute the graph ran
+# past the issue, benchmarks/plan_accuracy.py); the simulation holds it over that window.
+
+
+def collective_workspace_bytes(node: fx.Node, symbolic: bool = False) -> Any:
+    """Bytes the backend itself allocates while ``node`` (a collective) runs (NOTE: collective workspace)."""
+    zero: Any = sympy.Integer(0) if symbolic else 0
+    spec = COLLECTIVE_OPS.get(node.target) if node.op == "call_function" else None
+    if spec is None or spec.kind != "all_gather":
+        return zero
+    try:
+        backend = backend_of(node.args[spec.group_name_arg])
+    except (ValueError, RuntimeError, KeyError):  # a group name no process group is registered under
+        return zero
+    return tensor_bytes(node.meta.get("val"), symbolic) if backend == "gloo" else zero
+
+
 def _liveness(
     gm: fx.GraphModule, inputs_freed_at_last_use: bool, owned_inputs: Iterable[str] | None, symbolic: bool
 ) -> tuple[list[tuple[str, Any]], Any]:
@@ -326,9 +348,15 @@ def _liveness(
             frees.setdefault(idx, []).append(root)
     live: Any = sympy.Integer(0) if symbolic else 0  # relative to the start: owned inputs are already live
     timeline = []
+    pending: dict[fx.Node, Any] = {}  # collective -> its backend workspace, until its wait
     for node in nodes:
-        live = live + allocated_bytes(node, symbolic)
+        workspace = collective_workspace_bytes(node, symbolic)
+        if workspace != 0:  # held by the backend until the collective is waited on
+            pending[node] = workspace
+        live = live + allocated_bytes(node, symbolic) + workspace
         timeline.append((node.name, live))
+        if node.op == "call_function" and node.target is WAIT and node.args[0] in pending:
+            live = live - pending.pop(node.args[0])
         for dead in frees.get(order[node], ()):
             if dead.op == "placeholder":
                 live = live - tensor_bytes(dead.meta.get("val"), symbolic)

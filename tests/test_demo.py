@@ -34,6 +34,19 @@ def test_demo_prints_a_line_per_step_when_not_on_a_terminal(capfd):
     assert "warning" not in (out + err).lower(), out + err
 
 
+def test_demo_plan_prints_the_prediction_then_the_measurement_beside_it(capfd):
+    import re
+
+    assert main(["demo", "--plan", "--steps", "2", "--progress", "lines", "--layers", "1"]) == 0
+    out, err = capfd.readouterr()
+    assert out.index("zerofx plan:") < out.index("   1/2 ")  # planned before training
+    line = re.search(r"plan vs measured \(rank 0\): model state (\S+) MiB / (\S+) MiB; "
+                     r"collective bytes per step (\S+) MiB / (\S+) MiB", out)  # fmt: skip
+    assert line, out
+    assert line.group(1) == line.group(2) and line.group(3) == line.group(4)  # exact, as the benchmark shows
+    assert "warning" not in (out + err).lower(), out + err
+
+
 def test_progress_line_redraws_in_place_and_ignores_the_first_step_for_the_eta(monkeypatch):
     import io
 

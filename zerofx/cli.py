@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--plot", dest="plot_dir", default=None, help="write loss.png and memory.png here")
     demo.add_argument(
+        "--plan", action="store_true", help="zerofx plan the run first; print prediction beside measurement"
+    )
+    demo.add_argument(
         "--progress",
         choices=("auto", "bar", "lines"),
         default="auto",
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             param_dtype=None if args.param_dtype == "fp32" else args.param_dtype,
             progress=args.progress == "bar" or (args.progress == "auto" and sys.stdout.isatty()),
             plot_dir=args.plot_dir,
+            plan=args.plan,
         )
         if cfg.plot_dir:
             check_plotting()

@@ -35,6 +35,7 @@ class DemoConfig:
     param_dtype: str | None = None  # "bf16" for bf16 compute from fp32 master shards
     progress: bool = False  # one progress line redrawn in place (a terminal) instead of a line per step
     plot_dir: str | None = None  # write loss.png, memory.png and demo.json here
+    plan: bool = False  # zerofx.plan the run first, then print the prediction beside the measurement
 
 
 class ProgressLine:
@@ -71,18 +72,14 @@ def _mb(n: float) -> str:
 
 def _rank_main(cfg: DemoConfig) -> dict:
     import zerofx
-    from zerofx.models import GPT, GPTConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
-        gcfg = GPTConfig(
-            vocab_size=cfg.vocab, seq_len=cfg.seq_len, n_layer=cfg.layers, n_head=cfg.heads, d_model=cfg.d_model
-        )
         torch.manual_seed(0)
-        model = GPT(gcfg)
+        model = _demo_model(cfg)
         unsharded = [p for p in model.parameters()]
         psi = sum(p.numel() * p.element_size() for p in unsharded)
         # params + grads + AdamW's two moments, all fp32
@@ -241,8 +238,39 @@ def write_plots(cfg: DemoConfig, series: dict) -> list[str]:
     ]
 
 
+def _demo_model(cfg: DemoConfig):
+    from zerofx.models import GPT, GPTConfig
+
+    return GPT(
+        GPTConfig(vocab_size=cfg.vocab, seq_len=cfg.seq_len, n_layer=cfg.layers, n_head=cfg.heads, d_model=cfg.d_model)
+    )
+
+
 def run_demo(cfg: DemoConfig) -> dict:
-    """Start ``cfg.world_size`` local ranks with torchrun's launcher and train; returns rank 0's stats."""
+    """Start ``cfg.world_size`` local ranks with torchrun's launcher and train; returns rank 0's stats.
+    With ``cfg.plan``, plan the same run first (``zerofx.plan``, in this process, before any rank
+    starts) and print the prediction, then the measurement beside it."""
+    import functools
+
     from zerofx.launch import local_ranks
 
-    return local_ranks(_rank_main, cfg.world_size, cfg, name="zerofx-demo")[0]
+    predicted = None
+    if cfg.plan:
+        import zerofx
+
+        options = {"stage": cfg.stage, "param_dtype": cfg.param_dtype} if cfg.param_dtype else {"stage": cfg.stage}
+        predicted = zerofx.plan(
+            functools.partial(_demo_model, cfg), (cfg.world_size,), batch=cfg.batch, seq=cfg.seq_len,
+            device="cpu", backend="gloo", **options,
+        )  # fmt: skip
+        print(predicted.report(), flush=True)
+    stats = local_ranks(_rank_main, cfg.world_size, cfg, name="zerofx-demo")[0]
+    if predicted is not None:
+        comm = sum(b for dims in predicted.comm_bytes_per_step.values() for b in dims.values())
+        measured_comm = sum(stats["comm"].values())
+        print(
+            f"plan vs measured (rank 0): model state {_mb(predicted.per_rank.model_state_bytes)} / "
+            f"{_mb(stats['state']['total'])}; collective bytes per step {_mb(comm)} / {_mb(measured_comm)}"
+        )
+        stats["plan"] = predicted.to_json()
+    return stats

@@ -490,6 +490,7 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     from zerofx.api import _compile
     from zerofx.measure.model_state import local_nbytes, model_state_bytes
     from zerofx.passes.cost_model import CommModel, CostModel, DeviceModel
+    from zerofx.runtime.eager_buckets import reduce_transient_bytes
     from zerofx.runtime.params import runtime_of
 
     factory, name, mesh_shape, batch, seq, device = (
@@ -557,8 +558,9 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     time_parts = _step_time(compiled, rates, lambda g: links[group_dim.get(g, "shard")], comm, group_dim, links)
     params_bytes = state.params - whole
     opt_s = 2 * (state.params + state.grads + opt_bytes) / rates.memory_bytes_per_s
+    boundary = reduce_transient_bytes(runtime.states)
     per_rank, act, timeline, sym_peak, max_batch, max_seq = _memory(
-        compiled, symbolic, batch, seq, params_bytes + whole + opt_bytes + buffers, memory
+        compiled, symbolic, batch, seq, params_bytes + whole + opt_bytes + buffers, memory, boundary
     )
     if limit is not None and max_seq is not None and max_seq > limit:
         max_seq = limit  # memory would allow more; the model has no more positions
@@ -649,7 +651,7 @@ def _step_time(compiled, rates, comm_for, counter, group_dim, links) -> tuple[fl
 # coefficient by coefficient by another are dropped (their roots are never the smallest).
 
 
-def _memory(compiled, symbolic, batch, seq, static, memory):
+def _memory(compiled, symbolic, batch, seq, static, memory, boundary=0):
     """((step peak, peak node), saved activations, downsampled timeline, symbolic peak, max batch,
     max seq). Saved activations: what the forward graphs allocate and return beyond their inputs."""
     from zerofx.passes.cost_model import memory_timeline, predict_step_peak
@@ -675,8 +677,11 @@ def _memory(compiled, symbolic, batch, seq, static, memory):
     for gid in reversed(frames):
         out = walk(gid, "backward", live)
         live = live + out - fw_out[gid]
+    if boundary:  # the end-of-backward reduce of pending gradients, outside the graphs (stage 1)
+        labels.append("boundary reduce (eager buckets)")
+        values.append(live + boundary)
     if not symbolic:
-        peak = predict_step_peak(compiled.memory_estimates, frames)
+        peak = max(predict_step_peak(compiled.memory_estimates, frames), values[-1] if boundary else 0)
         i = max(range(len(values)), key=lambda j: values[j]) if values else 0
         node = labels[i] if labels else "start"
         return (peak, node), int(sum(fw_out.values())), _downsample(labels, values), None, None, None

@@ -22,7 +22,7 @@ from zerofx import stress
 from zerofx.ir.collectives import backend_of, record_collectives, wire_bytes
 from zerofx.ir.layout import pad_rows, padded_rows
 
-__all__ = ["BUCKET_BYTES", "refresh", "reduce_pending"]
+__all__ = ["BUCKET_BYTES", "refresh", "reduce_pending", "reduce_transient_bytes"]
 
 BUCKET_BYTES = 32 << 20  # past the size where gloo and NCCL reach their bandwidth; bounds the transient copy
 
@@ -103,7 +103,7 @@ def reduce_pending(states: list) -> None:
     """Land every pending local gradient in its parameter's gradient (a collective): dim-0
     sharded parameters in buckets, whole or 2-D-mesh ones one by one after them."""
     pending = [s for s in states if s.sink is not None and s.sink.grad is not None]
-    sharded = [s for s in pending if not s.whole and s.replicate_group is None]
+    sharded = _sharded_with_sinks(states, pending_only=True)
     for bucket in _buckets(
         sharded,
         lambda s: (s.shard_group.name, s.reduce_dtype or s.sink.dtype),
@@ -113,6 +113,44 @@ def reduce_pending(states: list) -> None:
     for s in pending:
         if s not in sharded:
             s.land_pending()
+
+
+def _sharded_with_sinks(states: list, pending_only: bool) -> list:
+    return [
+        s
+        for s in states
+        if s.sink is not None and (s.sink.grad is not None or not pending_only) and not s.whole
+        and s.replicate_group is None
+    ]  # fmt: skip
+
+
+def reduce_transient_bytes(states: list) -> int:
+    """The most bytes ``reduce_pending`` allocates at once above the pending gradients, for every
+    parameter with a sink (what ``zerofx.plan`` adds at the end of a stage-1 backward): per
+    bucket, the padded copies of gradients that need padding or a cast, the flat input, and on
+    gloo the received chunks and their sum (else the reduce-scatter's output). The same buckets
+    and the same allocations as ``_reduce_bucket``."""
+    sharded = _sharded_with_sinks(states, pending_only=False)
+    worst = 0
+    for bucket in _buckets(
+        sharded,
+        lambda s: (s.shard_group.name, s.reduce_dtype or s.sink.dtype),
+        lambda s: s.sink.numel() * s.sink.element_size(),
+    ):
+        world = bucket[0].shard_group.size
+        dtype = bucket[0].reduce_dtype or bucket[0].sink.dtype
+        size = torch.empty((), dtype=dtype).element_size()
+        whole = copies = 0  # bytes of the bucket's padded gradients; of the padded or cast copies
+        for s in bucket:
+            rows = padded_rows(s.full_rows, world) * world
+            nbytes = rows * s.sink[0].numel() * size
+            whole += nbytes
+            if rows != s.full_rows or dtype != s.sink.dtype:
+                copies += nbytes
+        flat = 0 if len(bucket) == 1 and not copies else whole  # torch.cat, unless one gradient is viewed
+        received = whole if _on_gloo(bucket[0].shard_group.name) else 0
+        worst = max(worst, copies + flat + received + whole // world)
+    return worst
 
 
 def _reduce_bucket(bucket: list) -> None:
