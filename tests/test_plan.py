@@ -81,9 +81,23 @@ def test_plan_does_not_fit_names_overshoot_and_options():
     p = zerofx.plan(build, (2,), batch=2, seq=32, device="cpu", device_memory=2**20)
     assert p.fits is False
     advice = p.advice()
-    assert "0.98 MiB over device_memory 1.00 MiB" in advice and "offload_optimizer='cpu' 0.45 MiB" in advice
+    over = (p.per_rank.peak_bytes - 2**20) / 2**20
+    assert f"is {over:.2f} MiB over device_memory 1.00 MiB" in advice
+    freed = (p.per_rank.params_bytes + p.per_rank.optimizer_bytes) / 2**20
+    assert f"offload_optimizer='host' {freed:.2f} MiB" in advice
     assert "combine them" in advice
     assert p.to_json()["advice"] == advice
+
+
+def test_compare_plans_each_memory_option_and_host_offload_leaves_the_device():
+    p = zerofx.plan(build, (2,), batch=2, seq=32, device="cpu", compare=True)
+    changes = {a["change"]: a for a in p.alternatives}
+    assert set(changes) == {"stage=1", "stage=2", "activation_budget=0", "offload_optimizer='host'"}
+    assert changes["stage=1"]["model_state_bytes"] > p.per_rank.model_state_bytes  # whole copies + whole grads
+    host = zerofx.plan(build, (2,), batch=2, seq=32, device="cpu", offload_optimizer="host")
+    assert host.per_rank.offloaded_bytes == host.per_rank.params_bytes + host.per_rank.optimizer_bytes > 0
+    assert changes["offload_optimizer='host'"]["peak_bytes"] == host.per_rank.peak_bytes
+    assert host.per_rank.peak_bytes < p.per_rank.peak_bytes
 
 
 def test_cli_writes_json_with_the_documented_keys(tmp_path):
@@ -146,6 +160,27 @@ def test_refuses_to_run_inside_a_process_group():
             zerofx.plan(build, (2,), device="cpu")
     finally:
         dist.destroy_process_group()
+
+
+SMALL_LLAMA = dict(vocab_size=512, d_model=128, n_head=4, n_kv_head=2, ffn_hidden=352)
+
+
+def test_planning_by_depth_matches_tracing_every_block():
+    """NOTE: planning by depth: 5 blocks planned from traces of 3 and 4 equal the full trace."""
+    kwargs = {**SMALL_LLAMA, "n_layer": 5}
+    common = dict(batch=2, seq=64, device="cpu", factory_kwargs=kwargs, device_memory="64MiB")
+    by_depth = zerofx.plan("llama3-8b", (4,), **common)
+    full = zerofx.plan("llama3-8b", (4,), exact=True, **common)
+    assert by_depth.traced_depths == (3, 4) and full.traced_depths is None
+    for f in ("params_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "activation_bytes", "step_peak_bytes"):
+        assert getattr(by_depth.per_rank, f) == getattr(full.per_rank, f), f
+    assert by_depth.comm_bytes_per_step == full.comm_bytes_per_step
+    assert (by_depth.max_batch, by_depth.max_seq, by_depth.parameters) == (
+        full.max_batch,
+        full.max_seq,
+        full.parameters,
+    )
+    assert by_depth.compute_s == pytest.approx(full.compute_s, rel=0.01)
 
 
 def test_builtin_llama_shape_has_the_published_parameter_count():

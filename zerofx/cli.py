@@ -136,7 +136,12 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="zerofx's activation_budget: bytes (an integer) or a fraction in (0, 1]",
     )
-    plan.add_argument("--offload-optimizer", choices=("none", "cpu", "disk"), default=None)
+    plan.add_argument(
+        "--checkpoint-modules",
+        default=None,
+        help="comma-separated module patterns to recompute in the backward, e.g. 'blocks.*' (per-block checkpoints)",
+    )
+    plan.add_argument("--offload-optimizer", choices=("none", "host", "disk"), default=None)
     plan.add_argument("--device", default="h100", help="rates to price the step with: cpu, a100, h100, h200")
     plan.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GiB: solve for what fits")
     plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
@@ -181,6 +186,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "param_dtype": args.param_dtype if args.param_dtype != "fp32" else None,
             "activation_budget": args.activation_budget,
             "offload_optimizer": args.offload_optimizer,
+            "checkpoint_modules": tuple(args.checkpoint_modules.split(",")) if args.checkpoint_modules else None,
         }.items()
         if v is not None
     }

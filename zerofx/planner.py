@@ -32,6 +32,7 @@ import dataclasses
 import importlib
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -49,27 +50,29 @@ __all__ = ["plan", "Plan", "PerRank", "BUILTIN_MODELS", "load_factory", "write_t
 # ------------------------------------------------------------------------------ the models --
 
 
-def _llama(**shape: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
+def _llama(**shape: Any) -> Callable[..., nn.Module]:
+    def build(**overrides: Any) -> nn.Module:
         from zerofx.models import Llama, LlamaConfig
 
-        return Llama(LlamaConfig(**shape))
+        return Llama(LlamaConfig(**{**shape, **overrides}))
 
+    build.depth = shape["n_layer"]  # type: ignore[attr-defined]
     return build
 
 
-def _gpt(**shape: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
+def _gpt(**shape: Any) -> Callable[..., nn.Module]:
+    def build(**overrides: Any) -> nn.Module:
         from zerofx.models import GPT, GPTConfig
 
-        return GPT(GPTConfig(**shape))
+        return GPT(GPTConfig(**{**shape, **overrides}))
 
+    build.depth = shape["n_layer"]  # type: ignore[attr-defined]
     return build
 
 
 # Published shapes, built from zerofx.models (no transformers needed). GPT-2 XL's attention has no
 # qkv bias here (0.23M of its 1.56B parameters); the Mixtral-like MoE routes by expert choice.
-BUILTIN_MODELS: dict[str, Callable[[], nn.Module]] = {
+BUILTIN_MODELS: dict[str, Callable[..., nn.Module]] = {  # keyword arguments override the shape
     "llama3-8b": _llama(vocab_size=128256, n_layer=32, n_head=32, n_kv_head=8, d_model=4096, ffn_hidden=14336),
     "llama3-70b": _llama(vocab_size=128256, n_layer=80, n_head=64, n_kv_head=8, d_model=8192, ffn_hidden=28672),
     "llama3-405b": _llama(vocab_size=128256, n_layer=126, n_head=128, n_kv_head=8, d_model=16384, ffn_hidden=53248),
@@ -94,9 +97,8 @@ def load_factory(spec: str | Callable[..., nn.Module], kwargs: dict | None = Non
     if callable(spec):
         return lambda: spec(**kwargs)
     if spec in BUILTIN_MODELS:
-        if kwargs:
-            raise ZeroFXError(f"--kwargs: the built-in model {spec!r} takes none (give a module:function factory)")
-        return BUILTIN_MODELS[spec]
+        build = BUILTIN_MODELS[spec]
+        return lambda: build(**kwargs)
     if ":" not in spec:
         raise ZeroFXError(
             f"unknown model {spec!r}: give a built-in name ({', '.join(BUILTIN_MODELS)}) or a factory "
@@ -149,8 +151,9 @@ class PerRank:
     buffer_bytes: int
     activation_bytes: int  # saved for the backward, resident (not offloaded)
     step_peak_bytes: int  # forward + backward above the step's start (the allocator's count)
-    peak_bytes: int  # model state at rest + buffers + the step's peak
+    peak_bytes: int  # device bytes: model state at rest (not offloaded) + buffers + the step's peak
     peak_node: str
+    offloaded_bytes: int = 0  # parameter shards and optimizer state in host memory or on disk
 
     @property
     def model_state_bytes(self) -> int:
@@ -183,6 +186,10 @@ class Plan:
     timeline: list[tuple[str, int]] = field(default_factory=list, repr=False)
     symbolic_peak: str | None = None
     alternatives: list[dict[str, Any]] = field(default_factory=list)
+    traced_depths: tuple[int, int] | None = None  # planned from traces of this many blocks (NOTE: planning by depth)
+    seq_limit: int | None = None  # the model's positions
+    # what bounds max_batch / max_seq: (binding node, polynomial coefficients, static bytes)
+    bindings: dict[str, tuple] = field(default_factory=dict, repr=False)
 
     @property
     def fits(self) -> bool | None:
@@ -195,10 +202,14 @@ class Plan:
         r, over = self.per_rank, self.per_rank.peak_bytes - self.device_memory
         frees = []
         if self.options.get("offload_optimizer") in (None, "none") and r.optimizer_bytes:
-            frees.append((r.optimizer_bytes, "offload_optimizer='cpu'"))
+            frees.append((r.optimizer_bytes + r.params_bytes, "offload_optimizer='host'"))
         if self.options.get("stage", 3) != 3 and r.whole_copy_bytes:
             frees.append((r.whole_copy_bytes, "stage=3"))
-        if self.options.get("activation_budget") is None and r.activation_bytes:
+        if (
+            self.options.get("activation_budget") is None
+            and not self.options.get("checkpoint_modules")
+            and r.activation_bytes
+        ):
             frees.append((r.activation_bytes, "activation_budget=0 (at most)"))
         listed = ", ".join(f"{what} {_gib(n)}" for n, what in sorted(frees, reverse=True)) or "nothing"
         enough = [what for n, what in frees if n >= over]
@@ -239,7 +250,8 @@ class Plan:
             f"  buffers                    {_gib(r.buffer_bytes):>12}",
             f"  saved activations          {_gib(r.activation_bytes):>12}",
             f"  step peak above its start  {_gib(r.step_peak_bytes):>12}  (at {r.peak_node})",
-            f"  peak                       {_gib(r.peak_bytes):>12}",
+            f"  peak (on the device)       {_gib(r.peak_bytes):>12}",
+            f"  offloaded (host or disk)   {_gib(r.offloaded_bytes):>12}",
             "communication per step per rank:",
         ]
         for kind, dims in sorted(self.comm_bytes_per_step.items()):
@@ -262,7 +274,10 @@ class Plan:
                 f"  with {alt['change']}: peak {_gib(alt['peak_bytes'])}, model state {_gib(alt['model_state_bytes'])}, "
                 f"step {alt['step_time_s'] * 1e3:.1f} ms, comm {_gib(alt['comm_bytes'])}"
             )
-        lines.append(f"planned in {self.plan_seconds:.1f} s")
+        traced = (
+            f" from traces of {self.traced_depths[0]} and {self.traced_depths[1]} blocks" if self.traced_depths else ""
+        )
+        lines.append(f"planned in {self.plan_seconds:.1f} s{traced}")
         return "\n".join(lines)
 
 
@@ -367,6 +382,8 @@ def plan(
     gpus_per_node: int = 8,
     factory_kwargs: dict | None = None,
     compare: bool = False,
+    depth_kwarg: str | None = None,
+    exact: bool = False,
     **options: Any,
 ) -> Plan:
     """Plan one training step of ``model_fn()`` sharded by zerofx over ``mesh_shape`` (module docstring).
@@ -377,7 +394,10 @@ def plan(
     ``vocab_size``); ``batch``: sequences per rank per micro-step (or ``global_batch``, divided by
     the data-parallel size); ``device``: the rates the step is priced with (``cpu``, ``a100``,
     ``h100``, ``h200``); ``backend``: the collective backend simulated (default nccl, gloo on cpu);
-    ``compare``: also plan each memory option that changes the answer; ``options``: those of
+    ``compare``: also plan each memory option that changes the answer; ``depth_kwarg``: the
+    factory keyword that sets the number of identical blocks (built-ins: ``n_layer``): deeper
+    models are planned from traces of 3 and 4 blocks (NOTE: planning by depth) unless ``exact``;
+    ``options``: those of
     ``zerofx.compile``. Runs in a process without a process group (it simulates one), and resets
     dynamo's caches (``torch._dynamo.reset()``) before each trace: plan before compiling anything
     you keep in the same process."""
@@ -416,12 +436,15 @@ def plan(
     backend = backend or ("gloo" if device == "cpu" else "nccl")
     factory = load_factory(model_fn, factory_kwargs)
     name = model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", type(model_fn).__name__)
-
     request = _Request(
         factory, name, mesh_shape, example_inputs_fn, batch, seq, device, rates, backend, gpus_per_node, memory,
         optimizer, memory is not None, options,
     )  # fmt: skip
-    result = _plan_once(request)
+    depth = _depth(model_fn, factory_kwargs, depth_kwarg)
+    if depth is not None and not exact and depth[1] > TRACED_DEPTHS[1]:
+        result = _plan_by_depth(request, model_fn, factory_kwargs, *depth)
+    else:
+        result = _plan_once(request)
     if compare:
         for change in _alternatives(options):
             alt = _plan_once(dataclasses.replace(request, memory=None, symbolic=False, options={**options, **change}))
@@ -438,13 +461,109 @@ def plan(
     return result
 
 
+# NOTE: planning by depth
+# A transformer is a stack of identical blocks between an embedding and a head, and zerofx's
+# passes treat every block alike (buckets are whole blocks, the schedule prefetches one ahead,
+# the activation plan is per value): so every number a plan reports is affine in the depth L --
+# bytes, collective bytes, FLOPs and times add one block's worth per block, and the step's live
+# bytes at the binding node grow by one block's saved activations. The planner therefore traces
+# the model with 3 and 4 blocks (TRACED_DEPTHS) and extends each number to L:
+# v(L) = v(3) + (L - 3)(v(4) - v(3)), the polynomial that bounds the batch coefficient by
+# coefficient. The peak is a maximum over nodes, each affine in L, so the extension holds only if
+# the same kind of node is the peak (and binds the batch and the sequence) in both traces; then it
+# matches full traces (tests/test_plan.py), else the planner traces the whole model instead. Three
+# blocks, not two: with two, the head's logits can still outweigh one block's activations, and the
+# peak moves as blocks are added. ``exact=True`` (``--exact``) always traces the whole model:
+# minutes for 80 layers.
+
+
+def _depth(model_fn: Any, kwargs: dict | None, depth_kwarg: str | None) -> tuple[str, int] | None:
+    """(keyword, number of blocks) when the model's depth is a factory keyword."""
+    kwargs = kwargs or {}
+    if isinstance(model_fn, str) and model_fn in BUILTIN_MODELS:
+        return "n_layer", int(kwargs.get("n_layer", BUILTIN_MODELS[model_fn].depth))
+    if depth_kwarg is None:
+        return None
+    if depth_kwarg not in kwargs:
+        raise ZeroFXError(f"depth_kwarg {depth_kwarg!r}: give its value in the factory's kwargs (--kwargs)")
+    return depth_kwarg, int(kwargs[depth_kwarg])
+
+
+TRACED_DEPTHS = (3, 4)
+
+
+def _affine(v2: Any, v3: Any, steps: int) -> Any:
+    """``v2 + steps * (v3 - v2)``, through dicts and numbers."""
+    if isinstance(v2, dict):
+        return {k: _affine(v2.get(k, 0), v3.get(k, 0), steps) for k in {**v2, **v3}}
+    if isinstance(v2, bool) or not isinstance(v2, (int, float)):
+        return v3
+    out = v2 + steps * (v3 - v2)
+    return int(out) if isinstance(v2, int) and isinstance(v3, int) else out
+
+
+def _plan_by_depth(request: _Request, model_fn: Any, kwargs: dict | None, key: str, depth: int) -> Plan:
+    plans = []
+    for blocks in TRACED_DEPTHS:
+        factory = load_factory(model_fn, {**(kwargs or {}), key: blocks})
+        plans.append(_plan_once(dataclasses.replace(request, factory=factory)))
+    p2, p3 = plans  # the shallower and the deeper trace
+    steps = depth - TRACED_DEPTHS[0]
+    bindings = {}
+    for what in ("batch", "seq"):
+        b2, b3 = p2.bindings.get(what), p3.bindings.get(what)
+        if (b2 is None) != (b3 is None) or (b2 and b2[0] != b3[0]):
+            return _plan_once(request)  # not the same binding node in both: trace it all (NOTE above)
+        if b2 is not None:
+            bindings[what] = b2
+    if _node_kind(p2.per_rank.peak_node) != _node_kind(p3.per_rank.peak_node):
+        return _plan_once(request)
+    per_rank = PerRank(
+        **{
+            f.name: _affine(getattr(p2.per_rank, f.name), getattr(p3.per_rank, f.name), steps)
+            for f in dataclasses.fields(PerRank)
+        }
+    )
+    result = dataclasses.replace(
+        p3,
+        parameters=_affine(p2.parameters, p3.parameters, steps),
+        per_rank=per_rank,
+        comm_bytes_per_step=_affine(p2.comm_bytes_per_step, p3.comm_bytes_per_step, steps),
+        step_time_s=_affine(p2.step_time_s, p3.step_time_s, steps),
+        compute_s=_affine(p2.compute_s, p3.compute_s, steps),
+        exposed_comm_s=_affine(p2.exposed_comm_s, p3.exposed_comm_s, steps),
+        optimizer_step_s=_affine(p2.optimizer_step_s, p3.optimizer_step_s, steps),
+        traced_depths=TRACED_DEPTHS,
+        symbolic_peak=None,
+    )
+    if request.memory is not None:
+        for what, attr in (("batch", "max_batch"), ("seq", "max_seq")):
+            if what not in bindings:
+                continue
+            (_, c2, s2), (_, c3, s3) = p2.bindings[what], p3.bindings[what]
+            width = max(len(c2), len(c3))
+            c2, c3 = (0,) * (width - len(c2)) + c2, (0,) * (width - len(c3)) + c3
+            coeffs = tuple(_affine(a, b, steps) for a, b in zip(c2, c3))
+            bound = _first_crossing(tuple(sympy.Rational(c) for c in coeffs), request.memory - _affine(s2, s3, steps))
+            value = 2**62 if bound is None else max(int(sympy.floor(bound)), 0)
+            if attr == "max_seq" and p3.seq_limit is not None:
+                value = min(value, p3.seq_limit)
+            setattr(result, attr, value)
+    return result
+
+
+def _node_kind(label: str) -> str:
+    """A timeline label without the node's running number (``mm_57`` -> ``mm``)."""
+    return re.sub(r"_\d+$", "", label.split(":")[-1])
+
+
 def _alternatives(options: dict) -> list[dict]:
     """The memory options that change a plan's answer, each changed alone."""
     out = [{"stage": s} for s in (1, 2, 3) if s != options.get("stage", 3)]
     if options.get("activation_budget") is None:
         out.append({"activation_budget": 0})
     if options.get("offload_optimizer") in (None, "none"):
-        out.append({"offload_optimizer": "cpu"})
+        out.append({"offload_optimizer": "host"})
     return out
 
 
@@ -474,7 +593,10 @@ def _plan_once(req: _Request) -> Plan:
 
     dims = ("shard",) if len(req.mesh_shape) == 1 else ("replicate", "shard")
     options = dict(req.options)
-    options.setdefault("calibrate", False)  # the fake group has nothing to measure: decide on the defaults
+    options.setdefault("calibrate", False)
+    if options.get("offload_optimizer") in ("disk", "auto"):
+        # the device holds the same bytes with either tier; fake tensors cannot live in files
+        options["offload_optimizer"] = "host"  # the fake group has nothing to measure: decide on the defaults
     torch._dynamo.reset()  # a fresh compile, as at launch (and no recompile limit left over from earlier plans)
     with _fake_world(math.prod(req.mesh_shape), 0, req.backend):
         mesh = init_device_mesh("cpu", req.mesh_shape, mesh_dim_names=dims)  # real tensors: outside the fake mode
@@ -557,10 +679,11 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
         links = {d: CommModel() for d in dims}
     time_parts = _step_time(compiled, rates, lambda g: links[group_dim.get(g, "shard")], comm, group_dim, links)
     params_bytes = state.params - whole
+    offloaded = params_bytes + opt_bytes if options.get("offload_optimizer", "none") != "none" else 0
     opt_s = 2 * (state.params + state.grads + opt_bytes) / rates.memory_bytes_per_s
-    boundary = reduce_transient_bytes(runtime.states)
-    per_rank, act, timeline, sym_peak, max_batch, max_seq = _memory(
-        compiled, symbolic, batch, seq, params_bytes + whole + opt_bytes + buffers, memory, boundary
+    boundary = reduce_transient_bytes(runtime.states) if runtime.stage == 1 else 0  # stage 1 reduces at the end
+    per_rank, act, timeline, sym_peak, (max_batch, max_seq, bindings) = _memory(
+        compiled, symbolic, batch, seq, params_bytes + whole + opt_bytes + buffers - offloaded, memory, boundary
     )
     if limit is not None and max_seq is not None and max_seq > limit:
         max_seq = limit  # memory would allow more; the model has no more positions
@@ -581,8 +704,9 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
             buffer_bytes=buffers,
             activation_bytes=act,
             step_peak_bytes=per_rank[0],
-            peak_bytes=params_bytes + whole + opt_bytes + buffers + per_rank[0],
+            peak_bytes=params_bytes + whole + opt_bytes + buffers + per_rank[0] - offloaded,
             peak_node=per_rank[1],
+            offloaded_bytes=offloaded,
         ),
         comm_bytes_per_step=comm_bytes,
         step_time_s=time_parts[0] + opt_s,
@@ -594,6 +718,8 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
         max_seq=max_seq,
         timeline=timeline,
         symbolic_peak=sym_peak,
+        seq_limit=limit,
+        bindings=bindings,
     )
     return result
 
@@ -652,8 +778,9 @@ def _step_time(compiled, rates, comm_for, counter, group_dim, links) -> tuple[fl
 
 
 def _memory(compiled, symbolic, batch, seq, static, memory, boundary=0):
-    """((step peak, peak node), saved activations, downsampled timeline, symbolic peak, max batch,
-    max seq). Saved activations: what the forward graphs allocate and return beyond their inputs."""
+    """((step peak, peak node), saved activations, downsampled timeline, symbolic peak, (max batch,
+    max seq, what binds them)). Saved activations: what the forward graphs allocate and return
+    beyond their inputs."""
     from zerofx.passes.cost_model import memory_timeline, predict_step_peak
 
     frames = _frames(compiled)
@@ -684,18 +811,22 @@ def _memory(compiled, symbolic, batch, seq, static, memory, boundary=0):
         peak = max(predict_step_peak(compiled.memory_estimates, frames), values[-1] if boundary else 0)
         i = max(range(len(values)), key=lambda j: values[j]) if values else 0
         node = labels[i] if labels else "start"
-        return (peak, node), int(sum(fw_out.values())), _downsample(labels, values), None, None, None
+        return (peak, node), int(sum(fw_out.values())), _downsample(labels, values), None, (None, None, {})
     B, S = _symbols(compiled)
     at = {B: batch, S: seq} if B is not None else {}
     numeric = [int(sympy.sympify(v).subs(at)) for v in values]
     i = max(range(len(numeric)), key=lambda j: numeric[j])
     peak = max(numeric[i], 0)
-    polys = _envelope(values)
-    max_batch = _solve(polys, B, {S: seq}, memory - static) if B is not None else None
-    max_seq = _solve(polys, S, {B: batch}, memory - static) if S is not None else None
+    polys = _envelope(labels, values)
+    max_batch = max_seq = None
+    bindings = {}
+    if B is not None:
+        max_batch, bindings["batch"] = _solve(polys, B, {S: seq}, memory - static)
+        max_seq, bindings["seq"] = _solve(polys, S, {B: batch}, memory - static)
+    bindings = {k: (*v, static) for k, v in bindings.items() if v is not None}
     sym = str(sympy.sympify(values[i]).expand()) if values else None
     act = int(sympy.sympify(sum(fw_out.values(), sympy.Integer(0))).subs(at))
-    return (peak, labels[i]), act, _downsample(labels, numeric), sym, max_batch, max_seq
+    return (peak, labels[i]), act, _downsample(labels, numeric), sym, (max_batch, max_seq, bindings)
 
 
 def _symbols(compiled) -> tuple[Any, Any]:
@@ -712,23 +843,30 @@ def _symbols(compiled) -> tuple[Any, Any]:
     return None, None
 
 
-def _envelope(values: list[Any]) -> list[sympy.Expr]:
-    """The distinct symbolic live-bytes expressions of the step."""
-    return list({e: None for e in (sympy.expand(sympy.sympify(v)) for v in values) if e.free_symbols})
+def _envelope(labels: list[str], values: list[Any]) -> dict[sympy.Expr, str]:
+    """The distinct symbolic live-bytes expressions of the step, each with its first node."""
+    out: dict[sympy.Expr, str] = {}
+    for label, v in zip(labels, values):
+        e = sympy.expand(sympy.sympify(v))
+        if e.free_symbols and e not in out:
+            out[e] = label
+    return out
 
 
-def _solve(exprs: list[sympy.Expr], var: Any, fixed: dict, room: int) -> int:
+def _solve(exprs: dict[sympy.Expr, str], var: Any, fixed: dict, room: int) -> tuple[int, tuple | None]:
     """The largest integer ``var`` >= 1 at which every expression (at ``fixed``) is <= ``room``
-    (NOTE: solving for the largest batch); 0 when even 1 does not fit."""
+    (NOTE: solving for the largest batch), 0 when even 1 does not fit; and what binds it: (the
+    node's kind, the polynomial's coefficients in ``var``, highest first)."""
     if room <= 0:
-        return 0
+        return 0, None
     best: Any = None
+    binding = None
     seen: set = set()
-    for expr in exprs:
+    for expr, label in exprs.items():
         e = sympy.expand(expr.subs(fixed))
         if var not in e.free_symbols:
             if e > room:
-                return 0
+                return 0, None
             continue
         coeffs = tuple(sympy.Poly(e, var).all_coeffs())
         if coeffs in seen:
@@ -736,10 +874,10 @@ def _solve(exprs: list[sympy.Expr], var: Any, fixed: dict, room: int) -> int:
         seen.add(coeffs)
         bound = _first_crossing(coeffs, room)
         if bound is not None and (best is None or bound < best):
-            best = bound
+            best, binding = bound, (_node_kind(label), tuple(int(c) for c in coeffs))
     if best is None:
-        return 2**62  # nothing grows with var: any size fits
-    return max(int(sympy.floor(best)), 0)
+        return 2**62, None  # nothing grows with var: any size fits
+    return max(int(sympy.floor(best)), 0), binding
 
 
 def _first_crossing(coeffs: tuple, room: int) -> Any:
@@ -782,15 +920,19 @@ def write_timeline_plot(p: Plan, path: str) -> str:
     import matplotlib.pyplot as plt
 
     r = p.per_rank
-    at_rest = r.params_bytes + r.whole_copy_bytes + r.optimizer_bytes + r.buffer_bytes
+    at_rest = r.peak_bytes - r.step_peak_bytes
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.plot([(at_rest + v) / 2**30 for _, v in p.timeline], lw=1, label="live bytes (estimate)")
     ax.axhline(at_rest / 2**30, color="gray", ls=":", label="model state at rest")
     if p.device_memory is not None:
         ax.axhline(p.device_memory / 2**30, color="red", ls="--", label="device memory")
+    title = f"{p.model}: {p.world_size} ranks, batch {p.batch} x seq {p.seq}"
+    if p.traced_depths:  # the timeline is the deeper trace's; the peak is the whole model's
+        ax.axhline(r.peak_bytes / 2**30, color="black", ls="-.", label="peak of the whole model (extended by depth)")
+        title += f"\ntimeline of the {p.traced_depths[1]}-block trace the plan was extended from"
     ax.set_xlabel("graph nodes in execution order (forward, then backward)")
     ax.set_ylabel("GiB per rank")
-    ax.set_title(f"{p.model}: {p.world_size} ranks, batch {p.batch} x seq {p.seq}")
+    ax.set_title(title)
     ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

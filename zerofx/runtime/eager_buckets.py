@@ -126,7 +126,8 @@ def _sharded_with_sinks(states: list, pending_only: bool) -> list:
 
 def reduce_transient_bytes(states: list) -> int:
     """The most bytes ``reduce_pending`` allocates at once above the pending gradients, for every
-    parameter with a sink (what ``zerofx.plan`` adds at the end of a stage-1 backward): per
+    parameter with a sink, as if all were pending (what ``zerofx.plan`` adds at the end of a
+    stage-1 backward, where they are): per
     bucket, the padded copies of gradients that need padding or a cast, the flat input, and on
     gloo the received chunks and their sum (else the reduce-scatter's output). The same buckets
     and the same allocations as ``_reduce_bucket``."""
