@@ -74,6 +74,16 @@ def stage_ranks(rank: int, world: int, steps: int, folder: str) -> dict:
     return (scenarios_w4 if world == 4 else scenarios_w2)(rank, world, steps, folder)
 
 
+def overlap_ranks(rank: int, world: int, folder: str) -> dict:
+    """tests/overlap_scenarios.py (calibration, bucketed/scheduled parity, selective unsharding,
+    prefetch order, the allocator-checked memory prediction): where the heap corruption of issue 13
+    was reproduced under load (about one run in eight with one busy process beside it)."""
+    from tests.overlap_scenarios import scenarios
+
+    os.makedirs(folder, exist_ok=True)
+    return scenarios(rank, world, folder)
+
+
 # -- driver side -----------------------------------------------------------------------------------
 
 
@@ -151,7 +161,8 @@ class Contention:
 
 
 def rank_env(seed: int, max_ms: float, perturb: int | None, malloc_debug: bool) -> dict[str, str]:
-    env = {"ZEROFX_STRESS_DELAY": f"{seed}:{max_ms:g}"}
+    # faulthandler: a rank that aborts (glibc's heap checks, std::terminate) prints every thread's Python stack
+    env = {"ZEROFX_STRESS_DELAY": f"{seed}:{max_ms:g}", "PYTHONFAULTHANDLER": "1"}
     if perturb:
         env["MALLOC_PERTURB_"] = str(perturb)
     if malloc_debug:
@@ -192,6 +203,7 @@ def scenarios(args: argparse.Namespace, folder: str) -> dict[str, tuple[Callable
         },
         "parity": {"parity": (parity_ranks, args.world, (args.parity_cases, args.parity_steps))},
         "stages": {"stages_w4": (stage_ranks, 4, stages), "stages_w2": (stage_ranks, 2, stages)},
+        "overlap": {"overlap": (overlap_ranks, args.world, (os.path.join(folder, "overlap"),))},
     }
     return {name: entry for k in args.scenarios for name, entry in table[k].items()}
 
@@ -227,7 +239,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tests.stress", description=__doc__.split("\n\n")[0])
     p.add_argument("--repeat", type=int, default=20, help="repetitions of every scenario (default 20)")
     p.add_argument(
-        "--scenarios", nargs="+", default=["memory", "parity", "stages"], choices=["memory", "parity", "stages"]
+        "--scenarios",
+        nargs="+",
+        default=["memory", "parity", "stages"],
+        choices=["memory", "parity", "stages", "overlap"],
     )
     p.add_argument("--world", type=int, default=2, help="ranks per run (default 2)")
     p.add_argument("--seed", type=int, default=0, help="delay seed of repetition 0 (then +1 per repetition)")
