@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerofx.errors import ZeroFXError
+from zerofx.passes.cost_model import hint
 
 __all__ = ["plan", "Plan", "PerRank", "BUILTIN_MODELS", "load_factory", "write_timeline_plot", "dump_json"]
 
@@ -358,14 +359,6 @@ def _make_optimizer(params: list, optimizer: str | Callable) -> torch.optim.Opti
     return table[optimizer](params, lr=1e-3) if optimizer != "sgd" else table[optimizer](params, lr=1e-3, momentum=0.9)
 
 
-@dataclass
-class _Traced:
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    comm_by_group: dict
-    mesh: Any
-
-
 def plan(
     model_fn: str | Callable[..., nn.Module],
     mesh_shape: tuple[int, ...] | int | None = None,
@@ -669,7 +662,7 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     for (kind, group), nbytes in comm.by_group.items():
         dim = group_dim.get(group, group)
         comm_bytes.setdefault(kind, {}).setdefault(dim, 0)
-        comm_bytes[kind][dim] += int(_hint(nbytes))
+        comm_bytes[kind][dim] += int(hint(nbytes))
 
     links = {
         "shard": _link("intra" if mesh_shape[-1] <= req.gpus_per_node else "inter"),
@@ -732,12 +725,6 @@ def _split(inputs: Any) -> tuple[tuple, dict]:
     return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
 
 
-def _hint(x: Any) -> int:
-    from zerofx.passes.cost_model import hint
-
-    return hint(x)
-
-
 def _frames(compiled: Any) -> list[str]:
     return sorted(
         {g for g, kind in compiled.memory_estimates if kind == "backward"}, key=lambda g: int(g.removeprefix("frame"))
@@ -756,10 +743,10 @@ def _step_time(compiled, rates, comm_for, counter, group_dim, links) -> tuple[fl
         t = estimate_time(gm, rates, comm_for)
         total, compute = total + t.total_s, compute + t.compute_s
         for kind, nbytes, group in graph_collectives(gm):
-            in_graphs[(kind, group)] = in_graphs.get((kind, group), 0) + _hint(nbytes)
+            in_graphs[(kind, group)] = in_graphs.get((kind, group), 0) + hint(nbytes)
     eager = 0.0
     for (kind, group), nbytes in counter.by_group.items():
-        rest = _hint(nbytes) - in_graphs.get((kind, group), 0)
+        rest = hint(nbytes) - in_graphs.get((kind, group), 0)
         if rest > 0:
             eager += links[group_dim.get(group, "shard")].time(rest)
     total += eager
