@@ -88,6 +88,11 @@ class CompileState:
     # the final graphs, (graph_id, kind) -> GraphModule, when asked for (zerofx.plan reads them)
     graphs: dict[tuple[str, str], fx.GraphModule] | None = None
 
+    def frames(self) -> list[str]:
+        """The graph ids of the frames with a backward, in the order they were compiled (run)."""
+        ids = {g for g, kind in self.memory_estimates if kind == "backward"}
+        return sorted(ids, key=lambda g: int(g.removeprefix("frame")))
+
 
 class _FrameCompiler:
     """Compiles the graphs of one dynamo frame; AOTAutograd calls back into it."""

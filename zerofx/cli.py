@@ -109,6 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _json_object(text: str) -> dict:
+    """``--kwargs``: a JSON object, or a ValueError saying what is wrong with it."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--kwargs is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--kwargs must be a JSON object")
+    return value
+
+
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     from zerofx.planner import BUILTIN_MODELS
 
@@ -153,7 +166,6 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    import json
     import os
 
     from zerofx import planner
@@ -164,11 +176,9 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 1
 
     try:
-        kwargs = json.loads(args.kwargs)
-    except json.JSONDecodeError as e:
-        return fail(f"--kwargs is not JSON: {e}")
-    if not isinstance(kwargs, dict):
-        return fail("--kwargs must be a JSON object")
+        kwargs = _json_object(args.kwargs)
+    except ValueError as e:
+        return fail(str(e))
     mesh = None
     if args.mesh:
         try:
@@ -265,7 +275,6 @@ def _convert(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    import json
     import os
 
     from zerofx import testing
@@ -273,11 +282,9 @@ def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.world_size < 1 or args.steps < 1 or args.batch < 1:
         parser.error("--world-size, --steps and --batch must be at least 1")
     try:
-        kwargs = json.loads(args.kwargs)
-    except json.JSONDecodeError as e:
-        parser.error(f"--kwargs is not JSON: {e}")
-    if not isinstance(kwargs, dict):
-        parser.error("--kwargs must be a JSON object")
+        kwargs = _json_object(args.kwargs)
+    except ValueError as e:
+        parser.error(str(e))
     if os.getcwd() not in sys.path:  # after the installed packages: a user's module, never a shadow of zerofx
         sys.path.append(os.getcwd())
     try:

@@ -180,9 +180,8 @@ def _estimated_peak(model) -> int:
     from zerofx.passes.cost_model import predict_step_peak
     from zerofx.runtime.params import runtime_of
 
-    estimates = runtime_of(model).compiled.memory_estimates
-    frames = sorted({g for g, kind in estimates if kind == "backward"}, key=lambda g: int(g.removeprefix("frame")))
-    return predict_step_peak(estimates, frames)
+    compiled = runtime_of(model).compiled
+    return predict_step_peak(compiled.memory_estimates, compiled.frames())
 
 
 def check_plotting() -> None:

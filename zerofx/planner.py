@@ -670,7 +670,7 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     }
     if device == "cpu":
         links = {d: CommModel() for d in dims}
-    time_parts = _step_time(compiled, rates, lambda g: links[group_dim.get(g, "shard")], comm, group_dim, links)
+    time_parts = _step_time(compiled, rates, comm, lambda group: links[group_dim.get(group, "shard")])
     params_bytes = state.params - whole
     offloaded = params_bytes + opt_bytes if options.get("offload_optimizer", "none") != "none" else 0
     opt_s = 2 * (state.params + state.grads + opt_bytes) / rates.memory_bytes_per_s
@@ -725,22 +725,17 @@ def _split(inputs: Any) -> tuple[tuple, dict]:
     return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
 
 
-def _frames(compiled: Any) -> list[str]:
-    return sorted(
-        {g for g, kind in compiled.memory_estimates if kind == "backward"}, key=lambda g: int(g.removeprefix("frame"))
-    )
-
-
-def _step_time(compiled, rates, comm_for, counter, group_dim, links) -> tuple[float, float, float]:
-    """(graph time, compute, exposed communication) of a step; collectives outside the graphs
-    (stages 1-2: the post-step all-gather, stage 1's boundary reduce) are exposed in full."""
+def _step_time(compiled, rates, counter, link_of) -> tuple[float, float, float]:
+    """(graph time, compute, exposed communication) of a step, ``link_of(group name)`` pricing each
+    collective; collectives outside the graphs (stages 1-2: the post-step all-gather, stage 1's
+    boundary reduce) are exposed in full."""
     from zerofx.measure.instrument import graph_collectives
     from zerofx.passes.cost_model import estimate_time
 
     total = compute = 0.0
     in_graphs: dict[tuple[str, str], int] = {}
     for gm in compiled.graphs.values():
-        t = estimate_time(gm, rates, comm_for)
+        t = estimate_time(gm, rates, link_of)
         total, compute = total + t.total_s, compute + t.compute_s
         for kind, nbytes, group in graph_collectives(gm):
             in_graphs[(kind, group)] = in_graphs.get((kind, group), 0) + hint(nbytes)
@@ -748,7 +743,7 @@ def _step_time(compiled, rates, comm_for, counter, group_dim, links) -> tuple[fl
     for (kind, group), nbytes in counter.by_group.items():
         rest = hint(nbytes) - in_graphs.get((kind, group), 0)
         if rest > 0:
-            eager += links[group_dim.get(group, "shard")].time(rest)
+            eager += link_of(group).time(rest)
     total += eager
     return total, compute, total - compute
 
@@ -770,7 +765,7 @@ def _memory(compiled, symbolic, batch, seq, static, memory, boundary=0):
     beyond their inputs."""
     from zerofx.passes.cost_model import memory_timeline, predict_step_peak
 
-    frames = _frames(compiled)
+    frames = compiled.frames()
     graphs = compiled.graphs
     labels: list[str] = []
     values: list[Any] = []
