@@ -69,7 +69,15 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
-from zerofx.ir.collectives import COLLECTIVE_OPS, WAIT, backend_of, collective_group_size, collective_kind, wire_bytes
+from zerofx.ir.collectives import (
+    COLLECTIVE_OPS,
+    WAIT,
+    all_gather,
+    backend_of,
+    collective_group_size,
+    collective_kind,
+    wire_bytes,
+)
 from zerofx.passes.graph import is_view, positions
 
 __all__ = [
@@ -623,7 +631,7 @@ def calibrate_comm(
         for _ in range(repeats):
             dist.barrier(group=group)
             start = time.perf_counter()
-            out = torch.ops._c10d_functional.all_gather_into_tensor(x, world, group.group_name)
+            out = all_gather(x, world, group.group_name)
             torch.ops._c10d_functional.wait_tensor(out)
             times.append(time.perf_counter() - start)
         t = torch.tensor([statistics.median(times)], dtype=torch.float64)

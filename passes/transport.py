@@ -1,7 +1,19 @@
 """transport: how each collective moves on its process group's backend, and when its buffers die.
 
 The passes before this one speak in terms of what a collective computes; this one decides how
-it moves. Today that means two rewrites, on gloo groups only. First:
+it moves. Today that means three rewrites, on gloo groups only. First, every all-gather gathers
+into a buffer the graph allocates:
+
+    ag = _c10d_functional.all_gather_into_tensor(x, N, group)
+  becomes
+    buf = aten.empty([N * rows, ...]);  ag = _c10d_functional.all_gather_into_tensor_out(x, N, group, out=buf)
+
+Why: on gloo the out-of-place op runs ProcessGroupGloo's coalesced all-gather, which corrupts
+the heap when two of them are in flight at once (zerofx/ir/collectives.py, NOTE: gloo all-gathers
+in flight); the ``out=`` op runs its plain all-gather, which does not. Same bytes on the wire,
+same result, and the buffer is allocated where the collective used to allocate it.
+
+Second:
 
     rs = _c10d_functional.reduce_scatter_tensor(x, "avg", N, group)
     w  = _c10d_functional.wait_tensor(rs)
@@ -27,7 +39,7 @@ output is 1/N of it), alive from issue to the sum right after the wait; the dump
 and the counted bytes (NOTE: counting collective bytes) see the lowered graph. The counters
 keep calling it a reduce-scatter (``meta[COLLECTIVE]``): the algorithm did not change.
 
-The second rewrite, also gloo only, decides when a collective's buffers die. gloo's work
+The third rewrite, also gloo only, decides when a collective's buffers die. gloo's work
 object holds a collective's input and output, and its worker thread drops that reference
 whenever it next gets a core after finishing, often after the graph has dropped its own: on
 two busy cores that is milliseconds later, the free happens on the worker thread (where the
@@ -51,7 +63,15 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from zerofx.ir.collectives import ALL_TO_ALL, COLLECTIVE_OPS, REDUCE_SCATTER, WAIT, backend_of
+from zerofx.ir.collectives import (
+    ALL_GATHER,
+    ALL_GATHER_OUT,
+    ALL_TO_ALL,
+    COLLECTIVE_OPS,
+    REDUCE_SCATTER,
+    WAIT,
+    backend_of,
+)
 from zerofx.ir.meta import COLLECTIVE, ROLE
 from zerofx.passes.contract import Pass, PassContext
 from zerofx.passes.cost_model import storage_root
@@ -62,9 +82,11 @@ RELEASE = torch.ops.inductor.resize_storage_bytes_.default
 
 
 def transport_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """On gloo, lower reduce-scatters to an all-to-all plus a local sum (half the wire bytes),
-    and free collectives' buffers on the graph's thread after their last reader."""
+    """On gloo, gather into graph-allocated buffers (the out-of-place all-gather corrupts the heap
+    when two are in flight), lower reduce-scatters to an all-to-all plus a local sum (half the wire
+    bytes), and free collectives' buffers on the graph's thread after their last reader."""
     backends: dict[str, str] = {}
+    _gather_into_buffers(gm, ctx, backends)
     _lower_reduce_scatters(gm, ctx, backends)
     _release_buffers(gm, ctx, backends)
     return gm
@@ -74,6 +96,30 @@ def _on_gloo(group: str, backends: dict[str, str]) -> bool:
     if group not in backends:
         backends[group] = backend_of(group)
     return backends[group] == "gloo"
+
+
+def _gather_into_buffers(gm: fx.GraphModule, ctx: PassContext, backends: dict[str, str]) -> None:
+    lowered = 0
+    for ag in [n for n in gm.graph.nodes if n.target is ALL_GATHER]:
+        inp, world, group = ag.args[:3]
+        val = ag.meta["val"]
+        if not _on_gloo(group, backends):
+            continue
+        shape = list(val.shape)
+        if not all(isinstance(d, int) for d in shape):  # never for parameters; say so if it ever is
+            ctx.report(f"{ag.name}: all-gather of symbolic shape {shape} left out of place")
+            continue
+        role = ag.meta.get(ROLE)
+        with gm.graph.inserting_before(ag):
+            buf = insert_call(
+                gm, aten.empty.memory_format, (shape,), {"dtype": val.dtype, "device": val.device}, role=role
+            )
+            out = insert_call(gm, ALL_GATHER_OUT, (inp, world, group), {"out": buf}, role=role)
+        ag.replace_all_uses_with(out)
+        gm.graph.erase_node(ag)
+        lowered += 1
+    if lowered:
+        ctx.report(f"{lowered} all-gathers on gloo gather into graph-allocated buffers (out= form)")
 
 
 def _lower_reduce_scatters(gm: fx.GraphModule, ctx: PassContext, backends: dict[str, str]) -> None:

@@ -1,4 +1,17 @@
-"""Issue 13's heap-corruption suspect, checked at run time: a gloo buffer freed under its collective.
+"""Issue 13's heap corruption: its cause, fixed, and a suspect ruled out.
+
+The cause (zerofx/ir/collectives.py, NOTE: gloo all-gathers in flight): torch's out-of-place
+all-gather runs ProcessGroupGloo's coalesced all-gather work, and two of those in flight corrupt
+the heap (tests/gloo_repro.py shows it with torch alone). zerofx now issues the ``out=`` form on
+gloo, in its graphs (passes/transport.py) and in its eager code (``ir.collectives.all_gather``):
+
+* no out-of-place all-gather is dispatched on gloo in a training step, whatever runs it (graphs,
+  the stage-1/2 eager refresh, the markers' eager bodies): torch's profiler sees every op;
+* a compiled model whose forward keeps twelve all-gathers in flight trains a thousand steps;
+  with the rewrite switched off (``broken=True``) the same run aborts in glibc (docs/measurements.md,
+  transport, says how often).
+
+The suspect ruled out, checked at run time: a gloo buffer freed under its collective.
 
 The transport pass (passes/transport.py) frees the buffers of gloo collectives itself, with
 ``inductor::resize_storage_bytes_(t, 0)`` after their last reader. If such a free ever ran
@@ -15,6 +28,7 @@ storage that an issued, not yet waited collective reads or writes. Two tests:
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -134,3 +148,98 @@ def test_no_gloo_buffer_is_freed_before_its_wait(tmp_path):
 def test_the_check_finds_a_free_before_the_wait(tmp_path):
     results = run_ranks(train_checked, 2, str(tmp_path), "budget_100+optimizer_disk", True, timeout=600)
     assert all(r["violations"] for r in results), [r["frees"] for r in results]
+
+
+# -- the cause: out-of-place all-gathers on gloo ---------------------------------------------------
+
+_OUT_OF_PLACE = "_c10d_functional::all_gather_into_tensor"
+_OUT_FORM = "_c10d_functional::all_gather_into_tensor_out"
+
+
+def gathers_dispatched(rank: int, world: int) -> dict:
+    """Every all-gather op torch's profiler saw in the last training step of each variant: ZeRO-3
+    graphs with a gather per parameter, stage 1 (its post-step gather is eager code), and the
+    gather pass disabled (each marker's eager body gathers)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import ProfilerActivity, profile
+
+    import zerofx
+    from zerofx.models import GPT, GPTConfig, random_batch
+
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16)
+    out = {}
+    # bucket_bytes=0: a gather per parameter (the bucket pass gathers a bucket into a flat buffer
+    # with the out= form on every backend)
+    variants = {"stage3": {"bucket_bytes": 0}, "stage1": {"stage": 1}, "markers": {"disable_passes": ("gather",)}}
+    for name, options in variants.items():
+        torch.manual_seed(0)
+        model = zerofx.compile(GPT(cfg), mesh, **options)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x, y = random_batch(cfg, 2, torch.Generator().manual_seed(rank))
+        for step in range(3):  # the first compiles: its fake-tensor tracing dispatches ops too
+            with profile(activities=[ProfilerActivity.CPU]) if step else contextlib.nullcontext() as prof:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+        names = [e.name for e in prof.events()]
+        out[name] = {"out_of_place": names.count(_OUT_OF_PLACE), "out_form": names.count(_OUT_FORM)}
+        torch._dynamo.reset()
+    dist.barrier()
+    return out
+
+
+def test_no_out_of_place_all_gather_is_issued_on_gloo():
+    for rank, result in enumerate(run_ranks(gathers_dispatched, 2, timeout=600)):
+        for variant, counts in result.items():
+            assert counts["out_of_place"] == 0, (rank, variant, counts)
+            assert counts["out_form"] > 0, (rank, variant, counts)  # the profiler does see them
+
+
+class ManySmall(torch.nn.Module):
+    """Twelve small parameters read by one op: with bucketing and scheduling off, the forward
+    issues all twelve all-gathers before it waits for the first."""
+
+    def __init__(self, count: int = 12, width: int = 64):
+        super().__init__()
+        self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(width)) for _ in range(count))
+
+    def forward(self, x):
+        return (x * torch.stack(list(self.ps)).sum(0)).square().mean()
+
+
+def gathers_in_flight(rank: int, world: int, steps: int, broken: bool) -> dict:
+    import faulthandler
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerofx.api import _compile
+    from zerofx.ir.collectives import ALL_GATHER, ALL_GATHER_OUT
+    from zerofx.passes import transport
+    from zerofx.runtime.params import runtime_of
+
+    faulthandler.enable()  # an abort prints each thread's stack
+    if broken:  # the rewrite off: the graphs keep torch's out-of-place all-gather
+        transport._gather_into_buffers = lambda gm, ctx, backends: None
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = _compile(ManySmall(), mesh, None, {"disable_passes": ("bucket", "schedule")}, keep_graphs=True)
+    x = torch.randn(4, 64)
+    for _ in range(steps):
+        model(x).backward()
+    issued = 0
+    for gm in runtime_of(model).compiled.graphs.values():
+        pending = 0
+        for node in gm.graph.nodes:
+            if node.target in (ALL_GATHER, ALL_GATHER_OUT):
+                pending += 1
+                issued = max(issued, pending)
+            elif node.target is transport.WAIT:
+                pending -= 1
+    return {"most_in_flight": issued}
+
+
+def test_many_all_gathers_in_flight_on_gloo_train():
+    for result in run_ranks(gathers_in_flight, 2, 1000, False, timeout=600):
+        assert result["most_in_flight"] == 12, result

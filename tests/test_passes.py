@@ -10,7 +10,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import zerofx  # noqa: F401  (registers the marker ops)
 from zerofx.errors import ZeroFXError
-from zerofx.ir.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
+from zerofx.ir.collectives import ALL_GATHER, ALL_GATHER_OUT, REDUCE_SCATTER, WAIT
 from zerofx.passes.gather import gather_pass
 from zerofx.passes.pipeline import Pass, PassContext, run_pipeline
 from zerofx.passes.reduce import reduce_pass
@@ -175,7 +175,12 @@ def test_transport_frees_collective_buffers_the_graph_made_after_their_last_read
     nodes = list(gm.graph.nodes)
     released = {n.args[0]: nodes[nodes.index(n) - 1] for n in nodes if n.target is transport.RELEASE}
     a2a = next(n for n in nodes if n.target is transport.ALL_TO_ALL)
-    gathered = next(n for n in nodes if n.target is ALL_GATHER)
+    # on gloo the all-gather gathers into a buffer the graph allocates (NOTE: gloo all-gathers in flight)
+    assert ALL_GATHER not in ops(gm)
+    gathered = next(n for n in nodes if n.target is ALL_GATHER_OUT)
+    buffer = gathered.kwargs["out"]
+    assert buffer.target is aten.empty.memory_format and nodes.index(buffer) < nodes.index(gathered)
+    assert buffer.meta["val"].shape == gathered.meta["val"].shape == (6, 4)
     (a2a_wait,) = a2a.users
     (gather_wait,) = gathered.users
     # sent buffers die right after their wait, received ones after their last reader

@@ -12,6 +12,22 @@ the optimizer step). Collectives zerofx runs outside graphs (ZeRO-1's end-of-bac
 the post-step all-gather) go through the same marker ops and are counted the same way.
 The backend's actual traffic can differ (gloo runs reduce_scatter as an all-reduce of the whole
 input); these numbers describe the algorithm, comparable across backends.
+
+# NOTE: gloo all-gathers in flight
+On a gloo process group, torch's out-of-place all-gather (``_c10d_functional.all_gather_into_tensor``)
+runs ProcessGroupGloo's *coalesced* all-gather work (``allgather_into_tensor_coalesced``). When two
+of those run at once on gloo's two worker threads, a small heap block (the shared_ptr control
+block gloo allocates for a transport buffer) is freed twice (or while in use), and glibc aborts
+later, on whichever thread allocates next (``malloc(): unaligned tcache chunk detected``,
+``munmap_chunk(): invalid pointer``). This was issue 13's intermittent crash. tests/gloo_repro.py reproduces it with torch
+alone, usually within seconds; calling the process group's coalesced all-gather directly does
+too, and a group with one worker thread does not. The ``out=`` form (``all_gather_into_tensor_out``:
+ProcessGroupGloo's plain all-gather work, what ``dist.all_gather_into_tensor`` runs) and the other
+functional collectives ran the same loop clean (docs/measurements.md, transport: gloo
+all-gathers). So zerofx never issues the out-of-place all-gather on gloo: graphs are rewritten by
+passes/transport.py, eager code gathers through ``all_gather`` below. NCCL graphs keep the
+out-of-place op. DTensor's own gathers (``full_tensor``, reading a parameter) wait before the next
+one is issued, so they never have two in flight.
 """
 
 from __future__ import annotations
@@ -33,6 +49,7 @@ __all__ = [
     "ALL_REDUCE",
     "ALL_TO_ALL",
     "WAIT",
+    "all_gather",
     "collective_kind",
     "collective_group_size",
     "wire_bytes",
@@ -49,6 +66,14 @@ REDUCE_SCATTER = _F.reduce_scatter_tensor.default
 ALL_REDUCE = _F.all_reduce.default
 ALL_TO_ALL = _F.all_to_all_single.default
 WAIT = _F.wait_tensor.default
+
+
+def all_gather(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Issue the all-gather of ``x`` (contiguous) along dim 0 on ``group_name``: the output,
+    ``group_size`` times ``x``'s rows, to ``wait_tensor`` before use. Always the ``out=`` form
+    (NOTE: gloo all-gathers in flight)."""
+    out = x.new_empty((x.shape[0] * group_size, *x.shape[1:]))
+    return ALL_GATHER_OUT(x, group_size, group_name, out=out)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from zerofx.ir.collectives import record_collectives, wire_bytes
+from zerofx.ir.collectives import all_gather, record_collectives, wire_bytes
 from zerofx.ir.layout import pad_rows, padded_rows
 
 __all__ = [
@@ -78,7 +78,7 @@ def unshard(
     """The full parameter gathered from every rank's dim-0 shard (cast to ``compute_dtype`` first)."""
     rows = padded_rows(full_rows, group_size)
     padded = pad_rows(_cast(shard, compute_dtype), rows).contiguous()
-    gathered = _F.all_gather_into_tensor(padded, group_size, group_name)
+    gathered = all_gather(padded, group_size, group_name)
     gathered = _F.wait_tensor(gathered)
     record_collectives([("all_gather", wire_bytes("all_gather", _nbytes(gathered), group_size), group_name)])
     return gathered[:full_rows]  # a view of a fresh buffer, not of an input: allowed

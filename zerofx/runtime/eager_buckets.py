@@ -19,7 +19,7 @@ from typing import Callable, Hashable, Iterator, TypeVar
 import torch
 
 from zerofx import stress
-from zerofx.ir.collectives import backend_of, record_collectives, wire_bytes
+from zerofx.ir.collectives import all_gather, backend_of, record_collectives, wire_bytes
 from zerofx.ir.layout import pad_rows, padded_rows
 
 __all__ = ["BUCKET_BYTES", "refresh", "reduce_pending", "reduce_transient_bytes"]
@@ -76,7 +76,7 @@ def refresh(states: list) -> None:
             pad_rows(s.param.to_local().to(dtype), padded_rows(s.full_rows, group.size)).reshape(-1) for s in bucket
         ]
         flat = torch.cat(shards) if len(shards) > 1 else shards[0].contiguous()
-        gathered = _F.wait_tensor(_F.all_gather_into_tensor(flat, group.size, group.name)).view(group.size, -1)
+        gathered = _F.wait_tensor(all_gather(flat, group.size, group.name)).view(group.size, -1)
         record_collectives(
             [
                 (
