@@ -24,6 +24,7 @@ if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._launch import launch_local, median_time  # noqa: E402
+from zerofx.ir.collectives import all_gather  # noqa: E402
 
 F = torch.ops._c10d_functional
 
@@ -39,7 +40,7 @@ def _rank_main(args) -> list[dict]:
             shard = torch.randn(int(mib * 2**20 / 4 / world))
 
             def comm():
-                F.wait_tensor(F.all_gather_into_tensor(shard, world, group))
+                F.wait_tensor(all_gather(shard, world, group))
 
             def compute():
                 x = a
@@ -47,7 +48,7 @@ def _rank_main(args) -> list[dict]:
                     x = torch.tanh(x @ a)
 
             def overlapped():
-                work = F.all_gather_into_tensor(shard, world, group)
+                work = all_gather(shard, world, group)  # the form zerofx issues on gloo
                 compute()
                 F.wait_tensor(work)
 
