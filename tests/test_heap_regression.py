@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -243,3 +244,26 @@ def gathers_in_flight(rank: int, world: int, steps: int, broken: bool) -> dict:
 def test_many_all_gathers_in_flight_on_gloo_train():
     for result in run_ranks(gathers_in_flight, 2, 1000, False, timeout=600):
         assert result["most_in_flight"] == 12, result
+
+
+def test_disabling_transport_on_gloo_warns(monkeypatch):
+    import warnings
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from zerofx import backend
+    from zerofx.ir.collectives import ALL_GATHER
+
+    def gathers(x):
+        return torch.ops._c10d_functional.all_gather_into_tensor(x, 2, "g") * 2
+
+    gm = make_fx(gathers, tracing_mode="fake")(torch.randn(3))
+    assert any(n.target is ALL_GATHER for n in gm.graph.nodes)
+    monkeypatch.setattr(backend, "_warned_gathers", False)
+    monkeypatch.setattr(backend, "backend_of", lambda group: "nccl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backend._warn_if_out_of_place_gathers(gm)  # NCCL keeps the out-of-place op: no warning
+    monkeypatch.setattr(backend, "backend_of", lambda group: "gloo")
+    with pytest.warns(UserWarning, match="keeps torch's out-of-place all-gather on a gloo group"):
+        backend._warn_if_out_of_place_gathers(gm)

@@ -38,6 +38,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from zerofx.codegen.executor import make_executor
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError
+from zerofx.ir.collectives import ALL_GATHER, COLLECTIVE_OPS, backend_of
 from zerofx.ir.meta import ACTIVATION_PLAN
 from zerofx.measure.instrument import instrument
 from zerofx.options import Options
@@ -118,6 +119,8 @@ class _FrameCompiler:
     def _compile(self, gm: fx.GraphModule, example_inputs: Any, kind: str) -> Callable:
         ctx = self._context(kind)
         gm = self._run(gm, kind, ctx)
+        if "transport" in self.options.disable_passes:
+            _warn_if_out_of_place_gathers(gm)
         # the aten executor frees a backward's saved inputs at their last use
         estimate = estimate_memory(gm, inputs_freed_at_last_use=(kind == "backward"))
         self.state.memory_estimates[(self.graph_id, kind)] = estimate
@@ -263,5 +266,27 @@ def _warn_if_unsharded(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -
             f"torch.compile(backend='zerofx') is compiling trainable parameters that zerofx has not sharded, "
             f"in a job of {dist.get_world_size()} ranks: their gradients are not synchronized, so each rank "
             "trains alone. Call zerofx.shard(model, mesh) before torch.compile, or use zerofx.compile(model, mesh).",
+            stacklevel=2,
+        )
+
+
+_warned_gathers = False
+
+
+def _warn_if_out_of_place_gathers(gm: fx.GraphModule) -> None:
+    """One warning per process when a graph compiled with the transport pass disabled keeps
+    torch's out-of-place all-gather on a gloo group: two of those in flight corrupt the heap
+    (zerofx/ir/collectives.py, NOTE: gloo all-gathers in flight), so the run may abort or
+    compute on corrupted memory."""
+    global _warned_gathers
+    if _warned_gathers:
+        return
+    groups = {n.args[COLLECTIVE_OPS[ALL_GATHER].group_name_arg] for n in gm.graph.nodes if n.target is ALL_GATHER}
+    if any(backend_of(group) == "gloo" for group in groups):
+        _warned_gathers = True
+        warnings.warn(
+            "zerofx: disable_passes includes 'transport', so this graph keeps torch's out-of-place "
+            "all-gather on a gloo group; two of them in flight corrupt the process's heap (a torch bug, "
+            "see zerofx/ir/collectives.py). Disable transport for debugging only.",
             stacklevel=2,
         )

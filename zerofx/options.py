@@ -319,7 +319,9 @@ class Options:
             under this folder. Defaults to the ``ZEROFX_DUMP`` environment variable.
         disable_passes: names of pipeline passes to skip (see ``zerofx.passes.PASS_NAMES``).
             Every pass is an optimization over a correct baseline: the marker ops the passes
-            lower have eager implementations, so disabling any pass keeps results correct.
+            lower have eager implementations, so disabling any pass keeps results correct. One
+            exception, on gloo only: without ``transport`` the graphs keep torch's out-of-place
+            all-gather, which corrupts the heap with two in flight (a torch bug; zerofx warns).
         verify: lint the graph and check zerofx's invariants after every pass.
         executor: what runs the final graphs. ``"aten"`` (default) runs them op by op.
             ``"triton"`` replaces fusible regions (pointwise chains, last-dim reductions such
