@@ -19,9 +19,9 @@ runs ProcessGroupGloo's *coalesced* all-gather work (``allgather_into_tensor_coa
 of those run at once on gloo's two worker threads, a small heap block (the shared_ptr control
 block gloo allocates for a transport buffer) is freed twice (or while in use), and glibc aborts
 later, on whichever thread allocates next (``malloc(): unaligned tcache chunk detected``,
-``munmap_chunk(): invalid pointer``). This was issue 13's intermittent crash. tests/gloo_repro.py reproduces it with torch
-alone, usually within seconds; calling the process group's coalesced all-gather directly does
-too, and a group with one worker thread does not. The ``out=`` form (``all_gather_into_tensor_out``:
+``munmap_chunk(): invalid pointer``). This was issue 13's intermittent crash. tests/gloo_repro.py
+reproduces it with torch alone, usually within seconds; calling the process group's coalesced
+all-gather directly does too, and a group with one worker thread does not. The ``out=`` form (``all_gather_into_tensor_out``:
 ProcessGroupGloo's plain all-gather work, what ``dist.all_gather_into_tensor`` runs) and the other
 functional collectives ran the same loop clean (docs/measurements.md, transport: gloo
 all-gathers). So zerofx never issues the out-of-place all-gather on gloo: graphs are rewritten by
