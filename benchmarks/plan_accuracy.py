@@ -3,7 +3,7 @@
     python benchmarks/plan_accuracy.py --json plan_accuracy.json
 
 For each configuration: plan first (fake tensors, fake process group, in this process), then
-train it for real on local gloo ranks and measure three steps after two warm-up ones on rank 0
+train it for real on local gloo ranks and measure ten steps after two warm-up ones on rank 0
 (the planned rank):
 
 * model-state bytes: ``zerofx.model_state_bytes(model, opt)`` after the backward (parameters,
@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make 
 from benchmarks._launch import launch_local, markdown_table, write_json  # noqa: E402
 
 BATCH, SEQ = 4, 64
-MEASURED = 3  # steps measured after two warm-up steps: the largest peak counts (gloo's threads vary it)
+MEASURED = 10  # steps measured after two warm-up steps: the largest peak counts (when gloo's threads run varies it)
 
 
 def build_gpt():
@@ -116,8 +116,10 @@ def measure_rank(model_name: str, options: dict) -> dict:
             with zerofx.CollectiveCounter() as comm:
                 with AllocationTrace() as trace:
                     t0 = trace.mark()
-                    _loss(model(*args, **kwargs)).backward()
+                    out = model(*args, **kwargs)  # held through the backward, as the plan assumes
+                    _loss(out).backward()
                     t1 = trace.mark()
+                    del out
                 state = zerofx.model_state_bytes(model, opt)
                 opt.step()
             times.append(time.perf_counter() - started)

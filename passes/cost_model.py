@@ -78,6 +78,7 @@ from zerofx.ir.collectives import (
     collective_kind,
     wire_bytes,
 )
+from zerofx.ir.meta import BORROWED_INPUTS
 from zerofx.passes.graph import is_view, positions
 
 __all__ = [
@@ -237,6 +238,14 @@ def saved_values(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     return [o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node)]
 
 
+def borrowed_inputs(fw_gm: fx.GraphModule, saved: list[fx.Node]) -> frozenset[str]:
+    """Names of the ``saved`` values that are ``fw_gm``'s own inputs or views of them (parameter
+    shards, user data): the backward's inputs of those names free nothing when it drops them
+    (``BORROWED_INPUTS``; the partition keeps forward node names for backward inputs)."""
+    input_keys = {storage_key(n) for n in fw_gm.graph.nodes if n.op == "placeholder"}
+    return frozenset(n.name for n in saved if storage_key(n) in input_keys)
+
+
 def saved_activation_bytes(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> int:
     """Bytes of the buffers a forward graph keeps alive for its backward ("activation memory").
 
@@ -309,6 +318,7 @@ class MemoryEstimate:
     peak_bytes: int  # most bytes allocated by the graph at once (inputs excluded unless freed)
     peak_node: str  # the node at which that happened
     output_bytes: int  # bytes still alive at the end that the graph allocated (its outputs)
+    tangent_bytes: int = 0  # a backward's incoming gradients (inputs the autograd engine allocates)
 
 
 # NOTE: collective workspace
@@ -349,7 +359,12 @@ def _liveness(
             root = storage_root(inp)
             last_use[root] = max(last_use.get(root, -1), order[node])
     names = set(owned_inputs or ())
-    owned = {n for n in nodes if n.op == "placeholder" and (inputs_freed_at_last_use or n.name in names)}
+    borrowed = gm.meta.get(BORROWED_INPUTS, ()) if inputs_freed_at_last_use else ()
+    owned = {
+        n
+        for n in nodes
+        if n.op == "placeholder" and ((inputs_freed_at_last_use and n.name not in borrowed) or n.name in names)
+    }
     frees: dict[int, list[fx.Node]] = {}
     for root, idx in last_use.items():
         if root not in outputs and (root.op != "placeholder" or root in owned):
@@ -383,9 +398,10 @@ def estimate_memory(
     outputs. Aliases (views, waits, in-place ops) keep their storage root alive. A
     collective's output is allocated when it is issued. Inputs are not counted and, by
     default, not freed (a forward's inputs are parameters and user data held elsewhere). Inputs
-    the graph owns are freed at their last use: all of them with ``inputs_freed_at_last_use``
-    (a backward run with the boxed calling convention, which drops each saved tensor at its
-    last use), or those named in ``owned_inputs``. The result is relative to the live bytes
+    the graph owns are freed at their last use: with ``inputs_freed_at_last_use`` (a backward
+    run with the boxed calling convention, which drops each saved tensor at its last use) all
+    but those the graph module's ``BORROWED_INPUTS`` names (saved parameter shards and user
+    data: dropping them frees nothing), or those named in ``owned_inputs``. The result is relative to the live bytes
     before the graph (owned inputs included), so the peak is what running the graph adds.
     """
     timeline, out_bytes = _liveness(gm, inputs_freed_at_last_use, owned_inputs, symbolic=False)
@@ -393,7 +409,7 @@ def estimate_memory(
     for name, live in timeline:
         if live > peak:
             peak, peak_node = live, name
-    return MemoryEstimate(int(peak), peak_node, int(out_bytes))
+    return MemoryEstimate(int(peak), peak_node, int(out_bytes), int(tangent_bytes(gm)))
 
 
 def memory_timeline(
@@ -409,21 +425,31 @@ def memory_timeline(
     return _liveness(gm, inputs_freed_at_last_use, owned_inputs, symbolic)
 
 
+def tangent_bytes(gm: fx.GraphModule, symbolic: bool = False) -> Any:
+    """Bytes of a backward graph's incoming gradients (placeholders named ``tangents_*``, as torch's
+    partitioners tell them apart). The backward that runs first gets them from the autograd engine,
+    allocated at its start (the loss's gradient, and zeros for every output the loss does not use,
+    such as a model's returned logits); later ones get them from the backward before them."""
+    zero: Any = sympy.Integer(0) if symbolic else 0
+    tangents = [n for n in gm.graph.nodes if n.op == "placeholder" and "tangents" in str(n.target)]
+    return sum((tensor_bytes(n.meta.get("val"), symbolic) for n in tangents), zero)
+
+
 def predict_step_peak(estimates: dict[tuple[str, str], MemoryEstimate], graph_ids: list[str]) -> int:
     """Predicted peak bytes of forward + backward above the step's start, for frames run in
     ``graph_ids`` order (backwards run in reverse), from each final graph's ``estimate_memory``
     (``estimates``: ``(graph_id, kind) -> MemoryEstimate``, what a compile keeps): each
     forward's transient peak on top of what earlier forwards saved, then each backward's peak
     on top of what is still saved (a backward releases its frame's saved tensors only when it
-    returns)."""
+    returns; the first backward also holds the gradients the engine hands it, ``tangent_bytes``)."""
     live = peak = 0
     for gid in graph_ids:
         fw = estimates[(gid, "forward")]
         peak = max(peak, live + fw.peak_bytes)
         live += fw.output_bytes
-    for gid in reversed(graph_ids):
+    for i, gid in enumerate(reversed(graph_ids)):
         bw = estimates[(gid, "backward")]
-        peak = max(peak, live + bw.peak_bytes)
+        peak = max(peak, live + (bw.tangent_bytes if i == 0 else 0) + bw.peak_bytes)
         live += bw.output_bytes - estimates[(gid, "forward")].output_bytes
     return peak
 

@@ -7,13 +7,18 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from zerofx.ir.meta import BORROWED_INPUTS
 from zerofx.passes.cost_model import (
+    MemoryEstimate,
+    borrowed_inputs,
     estimate_memory,
     hint,
     node_bytes,
     node_flops,
     op_flops,
+    predict_step_peak,
     saved_activation_bytes,
+    saved_values,
     storage_bytes,
     storage_key,
 )
@@ -91,6 +96,34 @@ def test_estimate_memory_frees_after_last_use_and_owned_inputs_at_theirs():
     assert estimate_memory(early).peak_bytes == 2 * 1024
     assert estimate_memory(early, owned_inputs=[inputs(early)]).peak_bytes == 1024
     assert estimate_memory(early, inputs_freed_at_last_use=True).peak_bytes == 1024
+
+
+def test_a_backward_frees_what_its_forward_allocated_but_not_what_it_borrowed():
+    def forward(x, w):
+        h = x @ w
+        return h.sum(), h, w.t()  # saved: an activation, and a view of the parameter (borrowed)
+
+    fw = trace(forward, (4, 8), (8, 16))
+    assert borrowed_inputs(fw, saved_values(fw, num_fwd_outputs=1)) == {"t"}
+    # a backward whose inputs are 256 B of activation and 512 B of parameter, both dead after
+    # the first op; then one 2 KiB temporary
+    bw = trace(lambda h, t: (h * 2).sum() + (t * 2).repeat(4, 1).sum(), (4, 16), (16, 8))
+    h, t = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    h.name, t.name = "h", "t"
+    freed_both = estimate_memory(bw, inputs_freed_at_last_use=True).peak_bytes
+    bw.meta[BORROWED_INPUTS] = frozenset({"t"})  # the parameter's owner keeps it: nothing to free
+    assert estimate_memory(bw, inputs_freed_at_last_use=True).peak_bytes == freed_both + 512
+
+
+def test_the_first_backward_holds_the_gradients_the_engine_gives_it():
+    fw = MemoryEstimate(peak_bytes=100, peak_node="f", output_bytes=50)
+    bw = MemoryEstimate(peak_bytes=30, peak_node="b", output_bytes=10, tangent_bytes=1000)
+    # one frame: the backward's peak sits on the saved 50 B and the engine's 1000 B of gradients
+    assert predict_step_peak({("a", "forward"): fw, ("a", "backward"): bw}, ["a"]) == 1080
+    # two frames: the second frame's backward runs first and holds them; the first frame's
+    # gradients come from the second's outputs, counted there
+    est = {(g, k): e for g in ("a", "b") for k, e in (("forward", fw), ("backward", bw))}
+    assert predict_step_peak(est, ["a", "b"]) == 2 * 50 + 1000 + 30  # both frames saved 50 B
 
 
 def test_saved_activation_bytes_skips_inputs_and_counts_each_buffer_once():

@@ -39,13 +39,14 @@ from zerofx.codegen.executor import make_executor
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError
 from zerofx.ir.collectives import ALL_GATHER, COLLECTIVE_OPS, backend_of
-from zerofx.ir.meta import ACTIVATION_PLAN
+from zerofx.ir.meta import ACTIVATION_PLAN, BORROWED_INPUTS
 from zerofx.measure.instrument import instrument
 from zerofx.options import Options
 from zerofx.passes.checkpoint import format_bytes, partition_by_plan
 from zerofx.passes.cost_model import (
     CostModel,
     MemoryEstimate,
+    borrowed_inputs,
     estimate_memory,
     node_bytes,
     saved_activation_bytes,
@@ -106,6 +107,7 @@ class _FrameCompiler:
         self.graph_id = f"frame{next(_frame_ids)}"
         self.execute = make_executor(self.options.codegen.executor)
         self.num_fwd_outputs: int | None = None
+        self.borrowed_inputs: frozenset[str] = frozenset()  # the partition's (BORROWED_INPUTS)
 
     def _context(self, kind: str) -> PassContext:
         return PassContext(self.graph_id, kind, self.options, num_fwd_outputs=self.num_fwd_outputs, cost=self.cost)
@@ -121,7 +123,8 @@ class _FrameCompiler:
         gm = self._run(gm, kind, ctx)
         if "transport" in self.options.disable_passes:
             _warn_if_out_of_place_gathers(gm)
-        # the aten executor frees a backward's saved inputs at their last use
+        if kind == "backward":  # the aten executor frees a backward's saved inputs at their last use
+            gm.meta[BORROWED_INPUTS] = self.borrowed_inputs  # ... except parameters and user data
         estimate = estimate_memory(gm, inputs_freed_at_last_use=(kind == "backward"))
         self.state.memory_estimates[(self.graph_id, kind)] = estimate
         if self.state.graphs is not None:
@@ -143,6 +146,7 @@ class _FrameCompiler:
             cut = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         fw, bw = cut
         saved = saved_values(fw, num_fwd_outputs)
+        self.borrowed_inputs = borrowed_inputs(fw, saved)
         activation_bytes = saved_activation_bytes(fw, num_fwd_outputs)
         if self.recorder is not None:
             self.recorder.note(

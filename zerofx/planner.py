@@ -19,6 +19,12 @@ With ``device_memory``, batch and sequence are traced symbolically (``torch._dyn
 so every live-bytes figure of the step is a polynomial in them (sympy), and the largest batch and
 sequence that fit are the roots of those polynomials, solved (NOTE: solving for the largest batch).
 
+The step priced is the usual loop, ``out = model(batch); loss_of(out).backward(); opt.step()``:
+the model's outputs (an HF model's logits) stay alive through the backward, and the backward
+that runs first also holds the gradients the autograd engine hands it (the loss's, and zeros for
+every output the loss does not use). A loop that drops the outputs before the backward peaks
+lower by their bytes.
+
 Rank 0 is planned: ``torch.chunk`` shards give the first ranks the largest shards, so rank 0's
 numbers bound every rank's. Graphs are traced on the CPU (fake CPU tensors) and priced with the
 target ``device``'s rates; kernels that exist only on GPUs (flash attention) save what the CPU
@@ -763,7 +769,7 @@ def _memory(compiled, symbolic, batch, seq, static, memory, boundary=0):
     """((step peak, peak node), saved activations, downsampled timeline, symbolic peak, (max batch,
     max seq, what binds them)). Saved activations: what the forward graphs allocate and return
     beyond their inputs."""
-    from zerofx.passes.cost_model import memory_timeline, predict_step_peak
+    from zerofx.passes.cost_model import memory_timeline, predict_step_peak, tangent_bytes
 
     frames = compiled.frames()
     graphs = compiled.graphs
@@ -783,8 +789,9 @@ def _memory(compiled, symbolic, batch, seq, static, memory, boundary=0):
     for gid in frames:
         fw_out[gid] = walk(gid, "forward", live)
         live = live + fw_out[gid]
-    for gid in reversed(frames):
-        out = walk(gid, "backward", live)
+    for i, gid in enumerate(reversed(frames)):  # the first gets its gradients from the engine
+        engine = tangent_bytes(graphs[(gid, "backward")], symbolic) if i == 0 else 0
+        out = walk(gid, "backward", live + engine)
         live = live + out - fw_out[gid]
     if boundary:  # the end-of-backward reduce of pending gradients, outside the graphs (stage 1)
         labels.append("boundary reduce (eager buckets)")

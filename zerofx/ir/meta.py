@@ -9,7 +9,18 @@ Who writes and who reads each key is in the contracts, not here: this module onl
 
 from __future__ import annotations
 
-__all__ = ["MetaKey", "ROLE", "RECOMPUTE", "OFFLOAD_TIER", "COLLECTIVE", "PASS", "KERNEL", "ACTIVATION_PLAN", "KEYS"]
+__all__ = [
+    "MetaKey",
+    "ROLE",
+    "RECOMPUTE",
+    "OFFLOAD_TIER",
+    "COLLECTIVE",
+    "PASS",
+    "KERNEL",
+    "ACTIVATION_PLAN",
+    "BORROWED_INPUTS",
+    "KEYS",
+]
 
 
 class MetaKey(str):
@@ -62,4 +73,12 @@ ACTIVATION_PLAN = MetaKey(
     on="graph",
 )
 
-KEYS = (ROLE, RECOMPUTE, OFFLOAD_TIER, COLLECTIVE, PASS, KERNEL, ACTIVATION_PLAN)
+BORROWED_INPUTS = MetaKey(
+    "zerofx_borrowed_inputs",
+    "a backward graph's inputs that are the forward's own inputs or views of them (parameter shards, "
+    "user data): the backward dropping them frees nothing, their owner holds them; the backend writes "
+    "it at the partition, the memory simulation reads it",
+    on="graph",
+)
+
+KEYS = (ROLE, RECOMPUTE, OFFLOAD_TIER, COLLECTIVE, PASS, KERNEL, ACTIVATION_PLAN, BORROWED_INPUTS)
