@@ -1,4 +1,5 @@
-"""ZeRO++ on gloo ranks: qwZ (quantize_weights), qgZ (quantize_grads) bytes and training.
+"""ZeRO++ on gloo ranks: qwZ (quantize_weights), qgZ (quantize_grads) bytes and training;
+hpZ (secondary_shard) is not built and is refused.
 
 Bytes are asserted per step per rank from each parameter's padded shard numel ``n`` (one
 collective per parameter: ``bucket_bytes=0``) with zerofx/ir/quantize.py's packed rows:
@@ -106,3 +107,11 @@ def test_qgz_on_a_2x2_mesh_quantizes_both_hops_and_reduces_in_fp32(runs):
             abs(q["losses"][1] - plain["losses"][1]) <= 0.01 * plain["losses"][1]
             and q["losses"][0] == plain["losses"][0]
         )
+
+
+def test_secondary_shard_is_refused_with_one_error_naming_the_option(runs):
+    for world_size, says in ((2, "needs a 2-D mesh"), (4, "not implemented yet")):
+        for rank in runs(world_size):
+            error = rank["secondary_shard_error"]
+            assert error.startswith("option secondary_shard=True") and says in error
+            assert len(error.splitlines()) == 1

@@ -64,6 +64,17 @@ def train(mesh, case_name: str, options: dict, steps: int) -> dict:
     return out
 
 
+def _secondary_shard_error(mesh) -> str:
+    """What ``secondary_shard=True`` says on this mesh (hpZ is not built; tests/test_zeropp.py)."""
+    model = CASES["mlp"].build()
+    try:
+        zerofx.compile(model, mesh, secondary_shard=True)
+    except zerofx.ZeroFXError as e:
+        assert not zerofx.sharding.is_sharded(model)  # refused before anything changed
+        return str(e)
+    return ""
+
+
 BYTES = dict(bucket_bytes=0)  # one collective per parameter: bytes follow from each one's numel
 
 W2 = {
@@ -93,7 +104,7 @@ def run(rank: int, world: int) -> dict:
         mesh, scenarios = init_device_mesh("cpu", (2,)), W2
     else:
         mesh, scenarios = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), W4
-    results = {}
+    results = {"secondary_shard_error": _secondary_shard_error(mesh)}
     for name, (case, options, steps) in scenarios.items():
         torch._dynamo.reset()
         results[name] = train(mesh, case, options, steps)

@@ -351,12 +351,10 @@ class Options:
             built over the model step each rank's local shards directly instead of going through
             DTensor's dispatch op by op, from their second step on (zerofx/runtime/local_step.py). Same
             arithmetic, same state dict; False keeps every step on the DTensor path.
-        secondary_shard: ZeRO++'s hpZ, on a 2-D mesh ``(replicate, shard)`` at stage 3: parameters
-            are sharded over the whole mesh (not replicated across its outer dimension), the
-            forward gathers them over the whole mesh and each rank keeps its shard-group's
-            partition of the gathered value (1/size(shard) of each parameter, in the compute
-            dtype) for the backward, whose all-gather then stays inside the shard dimension. On
-            a 1-D mesh it is an error.
+        secondary_shard: ZeRO++'s hpZ (a secondary partition over the shard dimension of a 2-D
+            mesh, so the backward's re-gather stays inside it). Not implemented: True is an
+            error at ``zerofx.compile`` / ``zerofx.shard`` (on a 1-D mesh, saying a 2-D mesh is
+            needed; on a 2-D mesh, that hpZ is not built); with stage 1 or 2, an error here.
         dump_dir: write every graph before and after every pass, a per-pass summary and a diff
             under this folder. Defaults to the ``ZEROFX_DUMP`` environment variable.
         disable_passes: names of pipeline passes to skip (see ``zerofx.passes.PASS_NAMES``).
