@@ -24,6 +24,7 @@ from torch import fx
 
 from zerofx.codegen.decompose import decompose_for_codegen
 from zerofx.codegen.fusion import Claimed, find_groups, group_io, is_comm, replace_groups
+from zerofx.codegen.quantize_kernels import use_quantize_kernels
 from zerofx.codegen.triton_emit import Unsupported, emit_group
 from zerofx.codegen.triton_ops import can_lower
 from zerofx.codegen.triton_runtime import FusedKernel, group_module, interpreting, launch_problem
@@ -72,6 +73,9 @@ def _fuse(gm: fx.GraphModule, ctx: PassContext, recorder: Any, autotune: bool):
         claimed.append(Claimed(group, inputs, outputs, kernel))
         sources.append((source.name, source.source))
     result = replace_groups(work, claimed)
+    quantized = use_quantize_kernels(result)  # block quantization has its own kernels
+    if quantized:
+        ctx.report(f"{quantized} quantize/dequantize ops run as Triton kernels (codegen/quantize_kernels.py)")
     result.recompile()
     return result, claimed, sources, opened
 

@@ -34,7 +34,8 @@ convention as torch's partitioner), with a fallback for unbacked sizes.
 Matmul-like ops (mm, addmm, bmm, convolutions, attention) use the formulas torch registers for
 ``torch.utils.flop_counter`` (2 FLOPs per multiply-add), applied to metadata shapes. Every other
 op that computes values counts one FLOP per output element (pointwise ops), or one per input
-element when the output is smaller (reductions such as sum or layer-norm statistics). Views,
+element when the output is smaller (reductions such as sum or layer-norm statistics). Block quantize / dequantize
+(zerofx/ir/quantize.py) count ``QUANTIZE_FLOPS`` per value. Views,
 ``getitem``, collectives and zerofx's marker ops cost nothing here: they move or alias data,
 which the communication model prices, not this one.
 
@@ -79,6 +80,7 @@ from zerofx.ir.collectives import (
     wire_bytes,
 )
 from zerofx.ir.meta import BORROWED_INPUTS
+from zerofx.ir.quantize import DEQUANTIZE, QUANTIZE
 from zerofx.passes.graph import is_view, positions
 
 __all__ = [
@@ -107,6 +109,10 @@ __all__ = [
     "ALIAS_OPS",
 ]
 
+# FLOPs per value of block quantization (zerofx/ir/quantize.py): quantize takes |x|, the block
+# max, a multiply, an add and a floor (plus a clamp, folded in); dequantize one multiply and
+# the cast. What the quantize pass's report prices against the bytes it saves.
+QUANTIZE_FLOPS = {QUANTIZE: 5, DEQUANTIZE: 2}
 # size assumed for a data-dependent dimension with no hint (as torch does)
 UNBACKED_FALLBACK = 4096
 # ops whose output shares its input's buffer although their schema does not say so
@@ -176,6 +182,9 @@ def op_flops(func: Any, args: tuple, kwargs: dict, out: Any, *, symbolic: bool =
     zero: Any = sympy.Integer(0) if symbolic else 0
     if not isinstance(func, torch._ops.OpOverload) or func.is_view or func in ALIAS_OPS:
         return zero
+    if func in QUANTIZE_FLOPS:  # per value: quantize reads it, dequantize writes it
+        vals = args[0] if func is QUANTIZE else out
+        return QUANTIZE_FLOPS[func] * _numel(vals, symbolic)
     if func.namespace in ("_c10d_functional", "c10d_functional", "zerofx", "ao"):
         return zero
     if any(r.alias_info is not None for r in func._schema.returns):

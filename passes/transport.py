@@ -72,7 +72,7 @@ from zerofx.ir.collectives import (
     WAIT,
     backend_of,
 )
-from zerofx.ir.meta import COLLECTIVE, ROLE
+from zerofx.ir.meta import COLLECTIVE, QUANTIZED, ROLE
 from zerofx.passes.contract import Pass, PassContext
 from zerofx.passes.cost_model import storage_root
 from zerofx.passes.graph import insert_call, positions
@@ -115,6 +115,8 @@ def _gather_into_buffers(gm: fx.GraphModule, ctx: PassContext, backends: dict[st
                 gm, aten.empty.memory_format, (shape,), {"dtype": val.dtype, "device": val.device}, role=role
             )
             out = insert_call(gm, ALL_GATHER_OUT, (inp, world, group), {"out": buf}, role=role)
+        if QUANTIZED in ag.meta:
+            out.meta[QUANTIZED] = ag.meta[QUANTIZED]
         ag.replace_all_uses_with(out)
         gm.graph.erase_node(ag)
         lowered += 1
@@ -142,24 +144,33 @@ def _lower_reduce_scatters(gm: fx.GraphModule, ctx: PassContext, backends: dict[
                 landed = insert_call(gm, WAIT, (a2a,), role="reduce")
             with gm.graph.inserting_after(landed):
                 chunks = insert_call(gm, aten.view.default, (landed, [world, rows, *val.shape[1:]]), role="reduce")
-            reduced = chunks
-            for i in range(world):  # c0 + c1, then + c2, ...: rank order, whatever ATen's sum would do
-                with gm.graph.inserting_after(reduced):
-                    part = insert_call(gm, aten.select.int, (chunks, 0, i), role="reduce")
-                if i == 0:
-                    reduced = part
-                    continue
-                with gm.graph.inserting_after(part):
-                    reduced = insert_call(gm, aten.add.Tensor, (reduced, part), role="reduce")
-            if op == "avg":
-                with gm.graph.inserting_after(reduced):
-                    reduced = insert_call(gm, aten.div.Tensor, (reduced, world), role="reduce")
+            reduced = rank_ordered_sum(gm, chunks, world, op)
             wait.replace_all_uses_with(reduced)
             gm.graph.erase_node(wait)
         gm.graph.erase_node(rs)
         lowered += 1
     if lowered:
         ctx.report(f"{lowered} reduce-scatters on gloo lowered to all-to-all + local sum")
+
+
+def rank_ordered_sum(gm: fx.GraphModule, chunks: fx.Node, world: int, op: str) -> fx.Node:
+    """``chunks[0] + chunks[1] (+ chunks[2] ...)`` in rank order (divided by ``world`` for "avg"),
+    inserted right after ``chunks`` (``[world, ...]``, one chunk per sending rank): the local
+    sum of an all-to-all reduce-scatter, the same association on every rank whatever ATen's
+    ``sum`` would pick. Returns the result node."""
+    reduced = chunks
+    for i in range(world):
+        with gm.graph.inserting_after(reduced):
+            part = insert_call(gm, aten.select.int, (chunks, 0, i), role="reduce")
+        if i == 0:
+            reduced = part
+            continue
+        with gm.graph.inserting_after(part):
+            reduced = insert_call(gm, aten.add.Tensor, (reduced, part), role="reduce")
+    if op == "avg":
+        with gm.graph.inserting_after(reduced):
+            reduced = insert_call(gm, aten.div.Tensor, (reduced, world), role="reduce")
+    return reduced
 
 
 def _alias_sets(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
@@ -224,5 +235,9 @@ def _release_buffers(gm: fx.GraphModule, ctx: PassContext, backends: dict[str, s
 
 
 PASS = Pass(
-    "transport", transport_pass, kinds=("forward", "backward", "inference"), reads=(), writes=(COLLECTIVE, ROLE)
+    "transport",
+    transport_pass,
+    kinds=("forward", "backward", "inference"),
+    reads=(QUANTIZED,),
+    writes=(COLLECTIVE, QUANTIZED, ROLE),
 )

@@ -211,7 +211,7 @@ def test_runner_skips_disabled_passes_and_records_each_pass(monkeypatch):
     assert seen[0] == "input" and "gather" not in seen and unshard.default in ops(gm)
     seen.clear()
     gm = run_pipeline(gm, ctx("forward"), observer=lambda c, name, before, after, secs: seen.append(name))
-    assert seen == ["input", "gather", "bucket", "schedule", "offload", "transport"]
+    assert seen == ["input", "gather", "bucket", "schedule", "offload", "quantize", "transport"]
     assert unshard.default not in ops(gm)
 
 

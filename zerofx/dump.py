@@ -3,7 +3,8 @@
 Layout written under ``<dump_dir>/rank<R>/`` (one folder per rank: graphs differ by rank when
 shards are uneven)::
 
-    summary.txt                     every graph, every pass: node deltas, collectives, saved values
+    summary.txt                     every graph, every pass: node deltas, collectives (dtype on
+                                    the wire, bytes; quantized ones also the bytes before), saved values
     frame0_joint/00_input.py        the graph as the pass pipeline received it
     frame0_joint/01_regather.py     ... after each pass, readable with shapes, then which pass
                                     made each node zerofx added
@@ -31,6 +32,7 @@ from torch import fx
 
 from zerofx.ir.collectives import COLLECTIVE_OPS, collective_group_size, collective_kind, wire_bytes
 from zerofx.ir.meta import PASS as PROVENANCE
+from zerofx.ir.meta import QUANTIZED
 from zerofx.passes.contract import PassContext
 from zerofx.passes.cost_model import tensor_bytes
 
@@ -59,7 +61,11 @@ def _collective_line(node: fx.Node) -> str:
     wire = wire_bytes(kind, nbytes, collective_group_size(spec, node.args))
     val = node.meta["val"]
     dtype = str(val.dtype).replace("torch.", "")
-    return f"{kind:<15} {node.name:<28} {tuple(val.shape)} {dtype}: {nbytes} B, {wire} B/rank on the wire"
+    line = f"{kind:<15} {node.name:<28} {tuple(val.shape)} {dtype}: {nbytes} B, {wire} B/rank on the wire"
+    if QUANTIZED in node.meta:  # passes/quantize.py: what went on the wire, and what it replaced
+        wire_format, was_dtype, was_wire = node.meta[QUANTIZED]
+        line += f" as {wire_format}; {was_wire} B/rank as {was_dtype} before"
+    return line
 
 
 @dataclass

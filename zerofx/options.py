@@ -45,6 +45,8 @@ ZERO_STAGES = (1, 2, 3)
 CHECKPOINT_POLICIES = ("auto", "full")
 ACTIVATION_TIERS = ("none", "host", "disk")
 OPTIMIZER_TIERS = ("none", "host", "disk", "auto")
+QUANTIZE_WEIGHTS = (None, "int8")
+QUANTIZE_GRADS = (None, "int8", "int4")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -95,10 +97,18 @@ class LayoutPolicy:
     initial_loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
     local_optimizer_step: bool = True
+    secondary_shard: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in ZERO_STAGES:
             raise ZeroFXError(f"option stage={self.stage!r}: choose 1, 2 or 3")
+        if not isinstance(self.secondary_shard, bool):
+            raise ZeroFXError(f"option secondary_shard={self.secondary_shard!r}: give True or False")
+        if self.secondary_shard and self.stage != 3:
+            raise ZeroFXError(
+                f"option secondary_shard=True keeps a secondary partition of stage 3's gathered parameters; "
+                f"stage {self.stage} gathers none (use stage=3, or drop secondary_shard)"
+            )
         threshold = self.persistence_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ZeroFXError(f"option persistence_threshold={threshold!r}: give a number of elements >= 0")
@@ -144,6 +154,9 @@ class CommPolicy:
     prefetch_bytes: int | str = "auto"
     keep_gathered_bytes: int = 0
     calibrate: bool = False
+    quantize_weights: str | None = None
+    quantize_grads: str | None = None
+    quantize_block: int = 256
 
     def __post_init__(self) -> None:
         _byte_count("bucket_bytes", self.bucket_bytes, auto=True)
@@ -151,6 +164,29 @@ class CommPolicy:
         _byte_count("keep_gathered_bytes", self.keep_gathered_bytes)
         if not isinstance(self.calibrate, bool):
             raise ZeroFXError(f"option calibrate={self.calibrate!r}: give True or False")
+        block = self.quantize_block
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ZeroFXError(f"option quantize_block={block!r}: give a number of elements >= 1 (e.g. 256)")
+        if self.quantize_weights == "fp8":
+            raise ZeroFXError(
+                "option quantize_weights='fp8' is not implemented: zerofx's block quantization has int8 "
+                "kernels (ATen and Triton) only, on CPU and GPU alike; use quantize_weights='int8'"
+            )
+        if self.quantize_weights not in QUANTIZE_WEIGHTS:
+            raise ZeroFXError(
+                f"option quantize_weights={self.quantize_weights!r}: choose None or 'int8'"
+                + closest(str(self.quantize_weights), QUANTIZE_WEIGHTS[1:])
+            )
+        if self.quantize_grads not in QUANTIZE_GRADS:
+            raise ZeroFXError(
+                f"option quantize_grads={self.quantize_grads!r}: choose None, 'int8' or 'int4'"
+                + closest(str(self.quantize_grads), QUANTIZE_GRADS[1:])
+            )
+        if self.quantize_grads == "int4" and block % 2:
+            raise ZeroFXError(
+                f"option quantize_block={block} with quantize_grads='int4': int4 packs two values per byte, "
+                "so a block must hold an even number of values (e.g. quantize_block=256)"
+            )
 
 
 @dataclass(frozen=True)
@@ -315,6 +351,10 @@ class Options:
             built over the model step each rank's local shards directly instead of going through
             DTensor's dispatch op by op, from their second step on (zerofx/runtime/local_step.py). Same
             arithmetic, same state dict; False keeps every step on the DTensor path.
+        secondary_shard: ZeRO++'s hpZ (a secondary partition over the shard dimension of a 2-D
+            mesh, so the backward's re-gather stays inside it). Not implemented: True is an
+            error at ``zerofx.compile`` / ``zerofx.shard`` (on a 1-D mesh, saying a 2-D mesh is
+            needed; on a 2-D mesh, that hpZ is not built); with stage 1 or 2, an error here.
         dump_dir: write every graph before and after every pass, a per-pass summary and a diff
             under this folder. Defaults to the ``ZEROFX_DUMP`` environment variable.
         disable_passes: names of pipeline passes to skip (see ``zerofx.passes.PASS_NAMES``).
@@ -344,6 +384,18 @@ class Options:
             stay alive from forward to backward to skip their re-gather (0: pure ZeRO-3).
         calibrate: measure the collective cost constants on the mesh at ``zerofx.compile``
             (a short collective on every rank, cached on disk per backend and world size).
+        quantize_weights: ``"int8"``: ZeRO++'s qwZ: stage 3's parameter all-gathers (forward and
+            backward) move int8 values with one fp32 scale per ``quantize_block`` values instead
+            of the compute dtype (a quarter of fp32's bytes, half of bf16's, plus the scales),
+            dequantized to the compute dtype after the wait (passes/quantize.py). Gradients go
+            to the full-precision shards as without it (the gathered values are what change).
+            Stage 3 only. ``"fp8"`` is refused: there is no fp8 kernel. None: off.
+        quantize_grads: ``"int8"`` or ``"int4"`` (two values per byte): ZeRO++'s qgZ: gradient
+            reductions become quantize -> all-to-all -> dequantize -> a local sum in fp32 (so
+            nothing is reduced in low precision); an all-reduce (the outer hop of a 2-D mesh, whole
+            parameters) then requantizes the sum for an all-gather. No error feedback. None: off.
+        quantize_block: values per quantization block (one fp32 scale each), 256 by default;
+            even with ``quantize_grads="int4"``.
 
         activation_budget: most bytes of activations the forward may keep resident for the
             backward, per compiled graph: a float in (0, 1] is a fraction of the unconstrained
@@ -399,6 +451,12 @@ class Options:
             object.__setattr__(self, attr, policy)
             for f in dataclasses.fields(cls):  # the policy's normalized values (dtypes, tuples)
                 object.__setattr__(self, f.name, getattr(policy, f.name))
+        if self.comm.quantize_weights is not None and self.layout.stage != 3:
+            raise ZeroFXError(
+                f"option quantize_weights={self.comm.quantize_weights!r} quantizes the parameter all-gathers of "
+                f"stage 3; stage {self.layout.stage} keeps whole parameters and gathers none in its graphs "
+                "(use stage=3, or drop quantize_weights)"
+            )
 
     def non_default_layout(self) -> list[str]:
         """The layout options (``LAYOUT_OPTIONS``) set to something other than their default."""

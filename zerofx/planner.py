@@ -743,7 +743,7 @@ def _step_time(compiled, rates, counter, link_of) -> tuple[float, float, float]:
     for gm in compiled.graphs.values():
         t = estimate_time(gm, rates, link_of)
         total, compute = total + t.total_s, compute + t.compute_s
-        for kind, nbytes, group in graph_collectives(gm):
+        for kind, nbytes, group, *_ in graph_collectives(gm):
             in_graphs[(kind, group)] = in_graphs.get((kind, group), 0) + hint(nbytes)
     eager = 0.0
     for (kind, group), nbytes in counter.by_group.items():

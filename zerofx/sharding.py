@@ -295,6 +295,22 @@ def alias_names(model: nn.Module) -> list[set[str]]:
     return [g for g in by_param.values() if len(g) > 1]
 
 
+def _refuse_secondary_shard(mesh: DeviceMesh) -> None:
+    """hpZ (``secondary_shard``) is not built: say so, and on a 1-D mesh why it could not apply."""
+    if mesh.ndim != 2:
+        raise ZeroFXError(
+            f"option secondary_shard=True needs a 2-D mesh (replicate, shard): the secondary partition is the "
+            f"shard dimension, which the backward's re-gather would stay inside; got a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)} (build it with init_device_mesh(device, (nodes, ranks_per_node)), or drop "
+            "secondary_shard)"
+        )
+    raise ZeroFXError(
+        "option secondary_shard=True (ZeRO++ hpZ) is not implemented yet: on a 2-D mesh zerofx shards over the "
+        "shard dimension and replicates across the other (hybrid sharding), so its all-gathers already stay "
+        "inside the shard dimension; drop secondary_shard"
+    )
+
+
 def _cast_inputs_hook(dtype: torch.dtype):
     def cast(t):
         return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
@@ -318,6 +334,8 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
         raise ZeroFXError("model is already sharded by zerofx; call zerofx.shard once per model")
     on_meta = _built_on_meta(model)
     mesh = resolve_mesh(model, mesh, on_meta)
+    if opts.secondary_shard:
+        _refuse_secondary_shard(mesh)
     full_precision = _full_precision_params(model, opts)
     runtime = ModelRuntime(stage=opts.stage, mesh=mesh, options=opts, local_step=opts.local_optimizer_step)
     model._zerofx = runtime

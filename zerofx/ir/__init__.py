@@ -6,6 +6,6 @@ It imports torch and the other leaf modules only (tests/test_layers.py holds it 
 pass, a code generator or the runtime can use it without dragging in the rest of zerofx.
 """
 
-from zerofx.ir import collectives, layout, markers, meta, offload_ops  # noqa: F401  (registers the ops)
+from zerofx.ir import collectives, layout, markers, meta, offload_ops, quantize  # noqa: F401  (registers the ops)
 
-__all__ = ["collectives", "layout", "markers", "meta", "offload_ops"]
+__all__ = ["collectives", "layout", "markers", "meta", "offload_ops", "quantize"]

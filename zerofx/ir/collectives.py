@@ -168,20 +168,28 @@ class CollectiveCounter(Scoped):
         self.bytes: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
         self.by_group: Counter[tuple[str, str]] = Counter()  # (kind, process group name) -> bytes
+        # (kind, what is on the wire: a dtype, or a block-quantized format such as "int8") -> bytes
+        self.by_wire: Counter[tuple[str, str]] = Counter()
+        # bytes the same collectives would have moved unquantized (passes/quantize.py)
+        self.unquantized: Counter[str] = Counter()
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
 
 
-def record_collectives(collectives: list[tuple[str, int, str]]) -> None:
-    """Add ``(kind, wire_bytes, group_name)`` triples to every active CollectiveCounter (cheap
-    when none is)."""
+def record_collectives(collectives: list[tuple]) -> None:
+    """Add ``(kind, wire_bytes, group_name[, wire, unquantized_bytes])`` to every active
+    CollectiveCounter (cheap when none is). ``wire`` says what moved (a dtype name, or a
+    quantized format: "int8", "int4"; "" when unknown), ``unquantized_bytes`` what the
+    collective would have moved unquantized (default: ``wire_bytes``)."""
     if not CollectiveCounter._scoped_entered:
         return
     with CollectiveCounter._scoped_lock:
         for counter in CollectiveCounter._scoped_entered:
-            for kind, nbytes, group in collectives:
+            for kind, nbytes, group, *more in collectives:
                 counter.bytes[kind] += nbytes
                 counter.calls[kind] += 1
                 counter.by_group[(kind, group)] += nbytes
+                counter.by_wire[(kind, more[0] if more else "")] += nbytes
+                counter.unquantized[kind] += more[1] if len(more) > 1 else nbytes

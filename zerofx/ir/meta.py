@@ -15,6 +15,7 @@ __all__ = [
     "RECOMPUTE",
     "OFFLOAD_TIER",
     "COLLECTIVE",
+    "QUANTIZED",
     "PASS",
     "KERNEL",
     "ACTIVATION_PLAN",
@@ -65,6 +66,11 @@ COLLECTIVE = MetaKey(
     "the algorithm a collective node runs when a pass lowered it onto another op "
     "(a gloo all-to-all that is a reduce-scatter); byte counts read it",
 )
+QUANTIZED = MetaKey(
+    "zerofx_quantized",
+    "on a collective that moves block-quantized bytes: (wire format, dtype and wire bytes per rank "
+    "of the collective it replaced); the dump's summary and the collective counter read it",
+)
 PASS = MetaKey("zerofx_pass", "provenance: the pass that created the node (the runner writes it)")
 KERNEL = MetaKey("zerofx_kernel", "codegen: the generated kernel a call node runs")
 ACTIVATION_PLAN = MetaKey(
@@ -81,4 +87,4 @@ BORROWED_INPUTS = MetaKey(
     on="graph",
 )
 
-KEYS = (ROLE, RECOMPUTE, OFFLOAD_TIER, COLLECTIVE, PASS, KERNEL, ACTIVATION_PLAN, BORROWED_INPUTS)
+KEYS = (ROLE, RECOMPUTE, OFFLOAD_TIER, COLLECTIVE, QUANTIZED, PASS, KERNEL, ACTIVATION_PLAN, BORROWED_INPUTS)

@@ -14,13 +14,15 @@ from torch import fx
 
 from zerofx import stress
 from zerofx.ir.collectives import COLLECTIVE_OPS, collective_group_size, collective_kind, record_collectives, wire_bytes
+from zerofx.ir.meta import QUANTIZED
 from zerofx.measure.graph_buffers import active_tracker
 
 __all__ = ["graph_collectives", "instrument"]
 
 
-def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int, str]]:
-    """``(kind, wire bytes per rank, group name)`` of every collective ``gm`` issues, in graph order."""
+def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int, str, str, int]]:
+    """``(kind, wire bytes per rank, group name, wire, unquantized bytes)`` of every collective
+    ``gm`` issues, in graph order (``record_collectives``' tuples)."""
     out = []
     for node in gm.graph.nodes:
         spec = COLLECTIVE_OPS.get(node.target)
@@ -29,7 +31,11 @@ def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int, str]]:
         val = (node if spec.sized == "out" else node.args[0]).meta["val"]
         kind = collective_kind(node)
         nbytes = wire_bytes(kind, val.numel() * val.element_size(), collective_group_size(spec, node.args))
-        out.append((kind, nbytes, node.args[spec.group_name_arg]))
+        wire, before = str(val.dtype).replace("torch.", ""), nbytes
+        if QUANTIZED in node.meta:  # passes/quantize.py: (format, dtype it replaced, bytes it replaced)
+            wire_format, _, before = node.meta[QUANTIZED]
+            wire = wire_format.split()[0]
+        out.append((kind, nbytes, node.args[spec.group_name_arg], wire, before))
     return out
 
 

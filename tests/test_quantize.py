@@ -1,0 +1,128 @@
+"""Block quantization (ZeRO++ qwZ / qgZ): the ops, their Triton kernels, the options' errors.
+
+The error bound of a value is ``absmax / qmax / 2`` of its block (round to nearest), checked
+with a relative slack of 1e-6 for the fp32 products ``x · (qmax / absmax)`` and ``q · scale``
+(each rounds once, by at most 2^-24 of the block's scale). ATen and the Triton interpreter
+must write the same bytes and the same fp32 values; bf16 outputs within one bf16 ulp (the
+interpreter truncates where ATen rounds to nearest, as in tests/test_codegen_collectives.py).
+Multi-rank behaviour (bytes on the wire, training) is in tests/test_zeropp.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerofx  # noqa: F401  (registers the zerofx:: ops)
+from zerofx.errors import ZeroFXError
+from zerofx.ir.quantize import QuantFormat
+from zerofx.options import Options
+
+ops = torch.ops.zerofx
+# (rows, values per row, block): full blocks, a partial last block, blocks wider than the row,
+# odd rows, a block that is not a power of two
+SHAPES = [(3, 1000, 256), (2, 7, 4), (1, 513, 64), (2, 1, 2), (2, 37, 6)]
+
+
+def _blocks(t: torch.Tensor, rows: int, fmt: QuantFormat) -> torch.Tensor:
+    numel = t.numel() // rows
+    padded = torch.nn.functional.pad(t.reshape(rows, numel).float(), (0, fmt.blocks(numel) * fmt.block - numel))
+    return padded.view(rows, -1, fmt.block)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows,numel,block", SHAPES)
+def test_dequantized_values_are_within_half_a_step_of_their_block(bits, rows, numel, block):
+    fmt = QuantFormat(bits, block)
+    x = torch.randn(rows * numel, generator=torch.Generator().manual_seed(numel)) * 3
+    x[: min(numel, block)] = 0  # an all-zero block: scale 0, values exact
+    packed = ops.quantize_blockwise(x, rows, block, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (rows, fmt.row_bytes(numel))
+    y = ops.dequantize_blockwise(packed, numel, block, bits, torch.float32)
+    assert y.shape == (rows, numel)
+    absmax = _blocks(x, rows, fmt).abs().amax(-1)
+    err = _blocks(y - x.view(rows, numel), rows, fmt).abs().amax(-1)
+    assert (err <= absmax / fmt.qmax / 2 * (1 + 1e-6)).all()
+    assert y.view(-1)[: min(numel, block)].eq(0).all()
+    if numel > 100:  # not vacuous: the error is a real fraction of the step
+        assert (err / (absmax / fmt.qmax / 2)).nan_to_num().max() > 0.9
+
+
+def test_packed_rows_hold_scales_then_payload():
+    fmt = QuantFormat(8, 4)
+    x = torch.tensor([1.0, -2.0, 0.5, 0.0, 127.0, 1.0])
+    packed = ops.quantize_blockwise(x, 1, 4, 8)
+    assert fmt.row_bytes(6) == packed.shape[1] == 4 * 2 + 6 + 2  # 2 scales, 6 values, aligned to 4
+    scales = packed[0, :8].view(torch.float32)
+    assert scales.tolist() == torch.tensor([2.0 / 127, 1.0]).tolist()
+    assert packed[0, 8:14].view(torch.int8).tolist() == [64, -127, 32, 0, 127, 1]  # 63.5 rounds up
+    assert packed[0, 14:].tolist() == [0, 0]
+    int4 = ops.quantize_blockwise(torch.tensor([7.0, -7.0, 1.0]), 1, 4, 4)
+    assert int4[0, 4:6].tolist() == [0x97, 0x01]  # 7 low nibble, -7 = 0x9 high; then 1 and a zero nibble
+
+
+def test_row_bytes_from_numel():
+    assert QuantFormat(8, 256).row_bytes(1024) == 1024 + 4 * 4  # a quarter of fp32, plus 4 scales
+    assert QuantFormat(4, 256).row_bytes(1024) == 512 + 4 * 4  # an eighth
+    assert QuantFormat(4, 256).row_bytes(1) == 8  # 1 byte + 1 scale, aligned
+
+
+def test_fake_implementations_match_real_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(3, 37)
+    real = ops.quantize_blockwise(x, 3, 8, 4)
+    with FakeTensorMode() as mode:
+        fake = ops.quantize_blockwise(mode.from_tensor(x), 3, 8, 4)
+        back = ops.dequantize_blockwise(fake, 37, 8, 4, torch.bfloat16)
+    assert fake.shape == real.shape and fake.dtype == real.dtype
+    assert back.shape == (3, 37) and back.dtype == torch.bfloat16
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows,numel,block", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernels_write_the_bytes_aten_writes(bits, rows, numel, block, dtype):
+    from zerofx.codegen.quantize_kernels import dequantize_triton, quantize_triton
+
+    x = (torch.randn(rows * numel, generator=torch.Generator().manual_seed(block)) * 5).to(dtype)
+    x[:3] = 0
+    packed = ops.quantize_blockwise(x, rows, block, bits)
+    assert torch.equal(quantize_triton(x, rows, block, bits), packed)
+    want = ops.dequantize_blockwise(packed, numel, block, bits, dtype)
+    got = dequantize_triton(packed, numel, block, bits, dtype)
+    if dtype is torch.float32:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=0)
+
+
+# --- options: one clear error each, naming the option ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options,names",
+    [
+        (dict(quantize_grads="int4", quantize_block=255), "quantize_block=255"),
+        (dict(quantize_weights="int8", stage=2), "quantize_weights='int8'"),
+        (dict(quantize_weights="int8", stage=1), "quantize_weights='int8'"),
+        (dict(quantize_weights="fp8"), "quantize_weights='fp8'"),
+        (dict(quantize_weights="int4"), "quantize_weights='int4'"),
+        (dict(quantize_grads="fp16"), "quantize_grads='fp16'"),
+        (dict(quantize_block=0), "quantize_block=0"),
+        (dict(secondary_shard=True, stage=2), "secondary_shard=True"),
+    ],
+)
+def test_bad_quantization_options_raise_one_error_naming_the_option(options, names):
+    with pytest.raises(ZeroFXError, match="option " + names.replace("(", r"\(")) as e:
+        Options.from_kwargs(**options)
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_int8_with_an_odd_block_is_fine_and_the_pass_can_be_disabled_by_name():
+    from zerofx.passes.pipeline import PASS_NAMES, resolve_disabled
+
+    Options.from_kwargs(quantize_weights="int8", quantize_grads="int8", quantize_block=255)
+    assert PASS_NAMES.index("quantize") == PASS_NAMES.index("transport") - 1
+    assert resolve_disabled(("quantize",)) == ("quantize",)

@@ -1,0 +1,111 @@
+"""Rank-side half of tests/test_zeropp.py: the ZeRO++ options trained on gloo ranks.
+
+Each scenario trains a model from the same seed with one set of options and returns plain data:
+the mean loss of every step, the collective bytes per phase (forward, backward) by kind, by
+mesh dimension and by what was on the wire, and the numel of each parameter's padded shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import zerofx
+from tests.models import CASES
+
+PER_RANK = 2
+
+
+def _dims(mesh) -> dict[str, str]:
+    """process group name -> the mesh dimension it spans ("outer", "inner", or "world")."""
+    if mesh.ndim == 1:
+        return {mesh.get_group(0).group_name: "world"}
+    return {mesh.get_group(0).group_name: "outer", mesh.get_group(1).group_name: "inner"}
+
+
+def train(mesh, case_name: str, options: dict, steps: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = CASES[case_name]
+    torch.manual_seed(0)
+    model = case.build()
+    shard = mesh.size(mesh.ndim - 1) if not options.get("secondary_shard") else world
+    shards = [math.ceil(p.shape[0] / shard) * math.prod(p.shape[1:]) for p in model.parameters()]
+    zerofx.compile(model, mesh, **options)
+    opt = torch.optim.AdamW(model.parameters(), lr=case.lr)
+    gen = torch.Generator().manual_seed(1234)
+    dims = _dims(mesh)
+    out = dict(losses=[], comm={}, by_dim={}, by_wire={}, unquantized={}, shards=shards)
+    for step in range(steps):
+        x, y = case.batch(PER_RANK * world, gen)
+        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        fw, bw = zerofx.CollectiveCounter(), zerofx.CollectiveCounter()
+        with fw:
+            loss = model(x[mine], y[mine])
+        with bw:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        out["losses"].append(total.item() / world)
+        if step == 0:
+            for phase, c in (("forward", fw), ("backward", bw)):
+                out["comm"][phase] = dict(c.bytes)
+                by_dim: Counter = Counter()
+                for (kind, group), nbytes in c.by_group.items():
+                    by_dim[(kind, dims.get(group, "other"))] += nbytes
+                out["by_dim"][phase] = dict(by_dim)
+                out["by_wire"][phase] = dict(c.by_wire)
+                out["unquantized"][phase] = dict(c.unquantized)
+    return out
+
+
+def _secondary_shard_error(mesh) -> str:
+    """What ``secondary_shard=True`` says on this mesh (hpZ is not built; tests/test_zeropp.py)."""
+    model = CASES["mlp"].build()
+    try:
+        zerofx.compile(model, mesh, secondary_shard=True)
+    except zerofx.ZeroFXError as e:
+        assert not zerofx.sharding.is_sharded(model)  # refused before anything changed
+        return str(e)
+    return ""
+
+
+BYTES = dict(bucket_bytes=0)  # one collective per parameter: bytes follow from each one's numel
+
+W2 = {
+    "mlp_plain": ("mlp", dict(BYTES), 2),
+    "mlp_qw8": ("mlp", dict(BYTES, quantize_weights="int8"), 2),
+    "mlp_qg4": ("mlp", dict(BYTES, quantize_grads="int4"), 2),
+    "mlp_qg8_qw8_off": (
+        "mlp",
+        dict(BYTES, quantize_grads="int8", quantize_weights="int8", disable_passes=("quantize",)),
+        2,
+    ),
+    "gpt_plain": ("gpt", {}, 4),
+    "gpt_qw8": ("gpt", dict(quantize_weights="int8"), 4),
+    "gpt_qg4": ("gpt", dict(quantize_grads="int4"), 4),
+    "gpt_all": ("gpt", dict(quantize_weights="int8", quantize_grads="int8"), 4),
+}
+
+W4 = {
+    "hybrid_plain": ("mlp", dict(BYTES), 2),
+    "hybrid_qg8": ("mlp", dict(BYTES, quantize_grads="int8"), 2),
+}
+
+
+def run(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    if world == 2:
+        mesh, scenarios = init_device_mesh("cpu", (2,)), W2
+    else:
+        mesh, scenarios = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), W4
+    results = {"secondary_shard_error": _secondary_shard_error(mesh)}
+    for name, (case, options, steps) in scenarios.items():
+        torch._dynamo.reset()
+        results[name] = train(mesh, case, options, steps)
+    return results

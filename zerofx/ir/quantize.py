@@ -1,0 +1,140 @@
+"""Block quantization for collectives (ZeRO++'s qwZ and qgZ): the wire format and its two ops.
+
+A quantized collective moves bytes instead of floats: each row of the value is cut into blocks
+of ``block`` elements, each block is scaled by its own absolute maximum (symmetric, no zero
+point) and rounded to ``bits``-bit integers. The passes (passes/quantize.py) put
+``quantize_blockwise`` before a collective and ``dequantize_blockwise`` after its wait; both are
+ordinary ops with an ATen implementation (here, the default, and what CPUs run) and a Triton
+kernel (zerofx/codegen/quantize_kernels.py, used by the "triton" executor).
+
+# NOTE: packed rows
+One collective carries payload and scales together, so a quantized gather is still one
+collective per bucket (and buckets still merge). Each row becomes ``row_bytes(numel)`` bytes::
+
+    [ fp32 scale of block 0 | ... | scale of block nb-1 ][ payload ][ 0-3 zero bytes ]
+      4·nb bytes                                          int8: numel bytes, int4: ceil(numel/2)
+
+``nb = ceil(numel / block)``. int4 packs two values per byte, element ``2i`` in the low nibble,
+``2i+1`` in the high one (two's complement nibbles); ``block`` must be even so no block shares
+a byte with the next. Rows are padded to a multiple of 4 bytes so the scales of every row of a
+gathered ``[N, row_bytes]`` buffer are aligned fp32s (a dtype view, no copy).
+
+Rounding is ``floor(x · (qmax / absmax) + 0.5)`` (qmax = 127 or 7), written the same way in
+ATen and Triton so both produce the same bytes; the value is then at most
+``absmax / qmax / 2`` (plus fp32 rounding) from the original. An all-zero block has scale 0.
+Stochastic rounding is not implemented (off, as the issue asks by default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "QUANT_BITS",
+    "QuantFormat",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "QUANTIZE",
+    "DEQUANTIZE",
+]
+
+# what each option value puts on the wire: bits per value
+QUANT_BITS = {"int8": 8, "int4": 4}
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A block-quantized wire format (NOTE: packed rows)."""
+
+    bits: int
+    block: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits={self.bits}: 8 (int8) or 4 (int4) only")
+        if self.block < 1 or (self.bits == 4 and self.block % 2):
+            raise ValueError(f"block={self.block}: give a block size >= 1 (even for int4)")
+
+    @property
+    def qmax(self) -> int:
+        return 127 if self.bits == 8 else 7
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}"
+
+    def blocks(self, numel: int) -> int:
+        return -(-numel // self.block)
+
+    def payload_bytes(self, numel: int) -> int:
+        return numel if self.bits == 8 else -(-numel // 2)
+
+    def row_bytes(self, numel: int) -> int:
+        """Bytes one quantized row of ``numel`` values takes on the wire (scales included)."""
+        raw = 4 * self.blocks(numel) + self.payload_bytes(numel)
+        return -(-raw // 4) * 4
+
+    def describe(self) -> str:
+        return f"{self.name} (blocks of {self.block}, fp32 scales)"
+
+
+def _quantize_aten(x: torch.Tensor, rows: int, fmt: QuantFormat) -> torch.Tensor:
+    numel = x.numel() // rows
+    nb, block = fmt.blocks(numel), fmt.block
+    values = x.reshape(rows, numel).float()
+    values = torch.nn.functional.pad(values, (0, nb * block - numel)).view(rows, nb, block)
+    absmax = values.abs().amax(-1)
+    scale = absmax / fmt.qmax
+    inv = torch.where(absmax > 0, fmt.qmax / absmax, torch.zeros_like(absmax))
+    q = torch.floor(values * inv.unsqueeze(-1) + 0.5).clamp_(-fmt.qmax, fmt.qmax).to(torch.int8)
+    q = q.view(rows, nb * block).view(torch.uint8)
+    if fmt.bits == 4:  # two's complement nibbles, element 2i low
+        q = (q[:, 0::2] & 0xF) | ((q[:, 1::2] & 0xF) << 4)
+    payload = q[:, : fmt.payload_bytes(numel)]
+    packed = x.new_zeros((rows, fmt.row_bytes(numel)), dtype=torch.uint8)
+    packed[:, : 4 * nb] = scale.view(torch.uint8)
+    packed[:, 4 * nb : 4 * nb + payload.shape[1]] = payload
+    return packed
+
+
+def _dequantize_aten(packed: torch.Tensor, numel: int, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
+    rows = packed.shape[0]
+    nb, block = fmt.blocks(numel), fmt.block
+    scale = packed[:, : 4 * nb].contiguous().view(torch.float32)
+    payload = packed[:, 4 * nb : 4 * nb + fmt.payload_bytes(numel)]
+    if fmt.bits == 8:
+        q = payload.view(torch.int8).float()
+    else:
+        nibbles = torch.stack((payload & 0xF, payload >> 4), dim=-1).view(rows, -1).float()
+        q = nibbles - 16 * (nibbles >= 8).float()
+    q = torch.nn.functional.pad(q, (0, nb * block - q.shape[1])).view(rows, nb, block)
+    return (q * scale.unsqueeze(-1)).view(rows, nb * block)[:, :numel].to(dtype).contiguous()
+
+
+@torch.library.custom_op("zerofx::quantize_blockwise", mutates_args=())
+def quantize_blockwise(x: torch.Tensor, rows: int, block: int, bits: int) -> torch.Tensor:
+    """``x`` read as ``rows`` equal rows, each block-quantized: uint8 ``[rows, row_bytes]``
+    (NOTE: packed rows). Each row is quantized on its own (a row is what one rank sends)."""
+    return _quantize_aten(x, rows, QuantFormat(bits, block))
+
+
+@quantize_blockwise.register_fake
+def _quantize_fake(x, rows, block, bits):
+    return x.new_empty((rows, QuantFormat(bits, block).row_bytes(x.numel() // rows)), dtype=torch.uint8)
+
+
+@torch.library.custom_op("zerofx::dequantize_blockwise", mutates_args=())
+def dequantize_blockwise(packed: torch.Tensor, numel: int, block: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[rows, numel]`` values (in ``dtype``) of ``rows`` packed rows."""
+    return _dequantize_aten(packed, numel, QuantFormat(bits, block), dtype)
+
+
+@dequantize_blockwise.register_fake
+def _dequantize_fake(packed, numel, block, bits, dtype):
+    return packed.new_empty((packed.shape[0], numel), dtype=dtype)
+
+
+QUANTIZE = torch.ops.zerofx.quantize_blockwise.default
+DEQUANTIZE = torch.ops.zerofx.dequantize_blockwise.default
