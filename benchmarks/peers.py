@@ -56,7 +56,13 @@ SIZES = {
     "medium": dict(vocab_size=1024, seq_len=128, n_layer=6, n_head=8, d_model=256),
 }
 METHODS = ("ddp", "fsdp2", "fsdp2_compile", "zerofx", "zerofx_inductor", "zerofx_tuned")
-OPTIONAL_METHODS = ("zerofx_stage2", "zerofx_stage1")  # only with --methods: ZeRO-2 / ZeRO-1 layouts
+# only with --methods: ZeRO-2 / ZeRO-1 layouts; ZeRO++ quantized all-gathers (qwZ), reductions (qgZ), both
+OPTIONAL_METHODS = ("zerofx_stage2", "zerofx_stage1", "zerofx_qwz", "zerofx_qgz", "zerofx_zeropp")
+ZEROPP = {
+    "zerofx_qwz": dict(quantize_weights="int8"),
+    "zerofx_qgz": dict(quantize_grads="int8"),
+    "zerofx_zeropp": dict(quantize_weights="int8", quantize_grads="int8"),
+}
 MEMORY_STEPS = 3
 
 
@@ -123,6 +129,8 @@ def _build(method: str, cfg, mesh):
         return zerofx.compile(model, mesh)
     if method in ("zerofx_stage2", "zerofx_stage1"):
         return zerofx.compile(model, mesh, stage=int(method[-1]))
+    if method in ZEROPP:
+        return zerofx.compile(model, mesh, **ZEROPP[method])
     if method == "zerofx_inductor":
         # Inductor's generated code (fused pointwise kernels) instead of op-by-op ATen
         return zerofx.compile(model, mesh, executor="inductor")

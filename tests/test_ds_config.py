@@ -134,6 +134,16 @@ def test_precision_stage_and_communication_keys():
     assert any("partition_activations" in w for w in ac.warnings)
 
 
+def test_zero_plus_plus_quantization_keys_map_to_the_quantize_options():
+    t = from_deepspeed(
+        {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}}
+    )
+    assert t.options == {"stage": 3, "quantize_weights": "int8", "quantize_grads": "int8"}
+    assert any("quantize_grads='int4'" in w for w in t.warnings)
+    off = from_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_weights": False}})
+    assert off.options == {"stage": 3}
+
+
 def test_auto_without_a_hidden_size_falls_back_to_zerofx_auto():
     t = from_deepspeed(HF_ZERO3)
     assert t.options["bucket_bytes"] == "auto" and t.options["prefetch_bytes"] == "auto"
@@ -180,7 +190,7 @@ def test_hidden_size_comes_from_an_hf_style_config():
         ({"bf16": {"enabled": True}}, r"stage is 0 \(or missing\)"),
         ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "fp16": {"enabled": True}}, "both true"),
         ({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, "loss_scale": 128}}, "static loss scale"),
-        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "ZeRO\\+\\+ qwZ.*not in zerofx yet"),
+        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "ZeRO\\+\\+ hpZ.*not in zerofx yet"),
         ({"zero_optimization": {"stage": 3, "reduce_bucket_size": -1}}, "number of elements"),
         ({"zero_optimization": {"stage": 3}, "gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
     ],

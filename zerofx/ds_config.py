@@ -90,6 +90,8 @@ _TOP = {
 
 _ZERO_MAPPED = {
     "stage",
+    "zero_quantized_weights",
+    "zero_quantized_gradients",
     "offload_optimizer",
     "offload_param",
     "stage3_param_persistence_threshold",
@@ -118,8 +120,6 @@ _ZERO_NO_EFFECT = {
 }
 # not in zerofx (yet): an error when switched on
 _ZERO_UNSUPPORTED = {
-    "zero_quantized_weights": "quantized weight all-gathers (ZeRO++ qwZ)",
-    "zero_quantized_gradients": "quantized gradient reduction (ZeRO++ qgZ)",
     "zero_quantized_nontrainable_weights": "quantized frozen weights (ZeRO++)",
     "zero_hpz_partition_size": "hierarchical partitioning (ZeRO++ hpZ)",
     "mics_shard_size": "MiCS sub-group sharding",
@@ -297,6 +297,14 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
     for key, what in _ZERO_UNSUPPORTED.items():
         if zero.get(key):
             raise ZeroFXError(f"DeepSpeed config: zero_optimization.{key}={zero[key]!r}: {what} is not in zerofx yet")
+    if zero.get("zero_quantized_weights"):  # ZeRO++ qwZ: int8 blocks, as DeepSpeed's default
+        opts["quantize_weights"] = "int8"
+    if zero.get("zero_quantized_gradients"):  # ZeRO++ qgZ
+        opts["quantize_grads"] = "int8"
+        notes.append(
+            "zero_quantized_gradients: zerofx sends int8 gradient blocks on every hop "
+            "(quantize_grads='int8'); pass quantize_grads='int4' for half the bytes"
+        )
     for key, default in _ZERO_BUILT_IN.items():
         if zero.get(key, default) != default:
             notes.append(

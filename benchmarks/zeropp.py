@@ -1,0 +1,187 @@
+"""ZeRO++ convergence: does training with quantized / hierarchical collectives follow the plain run?
+
+    python benchmarks/zeropp.py --steps 200 --json zeropp.json --plot zeropp.png [--model hf-llama]
+
+Every configuration trains the same model from the same seed on the same data: a fixed corpus of
+random-token sequences (``--corpus`` of them, drawn once from a seeded generator), cycled in the
+same order, so the loss falls as the model memorizes it; random tokens have nothing else to learn,
+which makes the curve a clean view of what the optimizer does with the gradients it gets. Four gloo
+ranks as a 2x2 (replicate, shard) mesh, AdamW, fp32; each rank its slice of every global batch.
+
+Per configuration it records the mean loss over ranks at every step and the collective bytes of
+one step by what was on the wire, and reports, against the unquantized run of the same launch:
+the final loss (mean of the last 10 steps) and the largest relative gap at every 20th step.
+The issue's bar: final loss within 1%, every 20th step within 2%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._launch import launch_local, markdown_table, write_json  # noqa: E402
+
+CONFIGS = {
+    "plain": {},
+    "qwZ int8": {"quantize_weights": "int8"},
+    "qgZ int8": {"quantize_grads": "int8"},
+    "qgZ int4": {"quantize_grads": "int4"},
+    "hpZ": {"secondary_shard": True},
+    "qwZ+qgZ+hpZ": {"quantize_weights": "int8", "quantize_grads": "int8", "secondary_shard": True},
+}
+SEQ, PER_RANK, WORLD = 64, 2, 4
+
+
+def build(model_name: str):
+    if model_name == "gpt":
+        from zerofx.models import GPT, GPTConfig
+
+        return GPT(GPTConfig(vocab_size=512, seq_len=SEQ, n_layer=4, n_head=4, d_model=128))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg)
+
+
+def _loss(model, model_name: str, tokens: torch.Tensor) -> torch.Tensor:
+    if model_name == "gpt":
+        return model(tokens[:, :-1], tokens[:, 1:])
+    return model(input_ids=tokens[:, :SEQ], labels=tokens[:, :SEQ]).loss
+
+
+def train_rank(model_name: str, configs: dict, steps: int, corpus_size: int, lr: float) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import zerofx
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        corpus = torch.randint(0, 512, (corpus_size, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        out = {}
+        for name, options in configs.items():
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = zerofx.compile(build(model_name), mesh, **options)
+            opt = torch.optim.AdamW(model.parameters(), lr=lr)
+            losses, wire = [], {}
+            for step in range(steps):
+                rows = torch.arange(step * PER_RANK * world, (step + 1) * PER_RANK * world) % corpus_size
+                mine = corpus[rows[rank * PER_RANK : (rank + 1) * PER_RANK]]
+                with zerofx.CollectiveCounter() as counter:
+                    loss = _loss(model, model_name, mine)
+                    loss.backward()
+                    opt.step()
+                opt.zero_grad()
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                losses.append(total.item() / world)
+                if step == 1:
+                    wire = {f"{k[0]}:{k[1]}" if isinstance(k, tuple) else str(k): v for k, v in counter.by_wire.items()}
+            out[name] = {"losses": losses, "wire_bytes": wire}
+            del model, opt
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def compare(results: dict, every: int = 20) -> list[dict]:
+    base = results["plain"]["losses"]
+    rows = []
+    for name, r in results.items():
+        losses = r["losses"]
+        tail = min(10, len(losses))
+        final, final_base = sum(losses[-tail:]) / tail, sum(base[-tail:]) / tail
+        checkpoints = [i for i in range(every - 1, len(losses), every)]
+        gaps = [abs(losses[i] - base[i]) / base[i] for i in checkpoints]
+        rows.append(
+            {
+                "config": name,
+                "final_loss": final,
+                "final_rel": final / final_base - 1,
+                "max_rel_gap_every_20": max(gaps, default=0.0),
+                "first_loss": losses[0],
+                "wire_bytes": r["wire_bytes"],
+                "within_bar": abs(final / final_base - 1) <= 0.01 and max(gaps, default=0.0) <= 0.02,
+            }
+        )
+    return rows
+
+
+def plot(results: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, rel) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    base = results["plain"]["losses"]
+    for name, r in results.items():
+        ax.plot(r["losses"], lw=1, label=name)
+        rel.plot([100 * (a / b - 1) for a, b in zip(r["losses"], base)], lw=1, label=name)
+    ax.set_ylabel("loss (mean over ranks)")
+    ax.set_title(title)
+    ax.legend()
+    rel.set_ylabel("% vs plain")
+    rel.set_xlabel("step")
+    rel.axhline(2, color="grey", ls=":")
+    rel.axhline(-2, color="grey", ls=":")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt", choices=["gpt", "hf-llama"])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--corpus", type=int, default=64, help="sequences in the fixed random-token corpus")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None)
+    args = parser.parse_args(argv)
+    configs = {name: CONFIGS[name] for name in ["plain", *[c for c in args.configs if c != "plain"]]}
+    results = launch_local(train_rank, WORLD, args.model, configs, args.steps, args.corpus, args.lr)[0]
+    rows = compare(results)
+    print(
+        markdown_table(
+            ["config", "final loss", "vs plain", "largest gap at every 20th step", "within 1% / 2%"],
+            [
+                [
+                    r["config"],
+                    f"{r['final_loss']:.4f}",
+                    f"{100 * r['final_rel']:+.2f}%",
+                    f"{100 * r['max_rel_gap_every_20']:.2f}%",
+                    "yes" if r["within_bar"] else "NO",
+                ]
+                for r in rows
+            ],
+        )
+    )
+    write_json(args.json, [{**r, "losses": results[r["config"]]["losses"]} for r in rows])
+    if args.plot:
+        plot(results, args.plot, f"ZeRO++ options, {args.model}, 2x2 gloo mesh, {args.steps} AdamW steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
