@@ -45,3 +45,22 @@ def write_json(path: str | None, rows: list[dict]) -> None:
     if path:
         with open(path, "w") as f:
             json.dump({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, f, indent=2)
+
+
+def small_hf_llama(n_layer: int, seq: int):
+    """A small HF ``LlamaForCausalLM`` from a config (needs the ``hf`` extra): vocab 512, width 128,
+    4 heads over 2 KV heads, SDPA attention, untied embeddings; built, never downloaded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=n_layer,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._launch import launch_local, markdown_table, write_json  # noqa: E402
+from benchmarks._launch import launch_local, markdown_table, small_hf_llama, write_json  # noqa: E402
 
 BATCH, SEQ = 4, 64
 MEASURED = 10  # steps measured after two warm-up steps: the largest peak counts (when gloo's threads run varies it)
@@ -47,20 +47,7 @@ def build_gpt():
 
 
 def build_hf_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg)
+    return small_hf_llama(2, SEQ)
 
 
 MODELS = {"gpt": build_gpt, "hf-llama": build_hf_llama}

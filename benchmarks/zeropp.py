@@ -26,7 +26,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._launch import launch_local, markdown_table, write_json  # noqa: E402
+from benchmarks._launch import launch_local, markdown_table, small_hf_llama, write_json  # noqa: E402
 
 CONFIGS = {
     "plain": {},
@@ -44,20 +44,7 @@ def build(model_name: str):
         from zerofx.models import GPT, GPTConfig
 
         return GPT(GPTConfig(vocab_size=512, seq_len=SEQ, n_layer=4, n_head=4, d_model=128))
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg)
+    return small_hf_llama(4, SEQ)
 
 
 def _loss(model, model_name: str, tokens: torch.Tensor) -> torch.Tensor:
