@@ -19,6 +19,7 @@ __all__ = [
     "PASS",
     "KERNEL",
     "ACTIVATION_PLAN",
+    "SECONDARY",
     "KEYS",
 ]
 
@@ -45,7 +46,8 @@ class MetaKey(str):
 ROLE = MetaKey(
     "zerofx_role",
     "which zerofx mechanism a node belongs to: 'gather' (a parameter's gather chain, "
-    "recomputed in backward), 'kept_gather' (one selective unsharding keeps), 'reduce', "
+    "recomputed in backward), 'kept_gather' (one selective unsharding keeps), 'secondary_gather' "
+    "(hpZ: the backward's gather of secondary shards over the inner dimension), 'reduce', "
     "'offload', 'release' (a buffer the graph frees itself)",
 )
 RECOMPUTE = MetaKey(
@@ -78,4 +80,11 @@ ACTIVATION_PLAN = MetaKey(
     on="graph",
 )
 
-KEYS = (ROLE, RECOMPUTE, OFFLOAD_TIER, COLLECTIVE, QUANTIZED, PASS, KERNEL, ACTIVATION_PLAN)
+SECONDARY = MetaKey(
+    "zerofx_secondary",
+    "hpZ: on an unshard marker whose backward re-gather reads a secondary shard instead, "
+    "(id, inner group size, inner group name, first row, rows) of this rank's secondary shard; "
+    "the partitioner copies it onto the forward's marker and the backward's recomputed one",
+)
+
+KEYS = (ROLE, RECOMPUTE, OFFLOAD_TIER, COLLECTIVE, QUANTIZED, PASS, KERNEL, ACTIVATION_PLAN, SECONDARY)
