@@ -45,6 +45,7 @@ from torch import fx
 from torch._inductor.fx_passes.bucketing import merge_all_gather_bucket, merge_reduce_scatter_bucket
 
 from zerofx.ir.collectives import ALL_GATHER, REDUCE_SCATTER
+from zerofx.ir.meta import ROLE
 from zerofx.passes.contract import Pass, PassContext
 from zerofx.passes.cost_model import tensor_bytes
 from zerofx.passes.graph import first_user, hoist_before, positions, wait_of
@@ -139,7 +140,13 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue
         order = positions(gm.graph)
         anchor = min((first_user(wait_of(m)) for m in members), key=order.__getitem__)
-        merge_all_gather_bucket(gm.graph, members, "default", insert_before=first, wait_insertion_point=anchor)
+        roles = {m.meta.get(ROLE) for m in members}
+        new_nodes, _ = merge_all_gather_bucket(
+            gm.graph, members, "default", insert_before=first, wait_insertion_point=anchor
+        )
+        if roles == {"secondary_gather"}:  # hpZ's inner re-gathers stay exact (passes/quantize.py skips them)
+            for node in new_nodes:
+                node.meta[ROLE] = "secondary_gather"
         merged["all_gather"] += len(members)
     for members in choose_buckets(gm, REDUCE_SCATTER, cap, by_block=by_block, ceiling=ceiling):
         order = positions(gm.graph)
@@ -156,4 +163,4 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-PASS = Pass("bucket", bucket_pass, kinds=("forward", "backward", "inference"), reads=(), writes=())
+PASS = Pass("bucket", bucket_pass, kinds=("forward", "backward", "inference"), reads=(ROLE,), writes=(ROLE,))

@@ -60,22 +60,24 @@ def _replace(gm: fx.GraphModule, marker: fx.Node, value: fx.Node) -> None:
 
 
 def _lower_unshard(gm: fx.GraphModule, marker: fx.Node) -> None:
-    shard, group_size, group_name, full_rows, compute_dtype, _ = full_args(marker)
+    shard, group_size, group_name, full_rows, compute_dtype = full_args(marker)[:5]
     rows = padded_rows(full_rows, group_size)
     shard_rows = shard.meta["val"].shape[0]
+    # hpZ's backward re-gather of a secondary shard (passes/secondary.py) keeps its own role
+    role = "secondary_gather" if marker.meta.get(ROLE) == "secondary_gather" else "gather"
     with gm.graph.inserting_before(marker):
         src = shard
         if compute_dtype is not None and compute_dtype != shard.meta["val"].dtype:
-            src = insert_call(gm, CONVERT, (src, compute_dtype), role="gather")
+            src = insert_call(gm, CONVERT, (src, compute_dtype), role=role)
         if shard_rows < rows:
             pad = [0, 0] * (shard.meta["val"].dim() - 1) + [0, rows - shard_rows]
-            src = insert_call(gm, aten.constant_pad_nd.default, (src, pad), role="gather")
-        gathered = insert_call(gm, ALL_GATHER, (src, group_size, group_name), role="gather")
+            src = insert_call(gm, aten.constant_pad_nd.default, (src, pad), role=role)
+        gathered = insert_call(gm, ALL_GATHER, (src, group_size, group_name), role=role)
     with gm.graph.inserting_before(first_user(marker)):
-        waited = insert_call(gm, WAIT, (gathered,), role="gather")
+        waited = insert_call(gm, WAIT, (gathered,), role=role)
         full = waited
         if rows * group_size != full_rows:
-            full = insert_call(gm, aten.slice.Tensor, (waited, 0, 0, full_rows), role="gather")
+            full = insert_call(gm, aten.slice.Tensor, (waited, 0, 0, full_rows), role=role)
     marker.replace_all_uses_with(full)
     gm.graph.erase_node(marker)
 
@@ -110,4 +112,4 @@ def gather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-PASS = Pass("gather", gather_pass, kinds=("forward", "backward", "inference"), reads=(), writes=(ROLE,))
+PASS = Pass("gather", gather_pass, kinds=("forward", "backward", "inference"), reads=(ROLE,), writes=(ROLE,))

@@ -27,7 +27,18 @@ from torch import fx
 from zerofx.errors import ZeroFXError
 from zerofx.ir.meta import PASS as PROVENANCE
 from zerofx.options import closest
-from zerofx.passes import bucket, checkpoint, gather, offload, quantize, reduce, regather, schedule, transport
+from zerofx.passes import (
+    bucket,
+    checkpoint,
+    gather,
+    offload,
+    quantize,
+    reduce,
+    regather,
+    schedule,
+    secondary,
+    transport,
+)
 from zerofx.passes.contract import GRAPH_KINDS, Pass, PassContext
 from zerofx.passes.graph import copy_graph
 
@@ -45,7 +56,7 @@ __all__ = [
 # The order passes run in. Joint passes come first (the partitioner then splits the joint graph),
 # quantize then rewrites the collectives bucket merged and schedule placed, where they are, and
 # transport comes last: it rewrites collectives every earlier pass placed, moved or merged.
-_MODULES = (regather, checkpoint, gather, reduce, bucket, schedule, offload, quantize, transport)
+_MODULES = (regather, secondary, checkpoint, gather, reduce, bucket, schedule, offload, quantize, transport)
 
 # Old pass names still accepted in disable_passes, with a DeprecationWarning.
 RENAMED = {"free": "regather"}

@@ -246,7 +246,9 @@ def quantize_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     tallies = {"all-gathers": _Tally(), "gradient reductions": _Tally()}
     for node in list(gm.graph.nodes):
-        if node.target in (ALL_GATHER, ALL_GATHER_OUT) and weights is not None and node.meta.get(ROLE) != "reduce":
+        # hpZ's inner re-gather stays exact (passes/secondary.py): the backward reads the forward's weights
+        gathers_weights = node.meta.get(ROLE) not in ("reduce", "secondary_gather")
+        if node.target in (ALL_GATHER, ALL_GATHER_OUT) and weights is not None and gathers_weights:
             _gather(gm, node, weights, tallies["all-gathers"])
         elif node.target is REDUCE_SCATTER and grads is not None:
             _reduce_scatter(gm, node, grads, tallies["gradient reductions"])

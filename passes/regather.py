@@ -47,7 +47,7 @@ def gather_chain(graph: fx.Graph) -> list[fx.Node]:
     return chain
 
 
-def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     """Nodes of the joint graph that depend on a tangent: the backward half."""
     seen: set[fx.Node] = set()
     for node in graph.nodes:
@@ -58,7 +58,7 @@ def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return seen
 
 
-def _chain_of(marker: fx.Node) -> list[fx.Node]:
+def chain_of(marker: fx.Node) -> list[fx.Node]:
     chain, stack = [], [marker]
     while stack:
         n = stack.pop()
@@ -77,10 +77,10 @@ def choose_kept(graph: fx.Graph, budget: int, cost: CostModel) -> list[fx.Node]:
     """
     if budget <= 0:
         return []
-    backward = _backward_nodes(graph)
+    backward = backward_nodes(graph)
     candidates = []
     for marker in (n for n in graph.nodes if n.target is UNSHARD and n not in backward):
-        if any(u in backward for n in _chain_of(marker) for u in n.users):
+        if any(u in backward for n in chain_of(marker) for u in n.users):
             nbytes = tensor_bytes(marker.meta["val"])
             group_size = marker.args[1]
             saved_s = cost.comm.time(wire_bytes("all_gather", nbytes, group_size))
@@ -97,7 +97,7 @@ def regather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Make the backward re-gather parameters instead of saving the gathered ones."""
     budget = ctx.options.comm.keep_gathered_bytes
     kept = choose_kept(gm.graph, budget, ctx.cost)
-    kept_nodes = {n for marker in kept for n in _chain_of(marker)}
+    kept_nodes = {n for marker in kept for n in chain_of(marker)}
     chain = gather_chain(gm.graph)
     for node in chain:
         keep = node in kept_nodes

@@ -20,11 +20,13 @@ from tests.models import CASES
 PER_RANK = 2
 
 
-def _dims(mesh) -> dict[str, str]:
-    """process group name -> the mesh dimension it spans ("outer", "inner", or "world")."""
+def _dims(mesh, model) -> dict[str, str]:
+    """process group name -> the mesh dimension it spans ("outer", "inner", or "world": every
+    rank, as hpZ's primary partition over the flattened 2-D mesh)."""
+    dims = {p.device_mesh.get_group(0).group_name: "world" for p in model.parameters() if p.device_mesh.ndim == 1}
     if mesh.ndim == 1:
         return {mesh.get_group(0).group_name: "world"}
-    return {mesh.get_group(0).group_name: "outer", mesh.get_group(1).group_name: "inner"}
+    return {**dims, mesh.get_group(0).group_name: "outer", mesh.get_group(1).group_name: "inner"}
 
 
 def train(mesh, case_name: str, options: dict, steps: int) -> dict:
@@ -37,8 +39,8 @@ def train(mesh, case_name: str, options: dict, steps: int) -> dict:
     zerofx.compile(model, mesh, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=case.lr)
     gen = torch.Generator().manual_seed(1234)
-    dims = _dims(mesh)
-    out = dict(losses=[], comm={}, by_dim={}, by_wire={}, unquantized={}, shards=shards)
+    dims = _dims(mesh, model)
+    out = dict(losses=[], comm={}, by_dim={}, by_wire={}, unquantized={}, shards=shards, params=[])
     for step in range(steps):
         x, y = case.batch(PER_RANK * world, gen)
         mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -61,14 +63,16 @@ def train(mesh, case_name: str, options: dict, steps: int) -> dict:
                 out["by_dim"][phase] = dict(by_dim)
                 out["by_wire"][phase] = dict(c.by_wire)
                 out["unquantized"][phase] = dict(c.unquantized)
+    out["params"] = [p.detach().full_tensor().tolist() for p in model.parameters()]
+    out["secondary_bytes"] = sum(zerofx.sharding.runtime_of(model).compiled.secondary_bytes.values())
     return out
 
 
-def _secondary_shard_error(mesh) -> str:
-    """What ``secondary_shard=True`` says on this mesh (hpZ is not built; tests/test_zeropp.py)."""
+def _secondary_shard_error(mesh, **options) -> str:
+    """What ``secondary_shard=True`` (with ``options``) says on this mesh, "" when it is accepted."""
     model = CASES["mlp"].build()
     try:
-        zerofx.compile(model, mesh, secondary_shard=True)
+        zerofx.compile(model, mesh, secondary_shard=True, **options)
     except zerofx.ZeroFXError as e:
         assert not zerofx.sharding.is_sharded(model)  # refused before anything changed
         return str(e)
@@ -95,7 +99,15 @@ W2 = {
 W4 = {
     "hybrid_plain": ("mlp", dict(BYTES), 2),
     "hybrid_qg8": ("mlp", dict(BYTES, quantize_grads="int8"), 2),
+    # hpZ against plain ZeRO-3 over the same 4 ranks (the 2x2 mesh flattened: FLAT)
+    "flat_mlp": ("mlp", dict(BYTES), 3),
+    "hpz_mlp": ("mlp", dict(BYTES, secondary_shard=True), 3),
+    "hpz_mlp_off": ("mlp", dict(BYTES, secondary_shard=True, disable_passes=("secondary",)), 3),
+    "flat_gpt": ("gpt", {}, 3),
+    "hpz_gpt": ("gpt", dict(secondary_shard=True), 3),
+    "hpz_gpt_all": ("gpt", dict(secondary_shard=True, quantize_weights="int8", quantize_grads="int4"), 3),
 }
+FLAT = ("flat_mlp", "flat_gpt")
 
 
 def run(rank: int, world: int) -> dict:
@@ -104,8 +116,10 @@ def run(rank: int, world: int) -> dict:
         mesh, scenarios = init_device_mesh("cpu", (2,)), W2
     else:
         mesh, scenarios = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), W4
-    results = {"secondary_shard_error": _secondary_shard_error(mesh)}
+    # a 1-D mesh has no inner dimension; on the 2x2 mesh, stages 1 and 2 gather nothing to keep
+    results = {"secondary_shard_error": _secondary_shard_error(mesh, **({} if world == 2 else {"stage": 2}))}
     for name, (case, options, steps) in scenarios.items():
         torch._dynamo.reset()
-        results[name] = train(mesh, case, options, steps)
+        on = zerofx.sharding._flat_mesh(mesh) if name in FLAT else mesh
+        results[name] = train(on, case, options, steps)
     return results

@@ -6,7 +6,8 @@ One call of the backend per dynamo frame (a model with a graph break produces tw
       -> AOTAutograd traces the joint forward+backward graph     (markers from zerofx.ir.markers inside)
       -> passes on the "joint" graph (regather: what the backward must recompute; checkpoint:
                                      what it gets saved, recomputed or reloaded, under the budget)
-      -> min-cut partitioner         -> forward graph, backward graph; invariants checked:
+      -> min-cut partitioner         -> forward graph, backward graph (hpZ's secondary shards moved
+                                        across: passes/secondary.py split_secondary); invariants checked:
                                         no gathered parameter is saved for backward, and the
                                         partition saves what the checkpoint plan decided
       -> passes on the "forward" / "backward" / "inference" graphs  (gather, reduce: lower markers)
@@ -55,6 +56,7 @@ from zerofx.passes.cost_model import (
 )
 from zerofx.passes.pipeline import PassContext, resolve_disabled, run_pipeline
 from zerofx.passes.regather import check_no_gathered_saved
+from zerofx.passes.secondary import split_secondary
 from zerofx.runtime.offload_store import resolve_offload_dir
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,8 @@ class CompileState:
     options: Options
     cost: CostModel
     memory_estimates: dict[tuple[str, str], MemoryEstimate] = field(default_factory=dict)
+    # hpZ: bytes of secondary shards each frame's forward saves for its backward (passes/secondary.py)
+    secondary_bytes: dict[str, int] = field(default_factory=dict)
     # the final graphs, (graph_id, kind) -> GraphModule, when asked for (zerofx.plan reads them)
     graphs: dict[tuple[str, str], fx.GraphModule] | None = None
 
@@ -145,6 +149,18 @@ class _FrameCompiler:
         if cut is None:
             cut = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         fw, bw = cut
+        # hpZ: the secondary shards cross the partition here, where no partitioner can move them
+        secondary = split_secondary(fw, bw, num_fwd_outputs)
+        if secondary:
+            self.state.secondary_bytes[self.graph_id] = sum(b for _, b in secondary)
+            if self.recorder is not None:
+                self.recorder.note(
+                    self.graph_id,
+                    "forward",
+                    f"secondary (hpZ): {len(secondary)} secondary shards saved for the backward's re-gather inside "
+                    f"the inner dimension, {self.state.secondary_bytes[self.graph_id]} B "
+                    f"({', '.join(name for name, _ in secondary)})",
+                )
         saved = saved_values(fw, num_fwd_outputs)
         self.borrowed_inputs = borrowed_inputs(fw, saved)
         activation_bytes = saved_activation_bytes(fw, num_fwd_outputs)
@@ -165,8 +181,13 @@ class _FrameCompiler:
                 f"of backward above its saved inputs {format_bytes(predicted_bw.peak_bytes)} "
                 f"(before the passes)",
             )
-        if plan is not None:
-            resident = self._check_plan(plan, saved, activation_bytes)
+        if plan is not None:  # the plan never saw hpZ's secondary shards: compared without them
+            extra = {name for name, _ in secondary}
+            resident = self._check_plan(
+                plan,
+                [n for n in saved if n.name not in extra],
+                activation_bytes - self.state.secondary_bytes.get(self.graph_id, 0),
+            )
             if self.recorder is not None:
                 self.recorder.plans[self.graph_id] = {**plan, "partitioned_resident_bytes": resident}
         if self.options.verify and "regather" not in self.options.disable_passes:

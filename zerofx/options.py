@@ -351,10 +351,13 @@ class Options:
             built over the model step each rank's local shards directly instead of going through
             DTensor's dispatch op by op, from their second step on (zerofx/runtime/local_step.py). Same
             arithmetic, same state dict; False keeps every step on the DTensor path.
-        secondary_shard: ZeRO++'s hpZ (a secondary partition over the shard dimension of a 2-D
-            mesh, so the backward's re-gather stays inside it). Not implemented: True is an
-            error at ``zerofx.compile`` / ``zerofx.shard`` (on a 1-D mesh, saying a 2-D mesh is
-            needed; on a 2-D mesh, that hpZ is not built); with stage 1 or 2, an error here.
+        secondary_shard: ZeRO++'s hpZ, on a 2-D mesh ``(replicate, shard)`` read as (nodes,
+            ranks per node): parameters are sharded over every rank (ZeRO-3 over the flattened
+            mesh), each rank keeps its inner-dimension rows of every gathered parameter from
+            forward to backward (1/size(shard) of it, in the compute dtype), and the backward
+            re-gathers them inside the inner dimension: no backward all-gather crosses the outer
+            one (zerofx/sharding.py NOTE: hpZ, passes/secondary.py). A 1-D mesh is an error at
+            ``zerofx.compile`` / ``zerofx.shard``; stage 1 or 2, an error here.
         dump_dir: write every graph before and after every pass, a per-pass summary and a diff
             under this folder. Defaults to the ``ZEROFX_DUMP`` environment variable.
         disable_passes: names of pipeline passes to skip (see ``zerofx.passes.PASS_NAMES``).

@@ -9,6 +9,8 @@ After ``shard(model, mesh, **options)``:
   norm, and ``state_dict()`` is ready for ``torch.distributed.checkpoint``;
 * on a 2-D mesh ``(replicate, shard)`` (hybrid sharding) placements are
   ``(Replicate(), Shard(0))``: sharded within the inner dimension, replicated across the outer;
+  with ``secondary_shard=True`` (ZeRO++ hpZ) ``Shard(0)`` over the mesh flattened to 1-D, and the
+  backward re-gathers within the inner dimension (NOTE: hpZ);
 * reading ``module.weight`` inside ``forward`` returns the *full* weight through the stage's
   marker ops (``zerofx.runtime.params`` NOTE: markers per stage). The module's class is swapped for a
   subclass whose parameter names are properties, so parameter names, ``state_dict`` keys and
@@ -176,6 +178,10 @@ def _make_state(
     runtime: ModelRuntime,
     full_precision: bool = False,
 ) -> ParamState:
+    secondary = None
+    if opts.secondary_shard:  # hpZ: the primary partition spans the whole mesh (NOTE: hpZ)
+        secondary = _group(mesh, 1)
+        mesh = _flat_mesh(mesh)
     hybrid = mesh.ndim == 2
     shard_group = _group(mesh, 1 if hybrid else 0)
     replicate_group = _group(mesh, 0) if hybrid and mesh.size(0) > 1 else None
@@ -222,6 +228,7 @@ def _make_state(
         reduce_dtype=None if reduce == (compute or master) else reduce,
         full=full,
         sink=sink,
+        secondary_group=None if whole else secondary,
     )
     track(state)
     return state
@@ -295,20 +302,37 @@ def alias_names(model: nn.Module) -> list[set[str]]:
     return [g for g in by_param.values() if len(g) > 1]
 
 
-def _refuse_secondary_shard(mesh: DeviceMesh) -> None:
-    """hpZ (``secondary_shard``) is not built: say so, and on a 1-D mesh why it could not apply."""
+# NOTE: hpZ
+# ZeRO++'s hierarchical partitioning (``Options.secondary_shard``) is built on the 2-D mesh
+# zerofx already has, ``(replicate, shard)`` read as (nodes, ranks per node), rather than on a
+# 1-D world with a group size: the inner dimension's process group is exactly the secondary
+# group (made once, by the mesh), a 2-D mesh is how users already say which ranks share a node,
+# and the planner and the collective counter already split bytes by mesh dimension.
+# With it, the primary partition is plain ZeRO-3 over every rank of the mesh: each parameter is
+# a ``Shard(0)`` DTensor on the mesh flattened to 1-D (optimizer state, gradients and the
+# gradient reduce-scatter are those of ZeRO-3 over the world), not replicated across the outer
+# dimension as hybrid sharding is. The forward all-gathers over the whole mesh; the secondary
+# pass (passes/secondary.py) keeps this rank's rows of the gathered value, as if sharded over the
+# inner dimension only (``zerofx.ir.layout``'s chunking over its size), from forward to backward,
+# and the backward all-gathers those over the inner dimension: its re-gather never crosses the
+# outer one. The price: ``1/size(shard)`` of every re-gathered parameter (compute dtype) held
+# between forward and backward, which the memory estimates count as saved activations.
+_FLAT_MESHES: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}  # id(mesh) -> (mesh, flattened)
+
+
+def _flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` flattened to 1-D, made once per mesh (flattening makes a process group, collectively);
+    a mesh that is not 2-D is an error naming ``secondary_shard``."""
     if mesh.ndim != 2:
         raise ZeroFXError(
             f"option secondary_shard=True needs a 2-D mesh (replicate, shard): the secondary partition is the "
-            f"shard dimension, which the backward's re-gather would stay inside; got a {mesh.ndim}-D mesh "
+            f"shard dimension, which the backward's re-gather stays inside; got a {mesh.ndim}-D mesh "
             f"{tuple(mesh.shape)} (build it with init_device_mesh(device, (nodes, ranks_per_node)), or drop "
             "secondary_shard)"
         )
-    raise ZeroFXError(
-        "option secondary_shard=True (ZeRO++ hpZ) is not implemented yet: on a 2-D mesh zerofx shards over the "
-        "shard dimension and replicates across the other (hybrid sharding), so its all-gathers already stay "
-        "inside the shard dimension; drop secondary_shard"
-    )
+    if id(mesh) not in _FLAT_MESHES:  # the mesh itself is kept too, so its id is never reused
+        _FLAT_MESHES[id(mesh)] = (mesh, mesh._flatten())
+    return _FLAT_MESHES[id(mesh)][1]
 
 
 def _cast_inputs_hook(dtype: torch.dtype):
@@ -335,7 +359,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     on_meta = _built_on_meta(model)
     mesh = resolve_mesh(model, mesh, on_meta)
     if opts.secondary_shard:
-        _refuse_secondary_shard(mesh)
+        _flat_mesh(mesh)  # a 1-D mesh is an error here, before anything changes
     full_precision = _full_precision_params(model, opts)
     runtime = ModelRuntime(stage=opts.stage, mesh=mesh, options=opts, local_step=opts.local_optimizer_step)
     model._zerofx = runtime

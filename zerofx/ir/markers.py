@@ -74,8 +74,15 @@ def unshard(
     full_rows: int,
     compute_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
+    secondary_size: int = 0,
+    secondary_name: str = "",
 ) -> torch.Tensor:
-    """The full parameter gathered from every rank's dim-0 shard (cast to ``compute_dtype`` first)."""
+    """The full parameter gathered from every rank's dim-0 shard (cast to ``compute_dtype`` first).
+
+    ``secondary_size`` / ``secondary_name`` (hpZ, ``Options.secondary_shard``): the group (the
+    inner dimension of a 2-D mesh) whose partition of the result this rank keeps for the
+    backward's re-gather (passes/secondary.py). Eagerly nothing is kept: a backward outside the
+    compiled graphs gathers over ``group_name`` again, as without hpZ."""
     rows = padded_rows(full_rows, group_size)
     padded = pad_rows(_cast(shard, compute_dtype), rows).contiguous()
     gathered = all_gather(padded, group_size, group_name)
@@ -85,7 +92,9 @@ def unshard(
 
 
 @unshard.register_fake
-def _unshard_fake(shard, group_size, group_name, full_rows, compute_dtype=None, reduce_dtype=None):
+def _unshard_fake(
+    shard, group_size, group_name, full_rows, compute_dtype=None, reduce_dtype=None, secondary_size=0, secondary_name=""
+):
     return shard.new_empty((full_rows, *shard.shape[1:]), dtype=compute_dtype or shard.dtype)
 
 
@@ -114,12 +123,12 @@ def _reduce_grad_fake(grad, group_size, group_name, shard_rows, reduce_dtype=Non
 
 
 def _unshard_setup_context(ctx, inputs, output):
-    shard, group_size, group_name, _, _, reduce_dtype = inputs
+    shard, group_size, group_name, _, _, reduce_dtype = inputs[:6]
     ctx.layout = (group_size, group_name, shard.shape[0], reduce_dtype, shard.dtype)
 
 
 def _unshard_backward(ctx, grad):
-    return torch.ops.zerofx.reduce_grad(grad, *ctx.layout), None, None, None, None, None
+    return torch.ops.zerofx.reduce_grad(grad, *ctx.layout), None, None, None, None, None, None, None
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

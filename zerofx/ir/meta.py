@@ -20,6 +20,7 @@ __all__ = [
     "KERNEL",
     "ACTIVATION_PLAN",
     "BORROWED_INPUTS",
+    "SECONDARY",
     "KEYS",
 ]
 
@@ -46,7 +47,8 @@ class MetaKey(str):
 ROLE = MetaKey(
     "zerofx_role",
     "which zerofx mechanism a node belongs to: 'gather' (a parameter's gather chain, "
-    "recomputed in backward), 'kept_gather' (one selective unsharding keeps), 'reduce', "
+    "recomputed in backward), 'kept_gather' (one selective unsharding keeps), 'secondary_gather' "
+    "(hpZ: the backward's gather of secondary shards over the inner dimension), 'reduce', "
     "'offload', 'release' (a buffer the graph frees itself)",
 )
 RECOMPUTE = MetaKey(
@@ -87,4 +89,22 @@ BORROWED_INPUTS = MetaKey(
     on="graph",
 )
 
-KEYS = (ROLE, RECOMPUTE, OFFLOAD_TIER, COLLECTIVE, QUANTIZED, PASS, KERNEL, ACTIVATION_PLAN, BORROWED_INPUTS)
+SECONDARY = MetaKey(
+    "zerofx_secondary",
+    "hpZ: on an unshard marker whose backward re-gather reads a secondary shard instead, "
+    "(id, inner group size, inner group name, first row, rows) of this rank's secondary shard; "
+    "the partitioner copies it onto the forward's marker and the backward's recomputed one",
+)
+
+KEYS = (
+    ROLE,
+    RECOMPUTE,
+    OFFLOAD_TIER,
+    COLLECTIVE,
+    QUANTIZED,
+    PASS,
+    KERNEL,
+    ACTIVATION_PLAN,
+    BORROWED_INPUTS,
+    SECONDARY,
+)

@@ -17,6 +17,8 @@ One pipeline, one set of markers (``zerofx.ir.markers``); a stage is a choice of
     small param   sync_grad(x)             (stage 3, below persistence_threshold) whole; all-reduce
     no_sync       local_grad(value, sink)  any stage: accumulate whole, reduce at the boundary
     2-D mesh      sync_grad(shard, replicate group) wraps the shard: all-reduce across replicas
+    hpZ (2-D)     unshard(shard, ..., inner group): sharded over the whole mesh, the marker names
+                  the inner dimension for the backward's re-gather (zerofx/sharding.py, NOTE: hpZ)
 
 In every stage the optimizer's parameters are the same ``Shard(0)`` DTensors, so optimizer
 state is 1/N and ``state_dict()`` is the same in every stage (a checkpoint from one stage
@@ -77,6 +79,8 @@ class ParamState:
     reduce_dtype: torch.dtype | None = None
     full: torch.Tensor | None = None  # stages 1 and 2: whole copy in the compute dtype
     sink: torch.Tensor | None = None  # full-shape stride-0 leaf; .grad holds pending local gradients
+    # hpZ (secondary_shard): the inner mesh dimension whose secondary shard the backward re-gathers
+    secondary_group: GroupInfo | None = None
 
     @property
     def shard_rows(self) -> int:
@@ -114,6 +118,9 @@ class ParamState:
             return ops.sync_grad(local, sg.size, sg.name, cdt, rdt)
         if self.full is not None:
             return ops.read_full(local, self.full, sg.size, sg.name, rdt)
+        if self.secondary_group is not None:  # hpZ: passes/secondary.py reads the inner group
+            sec = self.secondary_group
+            return ops.unshard(local, sg.size, sg.name, self.full_rows, cdt, rdt, sec.size, sec.name)
         return ops.unshard(local, sg.size, sg.name, self.full_rows, cdt, rdt)
 
     def reduce_local(self, pending: torch.Tensor) -> torch.Tensor:
