@@ -190,7 +190,10 @@ def test_hidden_size_comes_from_an_hf_style_config():
         ({"bf16": {"enabled": True}}, r"stage is 0 \(or missing\)"),
         ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "fp16": {"enabled": True}}, "both true"),
         ({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, "loss_scale": 128}}, "static loss scale"),
-        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "ZeRO\\+\\+ hpZ.*not in zerofx yet"),
+        (
+            {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}},
+            r"zero_hpz_partition_size=8: .*2-D mesh \(nodes, 8\) with secondary_shard=True",
+        ),
         ({"zero_optimization": {"stage": 3, "reduce_bucket_size": -1}}, "number of elements"),
         ({"zero_optimization": {"stage": 3}, "gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
     ],

@@ -121,11 +121,10 @@ _ZERO_NO_EFFECT = {
 # not in zerofx (yet): an error when switched on
 _ZERO_UNSUPPORTED = {
     "zero_quantized_nontrainable_weights": "quantized frozen weights (ZeRO++)",
-    "zero_hpz_partition_size": "hierarchical partitioning (ZeRO++ hpZ)",
     "mics_shard_size": "MiCS sub-group sharding",
     "mics_hierarchical_params_gather": "MiCS hierarchical gathers",
 }
-_ZERO = _ZERO_MAPPED | set(_ZERO_BUILT_IN) | _ZERO_NO_EFFECT | set(_ZERO_UNSUPPORTED)
+_ZERO = _ZERO_MAPPED | set(_ZERO_BUILT_IN) | _ZERO_NO_EFFECT | set(_ZERO_UNSUPPORTED) | {"zero_hpz_partition_size"}
 _OFFLOAD_KEYS = {
     "device",
     "nvme_path",
@@ -294,6 +293,13 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
             "parallelism (use torch DDP); zerofx runs ZeRO stages 1, 2 and 3"
         )
     opts["stage"] = stage
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if hpz not in (0, 1):  # hpZ's group is the mesh's inner dimension, which a config cannot give
+        raise ZeroFXError(
+            f"DeepSpeed config: zero_optimization.zero_hpz_partition_size={hpz!r}: zerofx's hpZ takes its "
+            f"group from the mesh: compile on a 2-D mesh (nodes, {hpz}) with secondary_shard=True, and "
+            "remove the key"
+        )
     for key, what in _ZERO_UNSUPPORTED.items():
         if zero.get(key):
             raise ZeroFXError(f"DeepSpeed config: zero_optimization.{key}={zero[key]!r}: {what} is not in zerofx yet")
