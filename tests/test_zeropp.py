@@ -66,6 +66,18 @@ def test_qwz_gathers_a_quarter_of_fp32_plus_scales(runs):
         assert q["comm"]["backward"]["reduce_scatter"] == plain["comm"]["backward"]["reduce_scatter"]
 
 
+def test_qwz_halves_the_bf16_all_gathers(runs):
+    for rank in runs(2):
+        plain, q = rank["mlp_bf16"], rank["mlp_bf16_qw8"]
+        shards = q["shards"]
+        bf16, int8 = sum(2 * s for s in shards), _wire(INT8, shards, 2)  # (N-1) = 1
+        for phase in ("forward", "backward"):
+            assert plain["by_wire"][phase][("all_gather", "bfloat16")] == bf16
+            assert q["by_wire"][phase][("all_gather", "int8")] == int8
+        scales = sum(4 * INT8.blocks(s) + 3 for s in shards)
+        assert bf16 / 2 < int8 <= bf16 / 2 + scales
+
+
 def test_qgz_int4_reduces_with_over_4x_fewer_bytes_than_fp32(runs):
     for rank in runs(2):
         plain, q = rank["mlp_plain"], rank["mlp_qg4"]

@@ -90,6 +90,8 @@ W2 = {
         dict(BYTES, quantize_grads="int8", quantize_weights="int8", disable_passes=("quantize",)),
         2,
     ),
+    "mlp_bf16": ("mlp", dict(BYTES, param_dtype=torch.bfloat16), 2),
+    "mlp_bf16_qw8": ("mlp", dict(BYTES, param_dtype=torch.bfloat16, quantize_weights="int8"), 2),
     "gpt_plain": ("gpt", {}, 4),
     "gpt_qw8": ("gpt", dict(quantize_weights="int8"), 4),
     "gpt_qg4": ("gpt", dict(quantize_grads="int4"), 4),
