@@ -36,6 +36,7 @@ CONFIGS = {
     "plain": {},
     "plain, init x(1+1e-6)": {PERTURB: 1e-6},
     "qwZ int8": {"quantize_weights": "int8"},
+    "qwZ fp8": {"quantize_weights": "fp8"},
     "qgZ int8": {"quantize_grads": "int8"},
     "qgZ int4": {"quantize_grads": "int4"},
     "hpZ": {"secondary_shard": True},

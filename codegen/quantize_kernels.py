@@ -10,8 +10,8 @@ separately and pack them into one byte. On a GPU the compiler may contract ``x *
 into one FMA, which can move a value sitting exactly on a rounding tie by one step: still
 within the error bound, but not bit-identical to ATen there.
 
-``use_quantize_kernels(gm)`` points a graph's quantize/dequantize nodes at these kernels; the
-Triton code generator calls it on every graph it compiles.
+``use_quantize_kernels(gm)`` points a graph's int8/int4 quantize/dequantize nodes at these
+kernels (fp8 nodes stay on ATen); the Triton code generator calls it on every graph it compiles.
 """
 
 from __future__ import annotations
@@ -121,11 +121,17 @@ def dequantize_triton(packed: torch.Tensor, numel: int, block: int, bits: int, d
 _KERNELS = {QUANTIZE: quantize_triton, DEQUANTIZE: dequantize_triton}
 
 
+def _floating(node: fx.Node) -> bool:
+    """Whether a quantize / dequantize node moves fp8 (its ``floating`` argument)."""
+    at = 4 if node.target is QUANTIZE else 5
+    return bool(node.args[at]) if len(node.args) > at else bool(node.kwargs.get("floating", False))
+
+
 def use_quantize_kernels(gm: fx.GraphModule) -> int:
     """Point ``gm``'s quantize/dequantize nodes at the Triton kernels; returns how many."""
     count = 0
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _KERNELS:
+        if node.op == "call_function" and node.target in _KERNELS and not _floating(node):  # fp8: ATen only
             node.target = _KERNELS[node.target]
             count += 1
     if count:

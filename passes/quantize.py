@@ -58,7 +58,7 @@ from zerofx.ir.collectives import (
     wire_bytes,
 )
 from zerofx.ir.meta import COLLECTIVE, QUANTIZED, ROLE
-from zerofx.ir.quantize import DEQUANTIZE, QUANT_BITS, QUANTIZE, QuantFormat
+from zerofx.ir.quantize import DEQUANTIZE, QUANTIZE, QuantFormat, quant_format
 from zerofx.passes.contract import Pass, PassContext
 from zerofx.passes.cost_model import tensor_bytes
 from zerofx.passes.graph import CONVERT, insert_call
@@ -96,7 +96,7 @@ def _waits(collective: fx.Node) -> list[fx.Node] | None:
 
 def _quantize(gm: fx.GraphModule, x: fx.Node, rows: int, fmt: QuantFormat, role: str, tally: _Tally) -> fx.Node:
     """Insert ``quantize_blockwise(x)`` flattened to ``[rows · L]`` bytes (at the insertion point)."""
-    q = insert_call(gm, QUANTIZE, (x, rows, fmt.block, fmt.bits), role=role)
+    q = insert_call(gm, QUANTIZE, (x, rows, fmt.block, fmt.bits, fmt.floating), role=role)
     tally.compute.append(q)
     return insert_call(gm, aten.view.default, (q, [q.meta["val"].numel()]), role=role)
 
@@ -106,7 +106,7 @@ def _dequantize(
 ) -> fx.Node:
     """Insert the ``[rows, numel]`` values of ``rows`` packed rows held flat in ``flat``."""
     packed = insert_call(gm, aten.view.default, (flat, [rows, flat.meta["val"].numel() // rows]), role=role)
-    out = insert_call(gm, DEQUANTIZE, (packed, numel, fmt.block, fmt.bits, dtype), role=role)
+    out = insert_call(gm, DEQUANTIZE, (packed, numel, fmt.block, fmt.bits, dtype, fmt.floating), role=role)
     tally.compute.append(out)
     return out
 
@@ -240,8 +240,8 @@ def quantize_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Cut the bytes of parameter gathers (qwZ) and gradient reductions (qgZ) by moving
     block-quantized integers; every reduction still sums in fp32."""
     comm = ctx.options.comm
-    weights = QuantFormat(QUANT_BITS[comm.quantize_weights], comm.quantize_block) if comm.quantize_weights else None
-    grads = QuantFormat(QUANT_BITS[comm.quantize_grads], comm.quantize_block) if comm.quantize_grads else None
+    weights = quant_format(comm.quantize_weights, comm.quantize_block) if comm.quantize_weights else None
+    grads = quant_format(comm.quantize_grads, comm.quantize_block) if comm.quantize_grads else None
     if weights is None and grads is None:
         return gm
     tallies = {"all-gathers": _Tally(), "gradient reductions": _Tally()}

@@ -48,6 +48,27 @@ def test_dequantized_values_are_within_half_a_step_of_their_block(bits, rows, nu
         assert (err / (absmax / fmt.qmax / 2)).nan_to_num().max() > 0.9
 
 
+@pytest.mark.parametrize("rows,numel,block", SHAPES)
+def test_fp8_values_are_within_float8_rounding_of_their_block(rows, numel, block):
+    fmt = QuantFormat(8, block, floating=True)
+    x = torch.randn(rows * numel, generator=torch.Generator().manual_seed(numel)) * 3
+    packed = ops.quantize_blockwise(x, rows, block, 8, True)
+    assert packed.shape == (rows, fmt.row_bytes(numel)) == (rows, QuantFormat(8, block).row_bytes(numel))
+    y = ops.dequantize_blockwise(packed, numel, block, 8, torch.float32, True)
+    scale = _blocks(x, rows, fmt).abs().amax(-1, keepdim=True) / 448
+    # e4m3: 3 mantissa bits, so half an ulp is 2^-4 of the value; below the smallest normal
+    # (2^-6) the step is fixed at 2^-9; both in units of the block's scale
+    v = _blocks(x, rows, fmt) / scale
+    bound = torch.maximum(v.abs() * 2**-4, torch.full_like(v, 2**-10)) * scale * (1 + 1e-5)
+    err = _blocks(y - x.view(rows, numel), rows, fmt).abs()
+    assert (err <= bound).all()
+    if numel > 100:  # not vacuous, and not int8: values are floats, error relative to each value
+        assert (err / bound).nan_to_num().max() > 0.5
+        assert not torch.equal(
+            y, ops.dequantize_blockwise(ops.quantize_blockwise(x, rows, block, 8), numel, block, 8, torch.float32)
+        )
+
+
 def test_packed_rows_hold_scales_then_payload():
     fmt = QuantFormat(8, 4)
     x = torch.tensor([1.0, -2.0, 0.5, 0.0, 127.0, 1.0])
@@ -107,7 +128,7 @@ def test_triton_kernels_write_the_bytes_aten_writes(bits, rows, numel, block, dt
         (dict(quantize_grads="int4", quantize_block=255), "quantize_block=255"),
         (dict(quantize_weights="int8", stage=2), "quantize_weights='int8'"),
         (dict(quantize_weights="int8", stage=1), "quantize_weights='int8'"),
-        (dict(quantize_weights="fp8"), "quantize_weights='fp8'"),
+        (dict(quantize_weights="fp8", stage=2), "quantize_weights='fp8'"),
         (dict(quantize_weights="int4"), "quantize_weights='int4'"),
         (dict(quantize_grads="fp16"), "quantize_grads='fp16'"),
         (dict(quantize_block=0), "quantize_block=0"),

@@ -66,6 +66,16 @@ def test_qwz_gathers_a_quarter_of_fp32_plus_scales(runs):
         assert q["comm"]["backward"]["reduce_scatter"] == plain["comm"]["backward"]["reduce_scatter"]
 
 
+def test_fp8_weights_move_int8_bytes_and_train_close(runs):
+    for rank in runs(2):
+        plain, q = rank["mlp_plain"], rank["mlp_fp8"]
+        int8 = _wire(INT8, q["shards"], 2)
+        for phase in ("forward", "backward"):
+            assert q["by_wire"][phase].get(("all_gather", "fp8")) == int8
+        gaps = [abs(a - b) / b for a, b in zip(q["losses"], plain["losses"])]
+        assert max(gaps) <= 0.01 and q["losses"] != plain["losses"]
+
+
 def test_qwz_halves_the_bf16_all_gathers(runs):
     for rank in runs(2):
         plain, q = rank["mlp_bf16"], rank["mlp_bf16_qw8"]

@@ -90,6 +90,7 @@ W2 = {
         dict(BYTES, quantize_grads="int8", quantize_weights="int8", disable_passes=("quantize",)),
         2,
     ),
+    "mlp_fp8": ("mlp", dict(BYTES, quantize_weights="fp8"), 2),
     "mlp_bf16": ("mlp", dict(BYTES, param_dtype=torch.bfloat16), 2),
     "mlp_bf16_qw8": ("mlp", dict(BYTES, param_dtype=torch.bfloat16, quantize_weights="int8"), 2),
     "gpt_plain": ("gpt", {}, 4),

@@ -45,7 +45,7 @@ ZERO_STAGES = (1, 2, 3)
 CHECKPOINT_POLICIES = ("auto", "full")
 ACTIVATION_TIERS = ("none", "host", "disk")
 OPTIMIZER_TIERS = ("none", "host", "disk", "auto")
-QUANTIZE_WEIGHTS = (None, "int8")
+QUANTIZE_WEIGHTS = (None, "int8", "fp8")
 QUANTIZE_GRADS = (None, "int8", "int4")
 
 _DTYPES = {
@@ -167,14 +167,9 @@ class CommPolicy:
         block = self.quantize_block
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ZeroFXError(f"option quantize_block={block!r}: give a number of elements >= 1 (e.g. 256)")
-        if self.quantize_weights == "fp8":
-            raise ZeroFXError(
-                "option quantize_weights='fp8' is not implemented: zerofx's block quantization has int8 "
-                "kernels (ATen and Triton) only, on CPU and GPU alike; use quantize_weights='int8'"
-            )
         if self.quantize_weights not in QUANTIZE_WEIGHTS:
             raise ZeroFXError(
-                f"option quantize_weights={self.quantize_weights!r}: choose None or 'int8'"
+                f"option quantize_weights={self.quantize_weights!r}: choose None, 'int8' or 'fp8'"
                 + closest(str(self.quantize_weights), QUANTIZE_WEIGHTS[1:])
             )
         if self.quantize_grads not in QUANTIZE_GRADS:
@@ -392,7 +387,9 @@ class Options:
             of the compute dtype (a quarter of fp32's bytes, half of bf16's, plus the scales),
             dequantized to the compute dtype after the wait (passes/quantize.py). Gradients go
             to the full-precision shards as without it (the gathered values are what change).
-            Stage 3 only. ``"fp8"`` is refused: there is no fp8 kernel. None: off.
+            Stage 3 only. ``"fp8"``: the same bytes as int8, as float8 e4m3 values (relative
+            error at most 2^-4 instead of int8's absolute absmax/254; ATen only, the CPU
+            included). None: off.
         quantize_grads: ``"int8"`` or ``"int4"`` (two values per byte): ZeRO++'s qgZ: gradient
             reductions become quantize -> all-to-all -> dequantize -> a local sum in fp32 (so
             nothing is reduced in low precision); an all-reduce (the outer hop of a 2-D mesh, whole

@@ -23,6 +23,12 @@ Rounding is ``floor(x · (qmax / absmax) + 0.5)`` (qmax = 127 or 7), written the
 ATen and Triton so both produce the same bytes; the value is then at most
 ``absmax / qmax / 2`` (plus fp32 rounding) from the original. An all-zero block has scale 0.
 Stochastic rounding is not implemented (off, as the issue asks by default).
+
+fp8 (``quantize_weights="fp8"``): the same packed rows with one byte per value, each
+``x · (448 / absmax)`` cast to ``float8_e4m3fn`` (round to nearest even, torch's cast) and
+stored as its bits; the relative error is then at most 2^-4 of the value (3 mantissa bits),
+and values below the format's smallest normal lose more. ATen only: it runs wherever torch
+casts to float8, the CPU included; the "triton" executor leaves these nodes on ATen.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 
 __all__ = [
     "QUANT_BITS",
+    "quant_format",
     "QuantFormat",
     "quantize_blockwise",
     "dequantize_blockwise",
@@ -40,8 +47,8 @@ __all__ = [
     "DEQUANTIZE",
 ]
 
-# what each option value puts on the wire: bits per value
-QUANT_BITS = {"int8": 8, "int4": 4}
+# what each option value puts on the wire: bits per value, and whether the values are floats (fp8)
+QUANT_BITS = {"int8": (8, False), "int4": (4, False), "fp8": (8, True)}
 
 
 @dataclass(frozen=True)
@@ -50,20 +57,23 @@ class QuantFormat:
 
     bits: int
     block: int
+    floating: bool = False  # fp8 (e4m3) values instead of integers
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"bits={self.bits}: 8 (int8) or 4 (int4) only")
+        if self.bits not in (4, 8) or (self.floating and self.bits != 8):
+            raise ValueError(f"bits={self.bits}, floating={self.floating}: int8, int4 or fp8 only")
         if self.block < 1 or (self.bits == 4 and self.block % 2):
             raise ValueError(f"block={self.block}: give a block size >= 1 (even for int4)")
 
     @property
-    def qmax(self) -> int:
+    def qmax(self) -> float:
+        if self.floating:
+            return torch.finfo(torch.float8_e4m3fn).max  # 448
         return 127 if self.bits == 8 else 7
 
     @property
     def name(self) -> str:
-        return f"int{self.bits}"
+        return "fp8" if self.floating else f"int{self.bits}"
 
     def blocks(self, numel: int) -> int:
         return -(-numel // self.block)
@@ -80,6 +90,12 @@ class QuantFormat:
         return f"{self.name} (blocks of {self.block}, fp32 scales)"
 
 
+def quant_format(option: str, block: int) -> QuantFormat:
+    """The wire format an option value (``"int8"``, ``"int4"``, ``"fp8"``) names."""
+    bits, floating = QUANT_BITS[option]
+    return QuantFormat(bits, block, floating)
+
+
 def _quantize_aten(x: torch.Tensor, rows: int, fmt: QuantFormat) -> torch.Tensor:
     numel = x.numel() // rows
     nb, block = fmt.blocks(numel), fmt.block
@@ -88,7 +104,10 @@ def _quantize_aten(x: torch.Tensor, rows: int, fmt: QuantFormat) -> torch.Tensor
     absmax = values.abs().amax(-1)
     scale = absmax / fmt.qmax
     inv = torch.where(absmax > 0, fmt.qmax / absmax, torch.zeros_like(absmax))
-    q = torch.floor(values * inv.unsqueeze(-1) + 0.5).clamp_(-fmt.qmax, fmt.qmax).to(torch.int8)
+    if fmt.floating:
+        q = (values * inv.unsqueeze(-1)).clamp_(-fmt.qmax, fmt.qmax).to(torch.float8_e4m3fn)
+    else:
+        q = torch.floor(values * inv.unsqueeze(-1) + 0.5).clamp_(-fmt.qmax, fmt.qmax).to(torch.int8)
     q = q.view(rows, nb * block).view(torch.uint8)
     if fmt.bits == 4:  # two's complement nibbles, element 2i low
         q = (q[:, 0::2] & 0xF) | ((q[:, 1::2] & 0xF) << 4)
@@ -104,7 +123,9 @@ def _dequantize_aten(packed: torch.Tensor, numel: int, fmt: QuantFormat, dtype: 
     nb, block = fmt.blocks(numel), fmt.block
     scale = packed[:, : 4 * nb].contiguous().view(torch.float32)
     payload = packed[:, 4 * nb : 4 * nb + fmt.payload_bytes(numel)]
-    if fmt.bits == 8:
+    if fmt.floating:
+        q = payload.contiguous().view(torch.float8_e4m3fn).float()
+    elif fmt.bits == 8:
         q = payload.view(torch.int8).float()
     else:
         nibbles = torch.stack((payload & 0xF, payload >> 4), dim=-1).view(rows, -1).float()
@@ -114,25 +135,27 @@ def _dequantize_aten(packed: torch.Tensor, numel: int, fmt: QuantFormat, dtype: 
 
 
 @torch.library.custom_op("zerofx::quantize_blockwise", mutates_args=())
-def quantize_blockwise(x: torch.Tensor, rows: int, block: int, bits: int) -> torch.Tensor:
+def quantize_blockwise(x: torch.Tensor, rows: int, block: int, bits: int, floating: bool = False) -> torch.Tensor:
     """``x`` read as ``rows`` equal rows, each block-quantized: uint8 ``[rows, row_bytes]``
     (NOTE: packed rows). Each row is quantized on its own (a row is what one rank sends)."""
-    return _quantize_aten(x, rows, QuantFormat(bits, block))
+    return _quantize_aten(x, rows, QuantFormat(bits, block, floating))
 
 
 @quantize_blockwise.register_fake
-def _quantize_fake(x, rows, block, bits):
-    return x.new_empty((rows, QuantFormat(bits, block).row_bytes(x.numel() // rows)), dtype=torch.uint8)
+def _quantize_fake(x, rows, block, bits, floating=False):
+    return x.new_empty((rows, QuantFormat(bits, block, floating).row_bytes(x.numel() // rows)), dtype=torch.uint8)
 
 
 @torch.library.custom_op("zerofx::dequantize_blockwise", mutates_args=())
-def dequantize_blockwise(packed: torch.Tensor, numel: int, block: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_blockwise(
+    packed: torch.Tensor, numel: int, block: int, bits: int, dtype: torch.dtype, floating: bool = False
+) -> torch.Tensor:
     """The ``[rows, numel]`` values (in ``dtype``) of ``rows`` packed rows."""
-    return _dequantize_aten(packed, numel, QuantFormat(bits, block), dtype)
+    return _dequantize_aten(packed, numel, QuantFormat(bits, block, floating), dtype)
 
 
 @dequantize_blockwise.register_fake
-def _dequantize_fake(packed, numel, block, bits, dtype):
+def _dequantize_fake(packed, numel, block, bits, dtype, floating=False):
     return packed.new_empty((packed.shape[0], numel), dtype=dtype)
 
 
