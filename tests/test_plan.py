@@ -65,6 +65,32 @@ def test_hybrid_mesh_counts_bytes_per_mesh_dimension():
     assert p.comm_bytes_per_step["all_reduce"]["replicate"] > 0  # gradients averaged across replicas
 
 
+def test_zero_plus_plus_options_plan_their_bytes_per_mesh_dimension():
+    plain = zerofx.plan(build, (2, 2), batch=2, seq=32, device="cpu")
+    hpz = zerofx.plan(build, (2, 2), batch=2, seq=32, device="cpu", secondary_shard=True)
+    q = zerofx.plan(
+        build,
+        (2, 2),
+        batch=2,
+        seq=32,
+        device="cpu",
+        secondary_shard=True,
+        quantize_weights="int8",
+        quantize_grads="int4",
+    )
+    # hpZ: ZeRO-3 over all 4 ranks; the forward gathers over the whole mesh, the backward inside "shard"
+    assert hpz.per_rank.model_state_bytes == 16 * _rank0_numel(4)
+    assert set(hpz.comm_bytes_per_step["all_gather"]) == {"all", "shard"}
+    assert "all_reduce" not in hpz.comm_bytes_per_step and "all_reduce" in plain.comm_bytes_per_step
+    # the secondary shards are saved for the backward: more activation bytes than without hpZ
+    assert hpz.per_rank.activation_bytes > plain.per_rank.activation_bytes
+    # quantized: int8 gathers about a quarter of fp32's (plus scales), int4 reduces under an eighth + scales
+    ag, q_ag = hpz.comm_bytes_per_step["all_gather"]["all"], q.comm_bytes_per_step["all_gather"]["all"]
+    assert ag / 4 < q_ag < ag / 4 * 1.1
+    rs, q_rs = hpz.comm_bytes_per_step["reduce_scatter"]["all"], q.comm_bytes_per_step["reduce_scatter"]["all"]
+    assert q_rs < rs / 4
+
+
 def test_solved_max_batch_is_the_boundary_of_replanned_peaks():
     memory = 24 * 2**20
     p = zerofx.plan(build, (2,), batch=2, seq=32, device="cpu", device_memory=memory)

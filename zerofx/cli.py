@@ -155,6 +155,11 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="comma-separated module patterns to recompute in the backward, e.g. 'blocks.*' (per-block checkpoints)",
     )
     plan.add_argument("--offload-optimizer", choices=("none", "host", "disk"), default=None)
+    plan.add_argument("--quantize-weights", choices=("int8", "fp8"), default=None, help="ZeRO++ qwZ")
+    plan.add_argument("--quantize-grads", choices=("int8", "int4"), default=None, help="ZeRO++ qgZ")
+    plan.add_argument(
+        "--secondary-shard", action="store_true", default=None, help="ZeRO++ hpZ (a 2-D --mesh: nodes x ranks per node)"
+    )
     plan.add_argument("--device", default="h100", help="rates to price the step with: cpu, a100, h100, h200")
     plan.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GiB: solve for what fits")
     plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
@@ -197,6 +202,9 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "activation_budget": args.activation_budget,
             "offload_optimizer": args.offload_optimizer,
             "checkpoint_modules": tuple(args.checkpoint_modules.split(",")) if args.checkpoint_modules else None,
+            "quantize_weights": args.quantize_weights,
+            "quantize_grads": args.quantize_grads,
+            "secondary_shard": args.secondary_shard,
         }.items()
         if v is not None
     }

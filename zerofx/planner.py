@@ -664,19 +664,22 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     buffers = sum(local_nbytes(b) for b in model.buffers())
     opt_bytes = model_state_bytes(model, opt).optimizer
     group_dim = {mesh.get_group(i).group_name: d for i, d in enumerate(dims)}
+    # any other group spans the whole mesh (hpZ's flattened mesh: secondary_shard) and crosses nodes
+    whole_mesh = "all" if len(dims) == 2 else "shard"
     comm_bytes: dict[str, dict[str, int]] = {}
     for (kind, group), nbytes in comm.by_group.items():
-        dim = group_dim.get(group, group)
+        dim = group_dim.get(group, whole_mesh)
         comm_bytes.setdefault(kind, {}).setdefault(dim, 0)
         comm_bytes[kind][dim] += int(hint(nbytes))
 
     links = {
         "shard": _link("intra" if mesh_shape[-1] <= req.gpus_per_node else "inter"),
         "replicate": _link("inter"),
+        "all": _link("inter"),
     }
     if device == "cpu":
-        links = {d: CommModel() for d in dims}
-    time_parts = _step_time(compiled, rates, comm, lambda group: links[group_dim.get(group, "shard")])
+        links = {d: CommModel() for d in (*dims, "all")}
+    time_parts = _step_time(compiled, rates, comm, lambda group: links[group_dim.get(group, whole_mesh)])
     params_bytes = state.params - whole
     offloaded = params_bytes + opt_bytes if options.get("offload_optimizer", "none") != "none" else 0
     opt_s = 2 * (state.params + state.grads + opt_bytes) / rates.memory_bytes_per_s

@@ -331,7 +331,10 @@ def _flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
             "secondary_shard)"
         )
     if id(mesh) not in _FLAT_MESHES:  # the mesh itself is kept too, so its id is never reused
-        _FLAT_MESHES[id(mesh)] = (mesh, mesh._flatten())
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # the mesh's rank tensor is real, also under zerofx.plan's fake mode
+            _FLAT_MESHES[id(mesh)] = (mesh, mesh._flatten())
     return _FLAT_MESHES[id(mesh)][1]
 
 
