@@ -90,8 +90,10 @@ def _lanes(fmt: QuantFormat) -> int:
     return triton.next_power_of_2(fmt.block if fmt.bits == 8 else fmt.block // 2)
 
 
-def quantize_triton(x: torch.Tensor, rows: int, block: int, bits: int) -> torch.Tensor:
-    """``zerofx::quantize_blockwise`` as one Triton launch."""
+def quantize_triton(x: torch.Tensor, rows: int, block: int, bits: int, floating: bool = False) -> torch.Tensor:
+    """``zerofx::quantize_blockwise`` (int8, int4) as one Triton launch."""
+    if floating:
+        raise NotImplementedError("fp8 block quantization has no Triton kernel: the node stays on ATen")
     fmt = QuantFormat(bits, block)
     x = x.contiguous()
     numel = x.numel() // rows
@@ -104,8 +106,12 @@ def quantize_triton(x: torch.Tensor, rows: int, block: int, bits: int) -> torch.
     return packed
 
 
-def dequantize_triton(packed: torch.Tensor, numel: int, block: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """``zerofx::dequantize_blockwise`` as one Triton launch."""
+def dequantize_triton(
+    packed: torch.Tensor, numel: int, block: int, bits: int, dtype: torch.dtype, floating: bool = False
+) -> torch.Tensor:
+    """``zerofx::dequantize_blockwise`` (int8, int4) as one Triton launch."""
+    if floating:
+        raise NotImplementedError("fp8 block dequantization has no Triton kernel: the node stays on ATen")
     fmt = QuantFormat(bits, block)
     packed = packed.contiguous()
     rows = packed.shape[0]

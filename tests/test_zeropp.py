@@ -210,3 +210,12 @@ def test_secondary_shard_bad_input_is_one_error_naming_the_option(runs):
             error = rank["secondary_shard_error"]
             assert error.startswith("option secondary_shard=True") and says in error
             assert len(error.splitlines()) == 1
+
+
+def test_the_triton_kernels_run_the_quantized_step_with_the_same_losses_as_aten():
+    for rank in run_ranks(zeropp_scenarios.executors, 2, timeout=300):
+        # the quantize kernels write the same bytes as ATen (tests/test_quantize.py); the executor's
+        # other fused kernels round differently: tests/test_codegen_training.py's bound, rel 1e-5
+        assert rank["triton"] == pytest.approx(rank["aten"], rel=1e-5)
+        calls = rank["triton_calls"]
+        assert calls.get("zerofx::quantize_blockwise", 0) > 0 and calls.get("zerofx::dequantize_blockwise", 0) > 0

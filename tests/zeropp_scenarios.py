@@ -79,6 +79,32 @@ def _secondary_shard_error(mesh, **options) -> str:
     return ""
 
 
+def executors(rank: int, world: int) -> dict:
+    """The MLP with int8 weights and int4 gradients on the "aten" and "triton" executors (Triton's
+    interpreter on CPU): the losses of 3 steps, and how often the Triton quantize kernels ran."""
+    from zerofx.codegen import quantize_kernels
+
+    calls = Counter()
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return run
+
+    quantize_kernels._KERNELS.update({op: counted(op.name(), fn) for op, fn in quantize_kernels._KERNELS.items()})
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for executor in ("aten", "triton"):
+        torch._dynamo.reset()
+        options = dict(BYTES, executor=executor, quantize_weights="int8", quantize_grads="int4")
+        out[executor] = train(mesh, "mlp", options, 3)["losses"]
+    out["triton_calls"] = dict(calls)
+    return out
+
+
 BYTES = dict(bucket_bytes=0)  # one collective per parameter: bytes follow from each one's numel
 
 W2 = {
