@@ -105,7 +105,8 @@ def _compile(
     runtime.compiled = backend.zerofx_state
     if keep_graphs:
         runtime.compiled.graphs = {}
-    model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=backend)
+    dynamic = None if opts.codegen.dynamic == "auto" else opts.codegen.dynamic  # None: torch's automatic
+    model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=backend, dynamic=dynamic)
     return model
 
 
