@@ -58,3 +58,21 @@ def test_backend_entry_point_sends_dynamic_to_torch_compile():
 
     with pytest.raises(ZeroFXError, match=r"torch.compile\(\.\.\., dynamic=True\)"):
         zerofx_backend(None, [], options={"dynamic": True})
+
+
+def test_each_compiled_model_has_its_own_recompile_limit(tmp_path):
+    """dynamo counts recompiles per code object: two models compiled in one process must not
+    share one cache, else the second model's shapes push the first into eager execution."""
+    import torch
+
+    from tests.models import MLP
+    from tests.multirank import one_rank_mesh
+    from zerofx.runtime.params import runtime_of
+
+    limit = torch._dynamo.config.recompile_limit
+    with one_rank_mesh(str(tmp_path)) as mesh:
+        models = [zerofx.compile(MLP(), mesh, dynamic=False) for _ in range(2)]
+        for rows in range(2, 2 + limit):
+            for model in models:
+                model(torch.randn(rows, 16), torch.randn(rows, 8)).backward()
+        assert [len(runtime_of(m).compiled.size_symbols) for m in models] == [limit, limit]

@@ -25,11 +25,17 @@ __all__ = ["compile", "explain", "gathered", "Gathered"]
 def _enter(fn):
     """A frame outside torch/ around ``fn``: dynamo does not start tracing in torch.nn's own
     frames, so compiling ``Module._call_impl`` directly would skip torch containers such as
-    ``nn.Sequential`` and only compile their children."""
+    ``nn.Sequential`` and only compile their children.
+
+    Each call gets its own copy of the code object: dynamo keeps its compiled graphs, and
+    counts recompiles against ``recompile_limit``, per code object, so without the copy every
+    model compiled in a process would share one cache and one limit (a second model's
+    shapes would push the first into eager execution)."""
 
     def zerofx_entry(*args, **kwargs):
         return fn(*args, **kwargs)
 
+    zerofx_entry.__code__ = zerofx_entry.__code__.replace()
     return zerofx_entry
 
 
