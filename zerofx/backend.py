@@ -270,9 +270,10 @@ def _note_symbolic_frame(frame: _FrameCompiler, symbols: tuple[str, ...]) -> Non
     if options.codegen.dynamic == "auto" and wants_plan(options.memory) and multi_rank and not _warned_plan_recompile:
         _warned_plan_recompile = True
         warnings.warn(
-            f"zerofx: recompiling with dynamic sizes ({', '.join(symbols)}) while a checkpoint plan is agreed "
-            "across ranks at compile time (a collective): every rank must recompile at this same step. If ranks "
-            "see different shapes, pass dynamic=True to zerofx.compile (every rank compiles once, at the first step).",
+            f"zerofx: compiling with dynamic sizes ({', '.join(symbols)}) under dynamic='auto' (a recompile after "
+            "a shape changed, or torch._dynamo.mark_dynamic) while a checkpoint plan is agreed across ranks at "
+            "compile time (a collective): every rank must compile at this same step. If ranks see different "
+            "shapes, pass dynamic=True to zerofx.compile (every rank compiles once, at the first step).",
             stacklevel=2,
         )
 
