@@ -1,5 +1,7 @@
 """Side-by-side training-step benchmark: zerofx against DDP, FSDP2 (eager and compiled), and a
-single process, on one model, one data stream and one world size per run.
+single process, on one model, one data stream and one world size per run; DeepSpeed's ZeRO-3
+too with ``--methods ... deepspeed`` (the optional ``deepspeed`` extra; skipped, saying so, when
+it is not importable).
 
     python benchmarks/peers.py --world-sizes 2 4 --json results.json --markdown results.md --plot results.png
 
@@ -56,8 +58,9 @@ SIZES = {
     "medium": dict(vocab_size=1024, seq_len=128, n_layer=6, n_head=8, d_model=256),
 }
 METHODS = ("ddp", "fsdp2", "fsdp2_compile", "zerofx", "zerofx_inductor", "zerofx_tuned")
-# only with --methods: ZeRO-2 / ZeRO-1 layouts; ZeRO++ quantized all-gathers (qwZ), reductions (qgZ), both
-OPTIONAL_METHODS = ("zerofx_stage2", "zerofx_stage1", "zerofx_qwz", "zerofx_qgz", "zerofx_zeropp")
+# only with --methods: ZeRO-2 / ZeRO-1 layouts; ZeRO++ quantized all-gathers (qwZ), reductions (qgZ), both;
+# DeepSpeed's ZeRO-3 (the `deepspeed` extra: pip install 'zerofx[deepspeed]'; skipped when not importable)
+OPTIONAL_METHODS = ("zerofx_stage2", "zerofx_stage1", "zerofx_qwz", "zerofx_qgz", "zerofx_zeropp", "deepspeed")
 ZEROPP = {
     "zerofx_qwz": dict(quantize_weights="int8"),
     "zerofx_qgz": dict(quantize_grads="int8"),
@@ -112,7 +115,7 @@ def _build(method: str, cfg, mesh):
 
     torch.manual_seed(0)
     model = GPT(cfg)
-    if method == "single":
+    if method in ("single", "deepspeed"):  # DeepSpeed wraps the model with its optimizer (_deepspeed)
         return model
     if method == "ddp":
         # gradients as views of the buckets: DDP's leaner setting, and it shows the buckets (which
@@ -142,10 +145,80 @@ def _build(method: str, cfg, mesh):
     raise ValueError(method)
 
 
+def _deepspeed(model, opt, batch: int):
+    """DeepSpeed ZeRO-3 over ``model`` with the same torch AdamW as every other method, on the
+    CPU accelerator (``DS_ACCELERATOR=cpu``, set by ``run``) and the gloo group this rank
+    already joined; fp32, no loss scaling, no clipping. Returns the engine, which is also the
+    "optimizer" the step calls (``engine.step()`` / ``engine.zero_grad()``).
+
+    Two defaults are changed so the row measures the same layout as the others: DeepSpeed keeps
+    parameters under 1e5 elements whole (``stage3_param_persistence_threshold``: here nearly
+    every matrix of the small GPT), set to 0 as zerofx's and FSDP2's; and its reduce bucket
+    of 5e8 elements is a 2 GB buffer on every rank, so both buckets hold one transformer block
+    (12·d_model² elements), the unit zerofx's "auto" buckets and FSDP2's wrapping use."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the initialized torch.distributed group
+    block = 12 * model.cfg.d_model**2
+    config = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "reduce_bucket_size": block,
+            "stage3_prefetch_bucket_size": block,
+        },
+        "zero_allow_untested_optimizer": True,  # torch's AdamW, as the other methods step
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine, engine
+
+
+def _is_deepspeed(model) -> bool:
+    return type(model).__name__ == "DeepSpeedEngine"
+
+
+def _backward(model, loss) -> None:
+    """``loss.backward()``; DeepSpeed's engine runs its own (its ZeRO-3 gradient epilogue)."""
+    if _is_deepspeed(model):
+        model.backward(loss)
+    else:
+        loss.backward()
+
+
+def _deepspeed_storages(engine) -> dict[int, int]:
+    """Storage address -> bytes of what DeepSpeed's ZeRO-3 keeps between steps on this rank:
+    each parameter's partition (``ds_tensor``, in its flat group buffer), the fp32 partitions
+    the optimizer steps, their gradient buffer and AdamW's state (by storage, so a view of a
+    flat buffer counts once)."""
+    zero = engine.optimizer
+    tensors = [p.ds_tensor for p in engine.module.parameters() if hasattr(p, "ds_tensor")]
+    tensors += list(getattr(zero, "fp16_partitioned_groups_flat", []) or [])
+    tensors += list(getattr(zero, "fp32_partitioned_groups_flat", []) or [])
+    if getattr(zero, "grad_partitions_flat_buffer", None) is not None:
+        tensors.append(zero.grad_partitions_flat_buffer)
+    for state in zero.optimizer.state.values():
+        tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+    storages = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+    return storages
+
+
 def _state_bytes(model, opt) -> int:
     from zerofx.measure.model_state import model_state_bytes
 
+    if _is_deepspeed(model):
+        return sum(_deepspeed_storages(model).values())
     return model_state_bytes(model, opt).total
+
+
+def _state_addresses(model, opt) -> set[int]:
+    from zerofx.measure.model_state import model_state_addresses
+
+    return set(_deepspeed_storages(model)) if _is_deepspeed(model) else model_state_addresses(model, opt)
 
 
 @dataclass
@@ -161,7 +234,7 @@ class Prepared:
 
 
 def _step(model, opt, x, y) -> None:
-    model(x, y).backward()
+    _backward(model, model(x, y))
     opt.step()
     opt.zero_grad()
 
@@ -170,11 +243,9 @@ def _held_step(model, opt, x, y) -> set[int]:
     """One step; returns the addresses of the storages its model state keeps into the next:
     parameters, optimizer state, and what gradients live in (DDP's buckets, whose gradients are
     views of them; the other methods' gradients are freed by ``zero_grad``)."""
-    from zerofx.measure.model_state import model_state_addresses
-
-    model(x, y).backward()
+    _backward(model, model(x, y))
     opt.step()
-    held = model_state_addresses(model, opt)
+    held = _state_addresses(model, opt)
     opt.zero_grad()
     return held
 
@@ -192,7 +263,6 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
     """
     import zerofx
     from zerofx.measure.allocations import AllocationTrace
-    from zerofx.measure.model_state import model_state_addresses
     from zerofx.models import GPTConfig
 
     cfg = GPTConfig(**SIZES[setup.size])
@@ -203,6 +273,8 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
     with AllocationTrace() as trace:
         model = _build(method, cfg, mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if method == "deepspeed":
+            model, opt = _deepspeed(model, opt, setup.batch)
         built = trace.mark()
         start = time.perf_counter()
         _step(model, opt, x, y)
@@ -228,11 +300,11 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
                     opt.step()
                 comm_bytes = counter.bytes
             else:
-                model(x, y).backward()
+                _backward(model, model(x, y))
                 opt.step()
             if i == 0:
                 state = _state_bytes(model, opt)
-            next_held = model_state_addresses(model, opt)
+            next_held = _state_addresses(model, opt)
             opt.zero_grad()
             spans.append((t0, trace.mark(), held))
             held = next_held
@@ -240,8 +312,8 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
     if method == "ddp":
         psi = sum(p.numel() * p.element_size() for p in model.parameters())
         comm_bytes = 2 * psi * (world - 1) // world
-    if method in ("fsdp2_compile", "single"):
-        comm_bytes = None if method == "fsdp2_compile" else 0
+    if method in ("fsdp2_compile", "single", "deepspeed"):  # DeepSpeed's collectives: its own comm layer
+        comm_bytes = 0 if method == "single" else None
     stats = {"first_s": first, "peak_bytes": peak, "state_bytes": state, "comm_bytes": comm_bytes}
     return Prepared(model, opt, batches, mine, stats, [])
 
@@ -479,7 +551,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def skip_unavailable(methods: list[str]) -> list[str]:
+    """``methods`` less ``deepspeed`` when DeepSpeed is not importable (said on stdout); with it,
+    DeepSpeed runs on its CPU accelerator (``DS_ACCELERATOR=cpu``, inherited by the ranks)."""
+    if "deepspeed" not in methods:
+        return methods
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        print("skipping method deepspeed: deepspeed is not importable (pip install 'zerofx[deepspeed]')", flush=True)
+        return [m for m in methods if m != "deepspeed"]
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return methods
+
+
 def run(args: argparse.Namespace) -> list[dict]:
+    args.methods = skip_unavailable(list(args.methods))
     rows = []
     for size in args.sizes:
         for world in args.world_sizes:

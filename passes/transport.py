@@ -13,6 +13,13 @@ the heap when two of them are in flight at once (zerofx/ir/collectives.py, NOTE:
 in flight); the ``out=`` op runs its plain all-gather, which does not. Same bytes on the wire,
 same result, and the buffer is allocated where the collective used to allocate it.
 
+# NOTE: symbolic gathers
+Parameter gathers have static shapes (parameters never get size symbols), but a graph traced
+with dynamic shapes may gather a value whose rows are a symbol (a user's own all-gather of an
+activation). Leaving that one out of place would bring back the heap corruption, so its buffer
+is sized in the graph: ``aten.sym_size.int`` of the input's symbolic dims, dim 0 times N, as
+arguments of ``aten.empty``; every size the graph runs at gets a buffer of its own shape.
+
 Second:
 
     rs = _c10d_functional.reduce_scatter_tensor(x, "avg", N, group)
@@ -57,6 +64,7 @@ semantics.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -105,12 +113,9 @@ def _gather_into_buffers(gm: fx.GraphModule, ctx: PassContext, backends: dict[st
         val = ag.meta["val"]
         if not _on_gloo(group, backends):
             continue
-        shape = list(val.shape)
-        if not all(isinstance(d, int) for d in shape):  # never for parameters; say so if it ever is
-            ctx.report(f"{ag.name}: all-gather of symbolic shape {shape} left out of place")
-            continue
         role = ag.meta.get(ROLE)
         with gm.graph.inserting_before(ag):
+            shape = _gathered_shape(gm, ag, role)
             buf = insert_call(
                 gm, aten.empty.memory_format, (shape,), {"dtype": val.dtype, "device": val.device}, role=role
             )
@@ -122,6 +127,20 @@ def _gather_into_buffers(gm: fx.GraphModule, ctx: PassContext, backends: dict[st
         lowered += 1
     if lowered:
         ctx.report(f"{lowered} all-gathers on gloo gather into graph-allocated buffers (out= form)")
+
+
+def _gathered_shape(gm: fx.GraphModule, ag: fx.Node, role: Any) -> list[Any]:
+    """The all-gather's output shape as ``aten.empty`` arguments: ints where static; a symbolic
+    size (an activation gathered under dynamic shapes) read from the input in the graph, so the
+    buffer follows every size the graph runs at (see NOTE: symbolic gathers)."""
+    inp, world = ag.args[:2]
+    shape: list[Any] = list(ag.meta["val"].shape)
+    for d, size in enumerate(shape):
+        if isinstance(size, int):
+            continue
+        size = insert_call(gm, aten.sym_size.int, (inp, d), role=role)
+        shape[d] = insert_call(gm, operator.mul, (size, world), role=role) if d == 0 else size
+    return shape
 
 
 def _lower_reduce_scatters(gm: fx.GraphModule, ctx: PassContext, backends: dict[str, str]) -> None:

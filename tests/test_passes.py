@@ -191,6 +191,26 @@ def test_transport_frees_collective_buffers_the_graph_made_after_their_last_read
     assert len(released) == 4
 
 
+def test_transport_gathers_a_symbolic_shape_into_a_buffer_sized_in_the_graph(monkeypatch):
+    """Dynamic shapes: an all-gather whose rows are a size symbol still takes gloo's out= form
+    (NOTE: symbolic gathers); its buffer's sizes are read from the input when the graph runs."""
+    from zerofx.passes import transport
+
+    monkeypatch.setattr(transport, "backend_of", lambda group: "gloo")
+    gm = make_fx(lambda x: WAIT(ALL_GATHER(x * 2, 2, "g")).sum(0), tracing_mode="symbolic")(torch.randn(5, 3))
+    gm = transport.transport_pass(gm, ctx("forward"))
+    gm.recompile()
+    assert ALL_GATHER not in ops(gm)
+    gathered = next(n for n in gm.graph.nodes if n.target is ALL_GATHER_OUT)
+    buffer = gathered.kwargs["out"]
+    assert buffer.target is aten.empty.memory_format
+    rows, cols = buffer.args[0]
+    assert rows.args[1] == 2 and rows.args[0].target is aten.sym_size.int and rows.args[0].args == (gathered.args[0], 0)
+    assert cols.target is aten.sym_size.int and cols.args == (gathered.args[0], 1)
+    assert buffer.meta["val"].shape == gathered.meta["val"].shape
+    assert str(buffer.meta["val"].shape[0]) == str(2 * gathered.args[0].meta["val"].shape[0])
+
+
 def test_free_tags_marker_and_its_views_but_not_computed_values():
     gm = trace(lambda s, x: x @ unshard(s, 2, "g", 6).t(), (3, 5), (2, 5))
     gm = regather_pass(gm, ctx("joint"))

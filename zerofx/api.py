@@ -25,11 +25,17 @@ __all__ = ["compile", "explain", "gathered", "Gathered"]
 def _enter(fn):
     """A frame outside torch/ around ``fn``: dynamo does not start tracing in torch.nn's own
     frames, so compiling ``Module._call_impl`` directly would skip torch containers such as
-    ``nn.Sequential`` and only compile their children."""
+    ``nn.Sequential`` and only compile their children.
+
+    Each call gets its own copy of the code object: dynamo keeps its compiled graphs, and
+    counts recompiles against ``recompile_limit``, per code object, so without the copy every
+    model compiled in a process would share one cache and one limit (a second model's
+    shapes would push the first into eager execution)."""
 
     def zerofx_entry(*args, **kwargs):
         return fn(*args, **kwargs)
 
+    zerofx_entry.__code__ = zerofx_entry.__code__.replace()
     return zerofx_entry
 
 
@@ -105,7 +111,8 @@ def _compile(
     runtime.compiled = backend.zerofx_state
     if keep_graphs:
         runtime.compiled.graphs = {}
-    model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=backend)
+    dynamic = None if opts.codegen.dynamic == "auto" else opts.codegen.dynamic  # None: torch's automatic
+    model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=backend, dynamic=dynamic)
     return model
 
 

@@ -43,7 +43,7 @@ from zerofx.ir.collectives import ALL_GATHER, COLLECTIVE_OPS, backend_of
 from zerofx.ir.meta import ACTIVATION_PLAN, BORROWED_INPUTS
 from zerofx.measure.instrument import instrument
 from zerofx.options import Options
-from zerofx.passes.checkpoint import format_bytes, partition_by_plan
+from zerofx.passes.checkpoint import format_bytes, partition_by_plan, wants_plan
 from zerofx.passes.cost_model import (
     CostModel,
     MemoryEstimate,
@@ -93,6 +93,9 @@ class CompileState:
     secondary_bytes: dict[str, int] = field(default_factory=dict)
     # the final graphs, (graph_id, kind) -> GraphModule, when asked for (zerofx.plan reads them)
     graphs: dict[tuple[str, str], fx.GraphModule] | None = None
+    # every frame this backend compiled, in order: graph_id -> the size symbols of its inputs
+    # (empty: static shapes); its length is how many times this compile compiled
+    size_symbols: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def frames(self) -> list[str]:
         """The graph ids of the frames with a backward, in the order they were compiled (run)."""
@@ -238,6 +241,9 @@ def make_backend(
 
     def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
         frame = _FrameCompiler(state, recorder if recorder is not None else recorder_for(options))
+        symbols = _size_symbols(example_inputs)
+        if symbols:
+            _note_symbolic_frame(frame, symbols)
         compile_with_aot = aot_autograd(
             fw_compiler=frame.forward,
             bw_compiler=frame.backward,
@@ -245,11 +251,52 @@ def make_backend(
             partition_fn=frame.partition,
             keep_inference_input_mutations=True,
         )
-        return compile_with_aot(gm, example_inputs)
+        compiled = compile_with_aot(gm, example_inputs)
+        # after it succeeded: dynamo may restart a frame's analysis and discard what it compiled
+        state.size_symbols[frame.graph_id] = symbols
+        return compiled
 
     backend.zerofx_options = options  # type: ignore[attr-defined]
     backend.zerofx_state = state  # type: ignore[attr-defined]
     return backend
+
+
+def _size_symbols(example_inputs: list[Any]) -> tuple[str, ...]:
+    """The size symbols of a frame's inputs, sorted by name (none: every shape is static)."""
+    found: set[str] = set()
+    for x in example_inputs:
+        sizes = list(x.shape) if isinstance(x, torch.Tensor) else [x]
+        for size in sizes:
+            if isinstance(size, torch.SymInt):
+                found.update(str(s) for s in size.node.expr.free_symbols)
+    return tuple(sorted(found, key=lambda name: (len(name), name)))
+
+
+_warned_plan_recompile = False
+
+
+def _note_symbolic_frame(frame: _FrameCompiler, symbols: tuple[str, ...]) -> None:
+    """Say in the dump which sizes this frame traced as symbols; and warn (once per process)
+    where a checkpoint plan will be agreed across ranks at a recompile torch's automatic dynamic
+    shapes started: that agreement is a collective at compile time, so it only matches if every
+    rank recompiles at this step (ranks seeing different shapes: use ``dynamic=True``; see
+    docs/architecture.md, Dynamic shapes)."""
+    global _warned_plan_recompile
+    import torch.distributed as dist
+
+    if frame.recorder is not None:
+        frame.recorder.note(frame.graph_id, "forward", f"dynamic sizes: {', '.join(symbols)}")
+    multi_rank = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    options = frame.options
+    if options.codegen.dynamic == "auto" and wants_plan(options.memory) and multi_rank and not _warned_plan_recompile:
+        _warned_plan_recompile = True
+        warnings.warn(
+            f"zerofx: compiling with dynamic sizes ({', '.join(symbols)}) under dynamic='auto' (a recompile after "
+            "a shape changed, or torch._dynamo.mark_dynamic) while a checkpoint plan is agreed across ranks at "
+            "compile time (a collective): every rank must compile at this same step. If ranks see different "
+            "shapes, pass dynamic=True to zerofx.compile (every rank compiles once, at the first step).",
+            stacklevel=2,
+        )
 
 
 def zerofx_backend(
@@ -266,6 +313,11 @@ def zerofx_backend(
             f"option {layout[0]} is decided when parameters are sharded, not by the backend: pass it to "
             f"zerofx.shard(model, mesh, {layout[0]}=...) before torch.compile(..., backend='zerofx'), "
             "or use zerofx.compile(model, mesh, **options)"
+        )
+    if opts.codegen.dynamic != "auto":
+        raise ZeroFXError(
+            f"option dynamic={opts.codegen.dynamic!r} decides how dynamo captures graphs, before any backend "
+            f"runs: pass it to torch.compile(..., dynamic={opts.codegen.dynamic!r}) instead"
         )
     _warn_if_unsharded(gm, example_inputs)
     return make_backend(opts)(gm, example_inputs)

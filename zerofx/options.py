@@ -8,7 +8,7 @@ documented in one place (``Options``). Code inside zerofx reads the policy of it
     CommPolicy     bucketing, prefetch, selective unsharding, calibration
     MemoryPolicy   activation budget, checkpointing, offload tiers, host memory cap
     DebugPolicy    dumps, disabled passes, invariant checks
-    CodegenPolicy  which executor runs the graphs, autotuning
+    CodegenPolicy  how graphs are captured (dynamic shapes), which executor runs them, autotuning
 
 Validation is pure (no I/O, no imports of other zerofx layers): the offload folder is checked
 where it is first used (``zerofx.runtime.offload_store.resolve_offload_dir`` at compile), and
@@ -274,12 +274,15 @@ class DebugPolicy:
 
 @dataclass(frozen=True)
 class CodegenPolicy:
-    """What runs the final graphs (see ``Options``)."""
+    """How graphs are captured and what runs them (see ``Options``)."""
 
     executor: str = "aten"
     autotune: bool = False
+    dynamic: str | bool = "auto"
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.dynamic, bool) or self.dynamic == "auto"):  # 1 and 0 are not choices
+            raise ZeroFXError(f"option dynamic={self.dynamic!r}: choose 'auto', True or False")
         if self.executor not in EXECUTORS:
             raise ZeroFXError(
                 f"option executor={self.executor!r}: choose one of {list(EXECUTORS)}"
@@ -370,6 +373,16 @@ class Options:
             See docs/codegen.md.
         autotune: with ``executor="triton"`` on a GPU, let Triton time a few block sizes per
             kernel instead of using the heuristic's choice. Ignored by the interpreter.
+        dynamic: input shapes that change between steps (a sequence length, a last short batch).
+            ``"auto"`` (default): the first step compiles for its exact shapes; when a later
+            step's shapes differ, the model is compiled once more with the sizes that changed as
+            symbols (torch's automatic dynamic shapes), and every later size reuses that graph:
+            two compiles in all. ``True``: every input size is a symbol from the first compile
+            (one compile; ranks that see different shapes still compile at the same step,
+            which ``activation_budget``'s plan agreement needs). ``False``: one compile per
+            distinct shape (the fastest graphs, each specialized; torch's recompile limit of 8
+            applies). Parameter shapes are always static. ``torch._dynamo.mark_dynamic(x, dim)``
+            on an input marks one size symbolic from the first compile under ``"auto"``.
         bucket_bytes: cap of a collective bucket in bytes (gathered size for all-gathers, input
             size for reduce-scatters); ``"auto"`` takes the cost model's bandwidth-saturating
             size as a target: buckets are whole transformer blocks (FSDP2's unit), a few small

@@ -1,0 +1,81 @@
+"""Changing sequence lengths without recompiles (docs/architecture.md, Dynamic shapes).
+
+Two gloo ranks train the test GPT over 8 sequence lengths, one per step, against the
+ShardedReference (bit for bit, every step): at most two compiles in all (the first at exact
+shapes, the second with the sequence length as a symbol that every later length reuses), at
+ZeRO-3 with the same lengths on both ranks and at ZeRO-2 with different lengths per rank; and
+``dynamic=True`` with an activation budget, one compile, ranks changing length at different
+steps. Rank side: tests/shapes_scenarios.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import zerofx
+from tests.multirank import run_ranks, scenario_results
+from tests.shapes_scenarios import LENGTHS, scenarios
+from zerofx.errors import ZeroFXError
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    return run_ranks(scenarios, 2, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["stage3", "stage2_skewed"])
+def test_eight_lengths_compile_at_most_twice_and_train_bit_for_bit(runs, name):
+    for rank, r in enumerate(scenario_results(runs, name)):
+        assert not r["failures"], f"rank {rank}: " + "\n".join(r["failures"][:10])
+        assert r["unique_graphs"] <= 2, r
+        frames = list(r["size_symbols"].values())
+        assert len(frames) == len(r["backward_frames"]) <= 2, r
+        # the first frame at exact shapes, the one every later length reuses with a symbol
+        assert frames[0] == () and len(frames[-1]) >= 1, r
+        assert r["gathers"]["out_of_place"] == 0, r["gathers"]  # gloo: NOTE: gloo all-gathers in flight
+        if name == "stage3":
+            assert r["gathers"]["out_form"] > 0, r["gathers"]  # the profiler does see them
+    assert len(LENGTHS) == 8
+
+
+def test_dynamic_true_compiles_once_with_a_plan_agreed_across_ranks(runs):
+    """The checkpoint plan is agreed by a collective at compile time: with ``dynamic=True``
+    every rank compiles once, at step 0, even though rank 1 changes length a step later."""
+    for rank, r in enumerate(scenario_results(runs, "budget_dynamic_late")):
+        assert not r["failures"], f"rank {rank}: " + "\n".join(r["failures"][:10])
+        assert r["unique_graphs"] == 1 and len(r["size_symbols"]) == 1, r
+        assert len(next(iter(r["size_symbols"].values()))) >= 1, r
+
+
+def test_dynamic_option_values():
+    assert zerofx.Options().codegen.dynamic == "auto"
+    assert zerofx.Options(dynamic=True).codegen.dynamic is True
+    assert zerofx.Options(dynamic=False).codegen.dynamic is False
+    for bad in (1, "yes", None):
+        with pytest.raises(ZeroFXError, match=r"option dynamic=.*: choose 'auto', True or False"):
+            zerofx.Options(dynamic=bad)
+
+
+def test_backend_entry_point_sends_dynamic_to_torch_compile():
+    from zerofx.backend import zerofx_backend
+
+    with pytest.raises(ZeroFXError, match=r"torch.compile\(\.\.\., dynamic=True\)"):
+        zerofx_backend(None, [], options={"dynamic": True})
+
+
+def test_each_compiled_model_has_its_own_recompile_limit(tmp_path):
+    """dynamo counts recompiles per code object: two models compiled in one process must not
+    share one cache, else the second model's shapes push the first into eager execution."""
+    import torch
+
+    from tests.models import MLP
+    from tests.multirank import one_rank_mesh
+    from zerofx.runtime.params import runtime_of
+
+    limit = torch._dynamo.config.recompile_limit
+    with one_rank_mesh(str(tmp_path)) as mesh:
+        models = [zerofx.compile(MLP(), mesh, dynamic=False) for _ in range(2)]
+        for rows in range(2, 2 + limit):
+            for model in models:
+                model(torch.randn(rows, 16), torch.randn(rows, 8)).backward()
+        assert [len(runtime_of(m).compiled.size_symbols) for m in models] == [limit, limit]
