@@ -57,6 +57,40 @@ SIZES = {
     "small": dict(vocab_size=512, seq_len=128, n_layer=4, n_head=4, d_model=128),
     "medium": dict(vocab_size=1024, seq_len=128, n_layer=6, n_head=8, d_model=256),
 }
+# the same shapes as an HF LlamaForCausalLM from a config (the hf extra): "llama-small", "llama-medium"
+SIZES.update({f"llama-{name}": shape for name, shape in list(SIZES.items())})
+
+
+class HFCausalLM(torch.nn.Module):
+    """An HF ``LlamaForCausalLM`` built from a config with the GPT's shapes (4 KV heads per 8
+    query heads, an MLP of 8/3 the width, untied embeddings, SDPA), called as the GPT is:
+    ``model(x, y)`` is the mean next-token loss; ``blocks`` are its decoder layers (what FSDP2
+    wraps one by one), ``cfg`` the GPT-style shape (DeepSpeed's bucket size reads it)."""
+
+    def __init__(self, cfg):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        super().__init__()
+        config = LlamaConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.d_model,
+            intermediate_size=8 * cfg.d_model // 3,
+            num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head,
+            num_key_value_heads=max(1, cfg.n_head // 2),
+            max_position_embeddings=cfg.seq_len,
+            tie_word_embeddings=False,
+        )
+        config._attn_implementation = "sdpa"
+        self.cfg = cfg
+        self.lm = LlamaForCausalLM(config)
+        self.blocks = self.lm.model.layers
+
+    def forward(self, x, y):
+        logits = self.lm(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
 METHODS = ("ddp", "fsdp2", "fsdp2_compile", "zerofx", "zerofx_inductor", "zerofx_tuned")
 # only with --methods: ZeRO-2 / ZeRO-1 layouts; ZeRO++ quantized all-gathers (qwZ), reductions (qgZ), both;
 # DeepSpeed's ZeRO-3 (the `deepspeed` extra: pip install 'zerofx[deepspeed]'; skipped when not importable)
@@ -109,12 +143,12 @@ class _C10dCounter(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _build(method: str, cfg, mesh):
+def _build(method: str, cfg, mesh, size: str = "small"):
     import zerofx
     from zerofx.models import GPT
 
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = HFCausalLM(cfg) if size.startswith("llama-") else GPT(cfg)
     if method in ("single", "deepspeed"):  # DeepSpeed wraps the model with its optimizer (_deepspeed)
         return model
     if method == "ddp":
@@ -271,7 +305,7 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
     x, y = batches[0][0][mine], batches[0][1][mine]
     gc.collect()
     with AllocationTrace() as trace:
-        model = _build(method, cfg, mesh)
+        model = _build(method, cfg, mesh, setup.size)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if method == "deepspeed":
             model, opt = _deepspeed(model, opt, setup.batch)
