@@ -219,3 +219,10 @@ def test_the_triton_kernels_run_the_quantized_step_with_the_same_losses_as_aten(
         assert rank["triton"] == pytest.approx(rank["aten"], rel=1e-5)
         calls = rank["triton_calls"]
         assert calls.get("zerofx::quantize_blockwise", 0) > 0 and calls.get("zerofx::dequantize_blockwise", 0) > 0
+
+
+def test_hpz_checkpoints_load_into_hpz_hybrid_and_flat_zero3(tmp_path):
+    for rank in run_ranks(zeropp_scenarios.checkpoint, 4, str(tmp_path / "ckpt"), timeout=300):
+        # the same parameters and optimizer state on every layout: the next two steps are bitwise
+        # those the saving run took (every rank's gradient is a sum of two or four in rank order)
+        assert rank["hpz"] == rank["hybrid"] == rank["flat"] == rank["saved"]

@@ -105,6 +105,50 @@ def executors(rank: int, world: int) -> dict:
     return out
 
 
+def checkpoint(rank: int, world: int, path: str) -> dict:
+    """hpZ's checkpoints are ZeRO-3's: save from a 2x2 hpZ run after one step, load into a fresh
+    model (after a step of other data, so loading must overwrite it) laid out as hpZ, as hybrid
+    sharding on the same mesh, and as ZeRO-3 on a 1-D mesh of the 4 ranks; each then takes the
+    two steps the saving run took after saving. Returns the losses of those two steps per layout."""
+    import zerofx.checkpoint
+
+    torch.set_num_threads(1)
+    case = CASES["gpt"]
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    gen = torch.Generator().manual_seed(1)
+    batches = [case.batch(PER_RANK * world, gen) for _ in range(4)]
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+
+    def build(mesh, **options):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = zerofx.compile(case.build(), mesh, **options)
+        return model, torch.optim.AdamW(model.parameters(), lr=case.lr)
+
+    def step(model, opt, batch) -> float:
+        loss = model(batch[0][mine], batch[1][mine])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    model, opt = build(mesh2, secondary_shard=True)
+    step(model, opt, batches[0])
+    zerofx.checkpoint.save(path, model, opt)
+    out = {"saved": [step(model, opt, b) for b in batches[1:3]]}
+    layouts = {
+        "hpz": (mesh2, {"secondary_shard": True}),
+        "hybrid": (mesh2, {}),
+        "flat": (init_device_mesh("cpu", (world,)), {}),
+    }
+    for name, (mesh, options) in layouts.items():
+        model, opt = build(mesh, **options)
+        step(model, opt, batches[3])
+        zerofx.checkpoint.load(path, model, opt)
+        out[name] = [step(model, opt, b) for b in batches[1:3]]
+    return out
+
+
 BYTES = dict(bucket_bytes=0)  # one collective per parameter: bytes follow from each one's numel
 
 W2 = {
