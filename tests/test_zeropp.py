@@ -224,5 +224,11 @@ def test_the_triton_kernels_run_the_quantized_step_with_the_same_losses_as_aten(
 def test_hpz_checkpoints_load_into_hpz_hybrid_and_flat_zero3(tmp_path):
     for rank in run_ranks(zeropp_scenarios.checkpoint, 4, str(tmp_path / "ckpt"), timeout=300):
         # the same parameters and optimizer state on every layout: the next two steps are bitwise
-        # those the saving run took (every rank's gradient is a sum of two or four in rank order)
-        assert rank["hpz"] == rank["hybrid"] == rank["flat"] == rank["saved"]
+        # those the saving run took where the gradient is summed as in the saving run (hpZ and
+        # flat ZeRO-3: one reduce-scatter over the 4 ranks); hybrid sums within the shard group,
+        # then across replicas, a reassociated fp32 sum: its second loss moved by 1e-7 relative
+        # at ATen's default ISA level (equal at AVX-512); a checkpoint that did not load moves it
+        # in the second digit
+        assert rank["hpz"] == rank["flat"] == rank["saved"]
+        assert rank["hybrid"][0] == rank["saved"][0]
+        assert rank["hybrid"] == pytest.approx(rank["saved"], rel=1e-5)
