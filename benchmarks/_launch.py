@@ -47,18 +47,27 @@ def write_json(path: str | None, rows: list[dict]) -> None:
             json.dump({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, f, indent=2)
 
 
-def small_hf_llama(n_layer: int, seq: int):
-    """A small HF ``LlamaForCausalLM`` from a config (needs the ``hf`` extra): vocab 512, width 128,
-    4 heads over 2 KV heads, SDPA attention, untied embeddings; built, never downloaded."""
+def small_hf_llama(
+    n_layer: int,
+    seq: int,
+    *,
+    vocab: int = 512,
+    hidden: int = 128,
+    intermediate: int = 352,
+    heads: int = 4,
+    kv_heads: int = 2,
+):
+    """A small HF ``LlamaForCausalLM`` from a config (needs the ``hf`` extra): by default vocab 512,
+    width 128, 4 heads over 2 KV heads; SDPA attention, untied embeddings; built, never downloaded."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=352,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=n_layer,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=seq,
         tie_word_embeddings=False,
     )

@@ -51,7 +51,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._launch import launch_local  # noqa: E402
+from benchmarks._launch import launch_local, small_hf_llama  # noqa: E402
 
 SIZES = {
     "small": dict(vocab_size=512, seq_len=128, n_layer=4, n_head=4, d_model=128),
@@ -68,22 +68,17 @@ class HFCausalLM(torch.nn.Module):
     wraps one by one), ``cfg`` the GPT-style shape (DeepSpeed's bucket size reads it)."""
 
     def __init__(self, cfg):
-        from transformers import LlamaConfig, LlamaForCausalLM
-
         super().__init__()
-        config = LlamaConfig(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.d_model,
-            intermediate_size=8 * cfg.d_model // 3,
-            num_hidden_layers=cfg.n_layer,
-            num_attention_heads=cfg.n_head,
-            num_key_value_heads=max(1, cfg.n_head // 2),
-            max_position_embeddings=cfg.seq_len,
-            tie_word_embeddings=False,
-        )
-        config._attn_implementation = "sdpa"
         self.cfg = cfg
-        self.lm = LlamaForCausalLM(config)
+        self.lm = small_hf_llama(
+            cfg.n_layer,
+            cfg.seq_len,
+            vocab=cfg.vocab_size,
+            hidden=cfg.d_model,
+            intermediate=8 * cfg.d_model // 3,
+            heads=cfg.n_head,
+            kv_heads=max(1, cfg.n_head // 2),
+        )
         self.blocks = self.lm.model.layers
 
     def forward(self, x, y):

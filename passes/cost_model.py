@@ -410,8 +410,9 @@ def estimate_memory(
     the graph owns are freed at their last use: with ``inputs_freed_at_last_use`` (a backward
     run with the boxed calling convention, which drops each saved tensor at its last use) all
     but those the graph module's ``BORROWED_INPUTS`` names (saved parameter shards and user
-    data: dropping them frees nothing), or those named in ``owned_inputs``. The result is relative to the live bytes
-    before the graph (owned inputs included), so the peak is what running the graph adds.
+    data: dropping them frees nothing), or those named in ``owned_inputs``. The result is
+    relative to the live bytes before the graph (owned inputs included), so the peak is what
+    running the graph adds.
     """
     timeline, out_bytes = _liveness(gm, inputs_freed_at_last_use, owned_inputs, symbolic=False)
     peak, peak_node = 0, "start"
