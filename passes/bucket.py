@@ -24,6 +24,9 @@ The block of a collective comes from the module stack dynamo records (``module_b
 quantity the decision reads (graph structure, gathered and full-gradient sizes) is the same on
 every rank even when shards are uneven, so all ranks build the same buckets without talking.
 
+Only the collectives zerofx inserted (role ``gather`` or ``reduce``) are merged: a
+tensor-parallel plan's collectives, traced from DTensor, stay as they are.
+
 Buckets are consecutive collectives of one kind, group and dtype, in graph order, so every
 rank builds the same buckets in the same order, and the values a parameter receives do not
 change (merging only moves bytes; the reductions are the same elementwise averages).
@@ -50,6 +53,10 @@ from zerofx.passes.contract import Pass, PassContext
 from zerofx.passes.cost_model import tensor_bytes
 from zerofx.passes.graph import first_user, hoist_before, positions, wait_of
 from zerofx.passes.modules import module_block
+
+# the roles of the collectives zerofx inserted (gather, reduce passes): only those are merged;
+# any other (a tensor-parallel plan's, traced from DTensor) stays as it is, where it is
+_OWN = ("gather", "secondary_gather", "reduce")
 
 
 def _key(node: fx.Node) -> tuple:
@@ -96,7 +103,11 @@ def choose_buckets(
     ``cap`` bytes. With ``by_block``, it takes whole blocks (``_units``) and closes once it has
     reached ``cap`` (so blocks smaller than the saturating size are gathered a few at a time,
     and a larger block is one bucket), never growing past ``ceiling``."""
-    nodes = [n for n in gm.graph.nodes if n.target is target and len(n.users) == 1 and wait_of(n) is not None]
+    nodes = [
+        n
+        for n in gm.graph.nodes
+        if n.target is target and n.meta.get(ROLE) in _OWN and len(n.users) == 1 and wait_of(n) is not None
+    ]
     buckets: list[list[fx.Node]] = []
     current: list[fx.Node] = []
     size = 0
@@ -144,14 +155,17 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         new_nodes, _ = merge_all_gather_bucket(
             gm.graph, members, "default", insert_before=first, wait_insertion_point=anchor
         )
-        if roles == {"secondary_gather"}:  # hpZ's inner re-gathers stay exact (passes/quantize.py skips them)
-            for node in new_nodes:
-                node.meta[ROLE] = "secondary_gather"
+        # hpZ's inner re-gathers stay exact (passes/quantize.py skips them)
+        role = "secondary_gather" if roles == {"secondary_gather"} else "gather"
+        for node in new_nodes:
+            node.meta[ROLE] = role
         merged["all_gather"] += len(members)
     for members in choose_buckets(gm, REDUCE_SCATTER, cap, by_block=by_block, ceiling=ceiling):
         order = positions(gm.graph)
         last_input = max((m.args[0] for m in members), key=order.__getitem__)
-        merge_reduce_scatter_bucket(gm.graph, members, "default", insert_before=last_input.next)
+        new_nodes, _ = merge_reduce_scatter_bucket(gm.graph, members, "default", insert_before=last_input.next)
+        for node in new_nodes:
+            node.meta[ROLE] = "reduce"
         merged["reduce_scatter"] += len(members)
     gm.graph.eliminate_dead_code()
     if any(merged.values()):

@@ -246,13 +246,15 @@ def quantize_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     tallies = {"all-gathers": _Tally(), "gradient reductions": _Tally()}
     for node in list(gm.graph.nodes):
-        # hpZ's inner re-gather stays exact (passes/secondary.py): the backward reads the forward's weights
-        gathers_weights = node.meta.get(ROLE) not in ("reduce", "secondary_gather")
-        if node.target in (ALL_GATHER, ALL_GATHER_OUT) and weights is not None and gathers_weights:
+        # only zerofx's own gathers of parameters and reductions of gradients: hpZ's inner re-gather
+        # stays exact (passes/secondary.py: the backward reads the forward's weights), and so does
+        # every collective zerofx did not insert (a tensor-parallel plan's activations)
+        role = node.meta.get(ROLE)
+        if node.target in (ALL_GATHER, ALL_GATHER_OUT) and weights is not None and role == "gather":
             _gather(gm, node, weights, tallies["all-gathers"])
-        elif node.target is REDUCE_SCATTER and grads is not None:
+        elif node.target is REDUCE_SCATTER and grads is not None and role == "reduce":
             _reduce_scatter(gm, node, grads, tallies["gradient reductions"])
-        elif node.target is ALL_REDUCE and grads is not None:
+        elif node.target is ALL_REDUCE and grads is not None and role == "reduce":
             _all_reduce(gm, node, grads, tallies["gradient reductions"])
     device = ctx.cost.device_for(gm)
     for what, t in tallies.items():

@@ -6,7 +6,9 @@
 * reduce-scatter waits move down, past compute, until the transfer is covered or the result
   is needed.
 
-Collectives never cross each other, so every rank issues them in the same order whatever
+Only the collectives zerofx inserted move (role ``gather`` / ``reduce``); any other (a
+tensor-parallel plan's, traced from DTensor) is a fixed point, like every collective, for the
+moves: collectives never cross each other, so every rank issues them in the same order whatever
 its estimates (uneven shards give ranks slightly different graphs); only the compute between
 them moves. The budget (``Options.prefetch_bytes``) bounds the growth of the graph's estimated
 peak memory (cost_model.estimate_memory) that the moves may cause; "auto" allows one largest
@@ -18,11 +20,17 @@ from __future__ import annotations
 from torch import fx
 
 from zerofx.ir.collectives import COLLECTIVE_OPS, WAIT
+from zerofx.ir.meta import ROLE
 from zerofx.passes.contract import Pass, PassContext
 from zerofx.passes.cost_model import CostModel, DeviceModel, estimate_memory, tensor_bytes
 from zerofx.passes.graph import hoist_before, positions, wait_of
 
 _GATHERS = {op for op, spec in COLLECTIVE_OPS.items() if spec.kind == "all_gather"}
+_OWN = ("gather", "secondary_gather", "reduce")  # roles of the collectives zerofx inserted
+
+
+def _own(node: fx.Node) -> bool:
+    return node.meta.get(ROLE) in _OWN
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
@@ -40,7 +48,7 @@ def resolve_budget(ctx: PassContext, gm: fx.GraphModule) -> int:
     setting = ctx.options.comm.prefetch_bytes
     if setting != "auto":
         return int(setting)
-    gathered = [tensor_bytes(n.meta["val"]) for n in gm.graph.nodes if n.target in _GATHERS]
+    gathered = [tensor_bytes(n.meta["val"]) for n in gm.graph.nodes if n.target in _GATHERS and _own(n)]
     return max(gathered, default=0)
 
 
@@ -54,7 +62,7 @@ def _compute_between(start: fx.Node, stop: fx.Node, device: DeviceModel) -> floa
 
 def _prefetch(gm: fx.GraphModule, cost: CostModel, device: DeviceModel, budget: int, base_peak: int) -> int:
     moved = 0
-    for coll in [n for n in gm.graph.nodes if n.target in _GATHERS]:
+    for coll in [n for n in gm.graph.nodes if n.target in _GATHERS and _own(n)]:
         wait = wait_of(coll)
         if wait is None:
             continue
@@ -91,7 +99,7 @@ def _prefetch(gm: fx.GraphModule, cost: CostModel, device: DeviceModel, budget: 
 
 def _defer_waits(gm: fx.GraphModule, cost: CostModel, device: DeviceModel, budget: int, base_peak: int) -> int:
     moved = 0
-    for coll in [n for n in gm.graph.nodes if n.target in COLLECTIVE_OPS and n.target not in _GATHERS]:
+    for coll in [n for n in gm.graph.nodes if n.target in COLLECTIVE_OPS and n.target not in _GATHERS and _own(n)]:
         wait = wait_of(coll)
         if wait is None:
             continue

@@ -155,15 +155,16 @@ def _lower_reduce_scatters(gm: fx.GraphModule, ctx: PassContext, backends: dict[
             continue
         rows = val.shape[0] // world
         splits = [rows] * world
+        role = rs.meta.get(ROLE)  # "reduce", or None: a tensor-parallel plan's
         with gm.graph.inserting_before(rs):
-            a2a = insert_call(gm, ALL_TO_ALL, (inp, splits, splits, group), role="reduce")
+            a2a = insert_call(gm, ALL_TO_ALL, (inp, splits, splits, group), role=role)
         a2a.meta[COLLECTIVE] = "reduce_scatter"
         for wait in waits:
             with gm.graph.inserting_after(wait):
-                landed = insert_call(gm, WAIT, (a2a,), role="reduce")
+                landed = insert_call(gm, WAIT, (a2a,), role=role)
             with gm.graph.inserting_after(landed):
-                chunks = insert_call(gm, aten.view.default, (landed, [world, rows, *val.shape[1:]]), role="reduce")
-            reduced = rank_ordered_sum(gm, chunks, world, op)
+                chunks = insert_call(gm, aten.view.default, (landed, [world, rows, *val.shape[1:]]), role=role)
+            reduced = rank_ordered_sum(gm, chunks, world, op, role)
             wait.replace_all_uses_with(reduced)
             gm.graph.erase_node(wait)
         gm.graph.erase_node(rs)
@@ -172,7 +173,7 @@ def _lower_reduce_scatters(gm: fx.GraphModule, ctx: PassContext, backends: dict[
         ctx.report(f"{lowered} reduce-scatters on gloo lowered to all-to-all + local sum")
 
 
-def rank_ordered_sum(gm: fx.GraphModule, chunks: fx.Node, world: int, op: str) -> fx.Node:
+def rank_ordered_sum(gm: fx.GraphModule, chunks: fx.Node, world: int, op: str, role: str | None = "reduce") -> fx.Node:
     """``chunks[0] + chunks[1] (+ chunks[2] ...)`` in rank order (divided by ``world`` for "avg"),
     inserted right after ``chunks`` (``[world, ...]``, one chunk per sending rank): the local
     sum of an all-to-all reduce-scatter, the same association on every rank whatever ATen's
@@ -180,15 +181,15 @@ def rank_ordered_sum(gm: fx.GraphModule, chunks: fx.Node, world: int, op: str) -
     reduced = chunks
     for i in range(world):
         with gm.graph.inserting_after(reduced):
-            part = insert_call(gm, aten.select.int, (chunks, 0, i), role="reduce")
+            part = insert_call(gm, aten.select.int, (chunks, 0, i), role=role)
         if i == 0:
             reduced = part
             continue
         with gm.graph.inserting_after(part):
-            reduced = insert_call(gm, aten.add.Tensor, (reduced, part), role="reduce")
+            reduced = insert_call(gm, aten.add.Tensor, (reduced, part), role=role)
     if op == "avg":
         with gm.graph.inserting_after(reduced):
-            reduced = insert_call(gm, aten.div.Tensor, (reduced, world), role="reduce")
+            reduced = insert_call(gm, aten.div.Tensor, (reduced, world), role=role)
     return reduced
 
 
