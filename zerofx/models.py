@@ -34,11 +34,15 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # qkv's output rows are head-major ((head, q|k|v, head_dim)), and the head count is read
+        # from the output's width: column-wise tensor parallelism (a contiguous block of qkv's
+        # rows per rank) then gives each rank whole heads, and the same code runs on its share
         b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        head_dim = c // self.n_head
+        qkv = self.qkv(x).view(b, t, -1, 3, head_dim)
+        q, k, v = (z.transpose(1, 2) for z in qkv.unbind(3))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).flatten(2))
 
 
 class Block(nn.Module):
