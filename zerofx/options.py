@@ -98,10 +98,18 @@ class LayoutPolicy:
     loss_scale_window: int = 1000
     local_optimizer_step: bool = True
     secondary_shard: bool = False
+    tp_dim: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in ZERO_STAGES:
             raise ZeroFXError(f"option stage={self.stage!r}: choose 1, 2 or 3")
+        if self.tp_dim is not None and (not isinstance(self.tp_dim, str) or not self.tp_dim):
+            raise ZeroFXError(f"option tp_dim={self.tp_dim!r}: give the name of the mesh's tensor-parallel dimension")
+        if self.tp_dim is not None and self.secondary_shard:
+            raise ZeroFXError(
+                "option secondary_shard=True (hpZ) reads a 2-D data-parallel mesh (nodes, ranks per node); with "
+                f"tp_dim={self.tp_dim!r} the mesh's other dimensions are data-parallel: drop one of the two"
+            )
         if not isinstance(self.secondary_shard, bool):
             raise ZeroFXError(f"option secondary_shard={self.secondary_shard!r}: give True or False")
         if self.secondary_shard and self.stage != 3:
@@ -356,6 +364,11 @@ class Options:
             re-gathers them inside the inner dimension: no backward all-gather crosses the outer
             one (zerofx/sharding.py NOTE: hpZ, passes/secondary.py). A 1-D mesh is an error at
             ``zerofx.compile`` / ``zerofx.shard``; stage 1 or 2, an error here.
+        tp_dim: the name of the tensor-parallel dimension of ``mesh`` when the model was
+            parallelized on it (``parallelize_module(model, mesh[tp_dim], plan)``): zerofx then
+            shards over the mesh's other dimension. Not needed when ``mesh`` is the
+            data-parallel submesh itself (``zerofx.compile(model, mesh["dp"])``): the TP mesh is
+            read from the parameters (zerofx/sharding.py NOTE: ZeRO with tensor parallelism).
         dump_dir: write every graph before and after every pass, a per-pass summary and a diff
             under this folder. Defaults to the ``ZEROFX_DUMP`` environment variable.
         disable_passes: names of pipeline passes to skip (see ``zerofx.passes.PASS_NAMES``).

@@ -46,7 +46,7 @@ from zerofx.ir.layout import local_rows, row_offset
 from zerofx.options import Options
 from zerofx.runtime.local_step import install as install_local_step
 from zerofx.runtime.loss_scaling import make_loss_scaler
-from zerofx.runtime.params import GroupInfo, ModelRuntime, ParamState, runtime_of, track
+from zerofx.runtime.params import GroupInfo, ModelRuntime, ParamState, TensorParallel, runtime_of, track
 
 log = logging.getLogger(__name__)
 
@@ -177,11 +177,16 @@ def _make_state(
     opts: Options,
     runtime: ModelRuntime,
     full_precision: bool = False,
+    tp_mesh: DeviceMesh | None = None,
 ) -> ParamState:
     secondary = None
     if opts.secondary_shard:  # hpZ: the primary partition spans the whole mesh (NOTE: hpZ)
         secondary = _group(mesh, 1)
         mesh = _flat_mesh(mesh)
+    tp = None  # NOTE: ZeRO with tensor parallelism
+    if isinstance(param, DTensor):
+        tp = TensorParallel(tp_mesh, tuple(param.placements), param.shape, param.stride())
+        param = param.to_local()
     hybrid = mesh.ndim == 2
     shard_group = _group(mesh, 1 if hybrid else 0)
     replicate_group = _group(mesh, 0) if hybrid and mesh.size(0) > 1 else None
@@ -196,6 +201,10 @@ def _make_state(
         dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
     else:
         dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=0)
+    if tp_mesh is not None:
+        tp_placements = tp.placements if tp is not None else (Replicate(),)
+        shape, stride = (tp.shape, tp.stride) if tp is not None else (param.shape, param.stride())
+        dt = _on_dp_and_tp(qualname, dt.to_local(), mesh, placements[0], tp_mesh, tp_placements, shape, stride)
     master = param.dtype
     compute = opts.param_dtype if opts.param_dtype not in (None, master) and not full_precision else None
     full = None
@@ -206,7 +215,7 @@ def _make_state(
             offset = row_offset(param.shape[0], shard_group.size, shard_group.rank)
             view = full.detach()[offset : offset + dt.to_local().shape[0]]
             view.copy_(dt.to_local())
-            dt = DTensor.from_local(view, mesh, placements, shape=dt.shape, stride=dt.stride())
+            dt = DTensor.from_local(view, dt.device_mesh, dt.placements, shape=dt.shape, stride=dt.stride())
     new_param = nn.Parameter(dt, requires_grad=param.requires_grad)
     # gradients are reduced (and accumulated) in reduce_dtype, by default the master dtype; the
     # markers only carry it when it differs from the dtype the gradient is computed in
@@ -229,6 +238,7 @@ def _make_state(
         full=full,
         sink=sink,
         secondary_group=None if whole else secondary,
+        tp=tp,
     )
     track(state)
     return state
@@ -338,6 +348,167 @@ def _flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return _FLAT_MESHES[id(mesh)][1]
 
 
+# NOTE: ZeRO with tensor parallelism
+# A model parallelized with torch's tensor parallelism (``parallelize_module(model, mesh["tp"],
+# plan)``) holds its parameters as DTensors on the TP mesh: each rank's local tensor is its
+# TP share (a block of rows for column-wise layers, of columns for row-wise ones, the whole
+# value for ``Replicate()`` ones such as sequence-parallel norms). zerofx shards that local
+# tensor over the data-parallel dimension exactly as it shards a plain parameter (dim-0 rows,
+# zerofx.ir.layout), so every marker, pass and collective of the data-parallel side is
+# unchanged: what they call "the full parameter" is the TP-local value. Forward rebuilds the TP
+# plan's DTensor from the gathered local value (``DTensor.from_local`` with the recorded
+# placements and global shape, ``ParamState.forward_value``), and the TP plan's own
+# redistributions (all-gathers, reduce-scatters, all-reduces on the TP group) run as before;
+# AOTAutograd traces them into the same graphs as functional collectives, which zerofx's passes
+# leave where they are (they only move, merge and rewrite the collectives zerofx inserted).
+#
+# What the optimizer steps is one 2-D DTensor per parameter on the (dp, tp) mesh (the dp and tp
+# submeshes concatenated): the TP placement on "tp", and on "dp" ``Shard(0)``, or, when the TP
+# placement already shards dim 0, ``_StridedShard(0, split_factor=tp)`` (dp's chunks are taken
+# within each TP chunk: the order the rows were split in, as FSDP2 records it). So optimizer
+# state is 1/(dp*tp) of the model's, ``clip_grad_norm_`` reduces over both dimensions and
+# ``state_dict()`` holds global shapes that DCP reshards to any other layout. Plain parameters
+# left out of the TP plan stay plain in forward and are ``(Shard(0), Replicate())``: as with
+# FSDP2, the plan must make their gradients equal across the TP group.
+_SPMD_MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] = {}
+
+
+def _spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The (dp, tp) mesh of the optimizer's DTensors, made once per pair of meshes."""
+    key = (id(dp_mesh), id(tp_mesh))
+    if key not in _SPMD_MESHES:  # the meshes are kept too, so their ids are never reused
+        _SPMD_MESHES[key] = (dp_mesh, tp_mesh, DeviceMesh._concatenate([dp_mesh, tp_mesh]))
+    return _SPMD_MESHES[key][2]
+
+
+def _on_dp_and_tp(
+    qualname: str,
+    local: torch.Tensor,
+    dp_mesh: DeviceMesh,
+    dp_placement,
+    tp_mesh: DeviceMesh,
+    tp_placements: tuple,
+    shape: torch.Size,
+    stride: tuple[int, ...],
+) -> DTensor:
+    """``local`` (this rank's dp rows of its TP-local value) as the optimizer's 2-D DTensor,
+    checked against DTensor's own idea of which rows that placement holds (NOTE: ZeRO with
+    tensor parallelism): a layout the two would disagree on is an error, never a wrong state dict."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = _spmd_mesh(dp_mesh, tp_mesh)
+    if isinstance(dp_placement, Shard) and any(isinstance(p, Shard) and p.dim == 0 for p in tp_placements):
+        dp_placement = _StridedShard(0, split_factor=tp_mesh.size())
+    placements = (dp_placement, *tp_placements)
+    expected, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+    if tuple(expected) != tuple(local.shape):
+        raise ZeroFXError(
+            f"{qualname}: its tensor-parallel share {tuple(shape)} -> {tuple(local.shape)} rows per rank after "
+            f"zerofx's data-parallel split does not match DTensor's {placements} layout {tuple(expected)}; this "
+            f"happens when dim 0's TP share is not divisible by the data-parallel size {dp_mesh.size()} (pad the "
+            "layer's size, or keep it out of the TP plan)"
+        )
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _tp_mesh_of(
+    model: nn.Module, mesh: DeviceMesh | None, tp_dim: str | None
+) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """(the data-parallel mesh zerofx shards over, the TP mesh of the model's DTensor parameters
+    or None), with one clear error for each way the two can be mixed up."""
+    on = {}  # mesh (by value: parallelize_module may slice its own copy) -> (it, the first parameter on it)
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            on.setdefault(p.device_mesh, (p.device_mesh, name))
+    if isinstance(mesh, DeviceMesh) and (tp_dim is not None or (on and mesh.ndim > 2)):
+        names = mesh.mesh_dim_names
+        if names is None:
+            raise ZeroFXError(
+                f"mesh: a {mesh.ndim}-D mesh {tuple(mesh.shape)} without dimension names; zerofx cannot tell its "
+                "data-parallel dimension from the others: build it with init_device_mesh(..., mesh_dim_names=("
+                "'dp', 'tp')) and pass mesh['dp'] (or the mesh and tp_dim='tp')"
+            )
+        if tp_dim is None:
+            raise ZeroFXError(
+                f"mesh: a {mesh.ndim}-D mesh {names}; pass the data-parallel submesh (mesh['dp']) or name the "
+                "tensor-parallel dimension with tp_dim="
+            )
+        if tp_dim not in names:
+            raise ZeroFXError(f"option tp_dim={tp_dim!r}: the mesh's dimensions are {names}")
+        rest = tuple(n for n in names if n != tp_dim)
+        if len(rest) != 1:
+            raise ZeroFXError(
+                f"option tp_dim={tp_dim!r} on mesh {names}: zerofx shards over one data-parallel dimension next to "
+                f"tensor parallelism, not {rest} (hybrid sharding with TP is not supported): pass mesh[{rest!r}] "
+                "flattened, or fewer dimensions"
+            )
+        tp_expected = mesh[tp_dim]
+        mesh = mesh[rest[0]]
+        if on and all(m is not tp_expected and m != tp_expected for m, _ in on.values()):
+            m, name = next(iter(on.values()))
+            raise ZeroFXError(
+                f"option tp_dim={tp_dim!r}: the model's tensor-parallel parameters ({name}, ...) live on mesh "
+                f"{m.mesh_dim_names}, not on that mesh's {tp_dim!r} dimension"
+            )
+    if not on:
+        if tp_dim is not None:
+            raise ZeroFXError(
+                f"option tp_dim={tp_dim!r}: no parameter of the model is a DTensor; parallelize it first "
+                f"(parallelize_module(model, mesh[{tp_dim!r}], plan)), or drop tp_dim"
+            )
+        return mesh, None
+    if len(on) > 1:
+        (m1, n1), (m2, n2) = list(on.values())[:2]
+        raise ZeroFXError(
+            f"the model's DTensor parameters live on different meshes ({n1} on {m1.mesh_dim_names} "
+            f"{tuple(m1.shape)}, {n2} on {m2.mesh_dim_names} {tuple(m2.shape)}); zerofx composes with one "
+            "tensor-parallel mesh"
+        )
+    tp_mesh, name = next(iter(on.values()))
+    if mesh is None:
+        raise ZeroFXError(
+            f"{name} is a DTensor on a tensor-parallel mesh: pass zerofx the data-parallel mesh too "
+            "(zerofx.compile(model, mesh['dp']), or the whole mesh with tp_dim=)"
+        )
+    if tp_mesh.ndim != 1:
+        raise ZeroFXError(
+            f"{name} is a DTensor on a {tp_mesh.ndim}-D mesh; zerofx composes with 1-D tensor parallelism"
+        )
+    if mesh.ndim == 2 and tp_mesh.mesh_dim_names and set(tp_mesh.mesh_dim_names) <= set(mesh.mesh_dim_names or ()):
+        return _tp_mesh_of(model, mesh, tp_mesh.mesh_dim_names[0])
+    if mesh.ndim != 1:
+        raise ZeroFXError(
+            f"mesh {tuple(mesh.shape)}: with tensor parallelism zerofx shards over one data-parallel dimension "
+            "(hybrid sharding with TP is not supported); pass mesh['dp']"
+        )
+    if tp_mesh is mesh or tp_mesh == mesh or set(tp_mesh.mesh_dim_names or ()) & set(mesh.mesh_dim_names or ()):
+        raise ZeroFXError(
+            f"{name} is tensor-parallel on mesh dimension {tp_mesh.mesh_dim_names}, the one zerofx was told to shard "
+            "over: give zerofx the data-parallel dimension (mesh['dp']) and keep the TP plan on the other"
+        )
+    # DeviceMesh caches slices by value, so two init_device_mesh calls of one layout share them:
+    # what must hold is that both are slices of one layout, crossing each other (every (dp, tp)
+    # coordinate one rank), which concatenating them checks
+    problem = None
+    if tp_mesh._get_root_mesh() != mesh._get_root_mesh():
+        problem = "their root meshes differ"
+    else:
+        try:
+            _spmd_mesh(mesh, tp_mesh)
+        except RuntimeError as e:
+            problem = str(e)
+    if problem is not None:
+        raise ZeroFXError(
+            f"{name} is tensor-parallel on mesh {tp_mesh.mesh_dim_names} {tp_mesh.mesh.tolist()}, which is not the "
+            f"other dimension of the data-parallel mesh {mesh.mesh_dim_names} {mesh.mesh.tolist()} zerofx was "
+            f"given ({problem}): were they made by different init_device_mesh calls? Slice both from one mesh "
+            "(mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); parallelize on mesh['tp'], "
+            "pass mesh['dp'])"
+        )
+    return mesh, tp_mesh
+
+
 def _cast_inputs_hook(dtype: torch.dtype):
     def cast(t):
         return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
@@ -360,14 +531,18 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     if is_sharded(model):
         raise ZeroFXError("model is already sharded by zerofx; call zerofx.shard once per model")
     on_meta = _built_on_meta(model)
+    mesh, tp_mesh = _tp_mesh_of(model, mesh, opts.tp_dim)
+    if tp_mesh is not None and on_meta:
+        raise ZeroFXError("a tensor-parallel model built on the meta device: materialize it before zerofx.shard")
     mesh = resolve_mesh(model, mesh, on_meta)
     if opts.secondary_shard:
         _flat_mesh(mesh)  # a 1-D mesh is an error here, before anything changes
     full_precision = _full_precision_params(model, opts)
     runtime = ModelRuntime(stage=opts.stage, mesh=mesh, options=opts, local_step=opts.local_optimizer_step)
+    runtime.tp_mesh = tp_mesh
     model._zerofx = runtime
     runtime.scaler = make_loss_scaler(opts, mesh)
-    if mesh.size() == 1 and opts.param_dtype is None:
+    if mesh.size() == 1 and opts.param_dtype is None and tp_mesh is None:
         log.info("zerofx: mesh has one rank; parameters stay whole")
         if on_meta:
             model.to_empty(device=mesh.device_type)
@@ -382,12 +557,11 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
         for name in names:
             param = module._parameters[name]
             qualname = f"{module_name}.{name}" if module_name else name
-            if isinstance(param, DTensor):
-                raise ZeroFXError(f"{qualname} is already a DTensor; zerofx shards plain parameters")
             if param.dim() == 0:
                 raise ZeroFXError(f"{qualname} is a 0-dim parameter; zerofx shards along dim 0 (give it shape (1,))")
             if id(param) not in states:
-                states[id(param)] = _make_state(qualname, param, mesh, opts, runtime, id(param) in full_precision)
+                full_precision_param = id(param) in full_precision
+                states[id(param)] = _make_state(qualname, param, mesh, opts, runtime, full_precision_param, tp_mesh)
         module._zerofx_params = {name: states[id(module._parameters[name])] for name in names}
         for name in names:
             module._parameters[name] = module._zerofx_params[name].param

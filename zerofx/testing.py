@@ -17,6 +17,13 @@ the two agree **bit for bit** on any CPU:
   per rank shard (``torch.chunk`` rows), so each element sits at the same offset of a tensor of
   the same length as in zerofx's local step: vectorized body and scalar tail match too.
 
+With tensor parallelism (a model parallelized with ``parallelize_module`` on a TP mesh, then
+given to zerofx with the data-parallel mesh), the replica is the same TP model, not given to
+zerofx: the TP plan's arithmetic is the same on both sides, so only the data-parallel
+reduction is reproduced (within each rank's data-parallel group, on the TP-local values).
+Its gradient of a parameter the plan keeps replicated may be ``Partial`` over the TP group;
+the oracle sums it there first, as zerofx's rebuilt DTensor does in its backward.
+
 Where zerofx does not choose the order, the oracle cannot reproduce it, and says so: a
 backend's all-reduce over more than two ranks (gloo's ring, NCCL), a backend's reduce-scatter
 (NCCL, or gloo with the transport pass disabled), and the gradient norm that clipping
@@ -167,6 +174,10 @@ class _Layout:
     groups: list[list[list[int]]]  # per mesh dim, innermost first: the global ranks of each group
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class ShardedReference:
     """An unsharded replica that reproduces a zerofx model's arithmetic on this rank.
 
@@ -187,10 +198,15 @@ class ShardedReference:
     """
 
     def __init__(self, replica: nn.Module, sharded: nn.Module, optimizer_fn: Callable[[list], Any]):
+        from zerofx.runtime.params import runtime_of
+
         self.replica = replica
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.backend = str(dist.get_backend())
+        runtime = runtime_of(sharded)
+        # with tensor parallelism: the data-parallel mesh (gradients are combined within it only)
+        self.dp_mesh = runtime.mesh if runtime is not None and runtime.tp_mesh is not None else None
         ours = dict(sharded.named_parameters())
         self.params = dict(replica.named_parameters())
         missing = set(self.params) ^ set(ours)
@@ -201,11 +217,8 @@ class ShardedReference:
         self.shards: dict[str, list[torch.Tensor]] = {}
         for name, p in self.params.items():
             lay = self.layouts[name]
-            pieces = (
-                [shard_rows(p.detach(), i, lay.shard_count) for i in range(lay.shard_count)]
-                if lay.sharded
-                else [p.detach()]
-            )
+            value = _local(p.detach())
+            pieces = [shard_rows(value, i, lay.shard_count) for i in range(lay.shard_count)] if lay.sharded else [value]
             self.shards[name] = [piece.clone().requires_grad_(p.requires_grad) for piece in pieces]
         self.optimizer = optimizer_fn([s for name in self.params for s in self.shards[name] if s.requires_grad])
         self.reduced: dict[str, torch.Tensor] = {}
@@ -213,6 +226,11 @@ class ShardedReference:
         self._terms: dict[str, tuple[list[torch.Tensor], int]] = {}  # their summands, for the bound
 
     def _layout(self, p: torch.Tensor) -> _Layout:
+        if self.dp_mesh is not None:  # (dp, tp): zerofx's placement on dp is the first one
+            dp = self.dp_mesh
+            group = [int(r) for r in dp.mesh.flatten()]
+            sharded = not p.placements[0].is_replicate()  # Shard(0), or _StridedShard(0) over TP rows
+            return _Layout(sharded, dp.get_local_rank(), dp.size(), [[group]])
         if not isinstance(p, DTensor):  # a one-rank mesh: nothing is sharded
             return _Layout(False, 0, 1, [[list(range(self.world))]])
         mesh = p.device_mesh
@@ -258,10 +276,14 @@ class ShardedReference:
                 continue
             if int(has) != self.world:
                 raise RuntimeError(f"{name}: some ranks have a gradient, others none")
-            local = p.grad.detach().contiguous()
-            everyone = [torch.empty_like(local) for _ in range(self.world)]
-            dist.all_gather(everyone, local)
-            values = {r: everyone[r] for r in range(self.world)}
+            grad = p.grad.detach()
+            if isinstance(grad, DTensor):  # a TP replica's: Partial over TP where the plan replicates
+                grad = grad.redistribute(placements=p.placements).to_local()
+            local = grad.contiguous()
+            ranks = lay.groups[0][0] if self.dp_mesh is not None else list(range(self.world))
+            everyone = [torch.empty_like(local) for _ in ranks]
+            dist.all_gather(everyone, local, group=self.dp_mesh.get_group() if self.dp_mesh is not None else None)
+            values = dict(zip(ranks, everyone))
             exact = True
             for dim, groups in enumerate(lay.groups):  # innermost (the shard dim) first
                 exact &= self._exact_order(lay, dim)
@@ -273,6 +295,11 @@ class ShardedReference:
                 values = combined
             self.reduced[name] = values[self.rank]
             if not exact:
+                if self.dp_mesh is not None:
+                    raise ValueError(
+                        f"{name}: with tensor parallelism the oracle reproduces data-parallel sums of two ranks "
+                        "or gloo's sharded reduce only"
+                    )
                 self.bounded.append(name)
                 self._terms[name] = (everyone, len(lay.groups))
         self.replica.zero_grad(set_to_none=True)
@@ -345,6 +372,21 @@ class ShardedReference:
         grads = list(self.reduced.values())
         squares = sum(float(g.double().pow(2).sum()) for g in grads)
         n = sum(g.numel() for g in grads)
+        if self.dp_mesh is not None:  # TP-local gradients: a TP-sharded one's squares add up over TP
+            tp_sharded = [
+                g
+                for name, g in self.reduced.items()
+                if isinstance(self.params[name], DTensor) and any(pl.is_shard() for pl in self.params[name].placements)
+            ]
+            sharded = torch.tensor(
+                [sum(float(g.double().pow(2).sum()) for g in tp_sharded), sum(g.numel() for g in tp_sharded)],
+                dtype=torch.float64,
+            )
+            mesh = next(p.device_mesh for p in self.params.values() if isinstance(p, DTensor))
+            everyone = sharded.clone()
+            dist.all_reduce(everyone, group=mesh.get_group())
+            squares += float(everyone[0] - sharded[0])
+            n += int(everyone[1] - sharded[1])
         u = UNIT_ROUNDOFF[torch.float32]
         gamma = (n + 2) * u / (1 - (n + 2) * u)
         exact = math.sqrt(squares)
@@ -382,7 +424,7 @@ class ShardedReference:
         self.optimizer.zero_grad(set_to_none=True)
         for name, p in self.params.items():
             pieces = self.shards[name]
-            p.copy_(torch.cat(pieces) if self.layouts[name].sharded and p.dim() else pieces[0])
+            _local(p).copy_(torch.cat(pieces) if self.layouts[name].sharded and p.dim() else pieces[0])
         self.reduced.clear()
 
     def check_parameters(self, sharded: nn.Module, step: int) -> list[Divergence]:

@@ -52,7 +52,7 @@ from zerofx.errors import ZeroFXError
 from zerofx.ir.layout import local_rows, row_offset
 from zerofx.runtime import eager_buckets
 
-__all__ = ["GroupInfo", "ParamState", "ModelRuntime"]
+__all__ = ["GroupInfo", "ParamState", "ModelRuntime", "TensorParallel"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,19 @@ class GroupInfo:
     size: int
     name: str
     rank: int
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How a tensor-parallel parameter (a DTensor on the TP mesh, e.g. from
+    ``parallelize_module``) was laid out before zerofx sharded it over the data-parallel
+    dimension: forward rebuilds that DTensor from the gathered TP-local value (NOTE: ZeRO with
+    tensor parallelism, zerofx/sharding.py)."""
+
+    mesh: Any  # the TP DeviceMesh
+    placements: tuple  # the parameter's placements on it
+    shape: torch.Size  # the global shape
+    stride: tuple[int, ...]  # the global stride
 
 
 @dataclass(eq=False)
@@ -81,6 +94,8 @@ class ParamState:
     sink: torch.Tensor | None = None  # full-shape stride-0 leaf; .grad holds pending local gradients
     # hpZ (secondary_shard): the inner mesh dimension whose secondary shard the backward re-gathers
     secondary_group: GroupInfo | None = None
+    # ZeRO over a TP model: the parameter's tensor-parallel layout (its "full" value is TP-local)
+    tp: TensorParallel | None = None
 
     @property
     def shard_rows(self) -> int:
@@ -91,7 +106,15 @@ class ParamState:
         return row_offset(self.full_rows, self.shard_group.size, self.shard_group.rank)
 
     def forward_value(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """The whole parameter for forward, through the markers of this stage and mode."""
+        """The whole parameter for forward, through the markers of this stage and mode (for a
+        tensor-parallel parameter: its TP-local value, as the DTensor the TP plan made)."""
+        value = self._data_parallel_value(param)
+        if self.tp is None:
+            return value
+        tp = self.tp
+        return DTensor.from_local(value, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=tp.stride)
+
+    def _data_parallel_value(self, param: torch.nn.Parameter) -> torch.Tensor:
         if self.runtime.gathered is not None:  # inside zerofx.gathered(model): no communication
             if param.requires_grad and torch.is_grad_enabled():
                 raise ZeroFXError(
@@ -172,6 +195,7 @@ class ModelRuntime:
 
     stage: int
     mesh: Any = None  # the DeviceMesh it is sharded over
+    tp_mesh: Any = None  # the tensor-parallel mesh of its DTensor parameters, if any (zerofx/sharding.py)
     options: Any = None  # the zerofx.Options it was sharded with
     states: list[ParamState] = field(default_factory=list)
     sync: bool = True  # False inside zerofx.no_sync

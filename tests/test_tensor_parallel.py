@@ -1,0 +1,157 @@
+"""ZeRO on the data-parallel dimension of a 2x2 (dp, tp) gloo mesh, composed with torch's tensor
+(and sequence) parallelism on the other: parity bit for bit with the oracle (the same TP model,
+data-parallel sums reproduced), within fp32 reassociation of the single process, per-rank
+memory and collective bytes per mesh dimension from the formulas, and the bad inputs.
+
+One 4-rank process group runs every scenario once (tests/tp_scenarios.py); the tests read
+their results.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import tp_scenarios
+from tests.multirank import run_ranks
+
+pytest.importorskip("transformers")
+
+CALLS = [
+    ("parity", {"model": "gpt", "stage": 3, "clip": 1.0}),
+    ("parity", {"model": "gpt", "stage": 2}),
+    ("parity", {"model": "gpt", "stage": 1}),
+    ("parity", {"model": "gpt-no-sp", "stage": 3}),
+    ("parity", {"model": "gpt", "stage": 3, "checkpoint": "full"}),
+    ("parity", {"model": "llama", "stage": 3, "clip": 1.0}),
+    ("parity", {"model": "llama", "stage": 2}),
+    ("parity", {"model": "llama", "stage": 1}),
+    ("parity", {"model": "gpt", "stage": 3, "param_dtype": "bfloat16"}),
+    ("parity", {"model": "llama", "stage": 3, "param_dtype": "bfloat16"}),
+    ("memory", {"model": "gpt", "stage": 3}),
+    ("memory", {"model": "llama", "stage": 3}),
+    ("collective_bytes", {"model": "gpt"}),
+    ("collective_bytes", {"model": "llama"}),
+    ("errors", {}),
+]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    per_rank = run_ranks(tp_scenarios.run, 4, CALLS, timeout=1500)
+    return {i: [r[i] for r in per_rank] for i in range(len(CALLS))}
+
+
+def _ok(results: dict, name: str, **kwargs) -> list[dict]:
+    i = CALLS.index((name, kwargs))
+    ranks = results[i]
+    errors = [r["error"] for r in ranks if "error" in r]
+    assert not errors, errors[0]
+    return [r["ok"] for r in ranks]
+
+
+EXACT = [
+    {"model": "gpt", "stage": 3, "clip": 1.0},
+    {"model": "gpt", "stage": 2},
+    {"model": "gpt", "stage": 1},
+    {"model": "gpt-no-sp", "stage": 3},
+    {"model": "gpt", "stage": 3, "checkpoint": "full"},
+    {"model": "llama", "stage": 3, "clip": 1.0},
+    {"model": "llama", "stage": 2},
+    {"model": "llama", "stage": 1},
+]
+
+
+@pytest.mark.parametrize("kwargs", EXACT, ids=lambda k: "-".join(f"{v}" for v in k.values()))
+def test_fp32_matches_the_oracle_bit_for_bit_and_the_single_process_to_reassociation(results, kwargs):
+    for r in _ok(results, "parity", **kwargs):
+        assert r["oracle_equal"] == [True] * 3, "a loss differs from the TP model's without zerofx"
+        assert r["divergences"] == [], r["divergences"][:3]
+        assert r["losses"] == pytest.approx(r["single"], rel=tp_scenarios.SINGLE_RTOL)
+        for ours, single in r["norms"]:  # clip_grad_norm_ over (dp, tp) DTensors: the global norm
+            assert ours == pytest.approx(single, rel=tp_scenarios.SINGLE_RTOL)
+        assert len(r["norms"]) == (3 if "clip" in kwargs else 0)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_bf16_stays_within_bf16_rounding_of_the_fp32_single_process(results, model):
+    for r in _ok(results, "parity", model=model, stage=3, param_dtype="bfloat16"):
+        assert r["losses"] == pytest.approx(r["single"], rel=tp_scenarios.BF16_RTOL)
+        assert r["losses"] != r["single"]  # it did compute in bf16
+
+
+def test_optimizer_sees_2d_shards_dp_inside_tp(results):
+    placements = _ok(results, "parity", model="gpt", stage=3, clip=1.0)[0]["placements"]
+    # column-wise: TP shards rows, dp splits each TP share again (_StridedShard records the order)
+    assert placements["blocks.0.attn.qkv.weight"] == ["_S(0, 2)", "S(0)"]
+    # row-wise: TP shards columns, dp rows
+    assert placements["blocks.0.out.weight"] == ["S(0)", "S(1)"]
+    # sequence-parallel norms are replicated over TP
+    assert placements["blocks.0.ln1.weight"] == ["S(0)", "R"]
+    llama = _ok(results, "parity", model="llama", stage=3, clip=1.0)[0]["placements"]
+    assert llama["model.norm.weight"] == ["S(0)", "R"]  # outside HF's plan: a plain parameter
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_memory_per_rank_is_model_state_over_dp_times_tp(results, model):
+    for r in _ok(results, "memory", model=model, stage=3):
+        # numel/(dp*tp) for what TP shards, numel/dp for what it replicates (norms)
+        assert r["params"] == r["expected"]
+        assert r["state"] == 2 * r["expected"]  # AdamW: exp_avg, exp_avg_sq
+        assert r["params"] < r["whole"] / 3  # most of the model is TP-sharded: close to 1/4
+        assert r["tp_sharded"] > 0
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_collective_bytes_per_mesh_dimension_match_the_formulas(results, model):
+    for r in _ok(results, "collective_bytes", model=model):
+        share = r["psi_tp_share"]  # Ψ_tp·(dp-1)/dp: this rank's TP-local parameter bytes
+        fw, bw = r["forward"], r["backward"]
+        # dp (ZeRO-3): every TP-local parameter gathered once in forward, every gradient
+        # reduce-scattered once, the backward re-gathers at most all of them (3·Ψ_tp·(dp-1)/dp)
+        assert fw["dp"] == {"all_gather": pytest.approx(share, abs=8)}
+        assert bw["dp"]["reduce_scatter"] == pytest.approx(share, abs=8)
+        assert 0 < bw["dp"]["all_gather"] <= share + 8
+        # tp: exactly the TP model's own collectives (counted the same way on the model without
+        # zerofx), plus the all-reduce of TP-replicated parameters' Partial gradients
+        assert fw["tp"] == r["tp_forward"]["tp"]
+        expected_bw = dict(r["tp_backward"].get("tp", {}))
+        if r["tp_partial_all_reduce"]:
+            expected_bw["all_reduce"] = expected_bw.get("all_reduce", 0) + r["tp_partial_all_reduce"]
+        assert bw["tp"] == expected_bw
+        assert set(fw) | set(bw) == {"dp", "tp"}
+
+
+def test_gpt_sequence_parallel_tp_bytes_follow_the_analytic_formula(results):
+    """2 per dp rank x 16 tokens x 32 wide, fp32: S = 4096 B per activation, tp = 2 (wire S/2).
+    Forward: per block the attention and MLP inputs all-gathered and their outputs
+    reduce-scattered (2 + 2), the head's input gathered, its logits (2x16x64) gathered, the
+    token and position embeddings reduce-scattered (S and 16x32x4 B). Backward mirrors them
+    (no communication for the logits' gradient), plus the all-reduce of the 5 LayerNorms'
+    weight and bias gradients (TP-replicated: 10 x 32 fp32, 2·S·(tp-1)/tp)."""
+    r = _ok(results, "collective_bytes", model="gpt")[0]
+    half = 4096 // 2
+    logits, wpe = 2 * 16 * 64 * 4 // 2, 16 * 32 * 4 // 2
+    assert r["forward"]["tp"] == {"all_gather": 5 * half + logits, "reduce_scatter": 5 * half + wpe}
+    assert r["backward"]["tp"] == {"all_gather": 5 * half + wpe, "reduce_scatter": 5 * half, "all_reduce": 10 * 32 * 4}
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("tp_on_dp", r"tensor-parallel on mesh dimension \('dp',\), the one zerofx was told to shard over"),
+        ("unnamed_3d", r"a 3-D mesh \(1, 2, 2\) without dimension names"),
+        ("two_meshes", r"not the other dimension of the data-parallel mesh .*different init_device_mesh calls"),
+        ("hybrid_and_tp", r"hybrid sharding with TP is not supported"),
+        ("tp_dim_without_plan", r"no parameter of the model is a DTensor; parallelize it first"),
+        (
+            "tied_differently",
+            r"wte.weight and lm_head.weight are one \(tied\) parameter.*Shard\(dim=0\).*Shard\(dim=1\)",
+        ),
+    ],
+)
+def test_bad_inputs_are_clear_errors(results, case, message):
+    import re
+
+    for r in _ok(results, "errors"):
+        assert r[case].startswith("ZeroFXError"), r[case]
+        assert re.search(message, r[case]), r[case]

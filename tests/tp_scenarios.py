@@ -1,0 +1,324 @@
+"""Rank-side half of tests/test_tensor_parallel.py: ZeRO on the data-parallel dimension of a
+(dp, tp) mesh, the model parallelized with torch's tensor parallelism on the other.
+
+Three models train side by side on every rank, from one initialization:
+
+* zerofx: the TP model (``zerofx.tensor_parallel.parallelize``) given to ``zerofx.compile`` with
+  ``mesh["dp"]``;
+* the oracle's replica: the same TP model without zerofx, its data-parallel gradients combined
+  by ``zerofx.testing.ShardedReference`` the way zerofx combines them. The TP arithmetic is the
+  same on both sides, so fp32 must agree bit for bit (losses, every gradient and parameter shard);
+* a single-process model (no TP, no DP) on the whole global batch: tensor parallelism splits
+  matmul reductions across ranks (a row-wise layer sums partial products), so it agrees only up
+  to fp32 reassociation: losses within ``SINGLE_RTOL``.
+
+Each scenario returns plain data; the tests assert on it. Also used by the two-"node" torchrun
+run (tests/tp_torchrun.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import zerofx
+from zerofx.ir.collectives import COLLECTIVE_OPS, collective_group_size, wire_bytes
+from zerofx.models import GPT, GPTConfig
+from zerofx.tensor_parallel import gpt_plan, hf_plan, parallelize
+from zerofx.testing import ShardedReference
+
+PER_DP_RANK = 2  # samples per data-parallel rank per step
+LR = 1e-2
+# fp32, against the whole-batch single process: tensor parallelism reassociates each row-wise
+# matmul's sum (tp partial products, then one add) and each norm statistic's; measured
+# differences are ~1e-7 relative on the loss after 4 AdamW steps (a few ulps)
+SINGLE_RTOL = 1e-5
+# bf16 (param_dtype) against the fp32 single process: bf16's unit roundoff is 2**-8 (0.39%),
+# and every layer's inputs, weights and outputs are rounded to it; a loss of ~ln(vocab) moves
+# by a few such roundings
+BF16_RTOL = 3e-2
+
+
+def gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
+
+
+def llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+MODELS: dict[str, tuple[Callable, Callable, Callable]] = {
+    # name -> (factory, TP plan, loss(model, x, y))
+    "gpt": (gpt, gpt_plan, lambda m, x, y: m(x, y)),
+    "gpt-no-sp": (gpt, lambda m: gpt_plan(m, sequence_parallel=False), lambda m, x, y: m(x, y)),
+    "llama": (llama, hf_plan, lambda m, x, y: m(input_ids=x, labels=y).loss),
+}
+
+
+_MESHES: dict = {}
+
+
+def mesh_2x2(dp: int = 2, tp: int = 2):
+    """One (dp, tp) mesh per process and shape, as a training script has: DeviceMesh caches its
+    slices by value, so a second init_device_mesh of the same layout would hand out slices
+    holding the first one's process groups next to its own."""
+    if (dp, tp) not in _MESHES:
+        _MESHES[dp, tp] = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    return _MESHES[dp, tp]
+
+
+def _local_bytes(model) -> int:
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())
+
+
+def batches(steps: int, dp: int, vocab: int = 64, seq: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(steps):
+        data = torch.randint(0, vocab, (PER_DP_RANK * dp, seq + 1), generator=g)
+        out.append((data[:, :-1], data[:, 1:]))
+    return out
+
+
+def _mine(t: torch.Tensor, dp_rank: int) -> torch.Tensor:
+    return t[dp_rank * PER_DP_RANK : (dp_rank + 1) * PER_DP_RANK]
+
+
+def _dp_mean(loss: torch.Tensor, mesh) -> float:
+    t = loss.detach().clone()
+    dist.all_reduce(t, group=mesh.get_group("dp"))
+    return float(t) / mesh.size(0)
+
+
+def parity(model: str, stage: int, steps: int = 3, clip: float | None = None, **options: Any) -> dict:
+    """Train zerofx, the oracle and the single process ``steps`` steps; what the tests read."""
+    factory, plan, loss_fn = MODELS[model]
+    mesh = mesh_2x2()
+    dp_rank = mesh.get_local_rank("dp")
+    base = factory()
+    single = copy.deepcopy(base)
+    replica = parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
+    ours = parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
+    zerofx.compile(ours, mesh["dp"], stage=stage, **options)
+    exact = "param_dtype" not in options
+    opt = torch.optim.AdamW(ours.parameters(), lr=LR)
+    single_opt = torch.optim.AdamW(single.parameters(), lr=LR)
+    oracle = ShardedReference(replica, ours, lambda ps: torch.optim.AdamW(ps, lr=LR)) if exact else None
+    out: dict[str, Any] = {"losses": [], "single": [], "oracle_equal": [], "divergences": [], "norms": []}
+    for step, (x, y) in enumerate(batches(steps, mesh.size(0))):
+        xm, ym = _mine(x, dp_rank), _mine(y, dp_rank)
+        loss = loss_fn(ours, xm, ym)
+        loss.backward()
+        if oracle is not None:
+            ref_loss = oracle.backward(lambda m: loss_fn(m, xm, ym))
+            out["oracle_equal"].append(bool(torch.equal(loss.detach().float(), ref_loss.float())))
+            oracle.reduce_gradients()
+            out["divergences"] += [str(d) for d in oracle.check_gradients(ours, step)]
+        single_loss = loss_fn(single, x, y)
+        single_loss.backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(ours.parameters(), clip)
+            single_norm = torch.nn.utils.clip_grad_norm_(single.parameters(), clip)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            out["norms"].append((float(norm), float(single_norm)))
+            if oracle is not None:
+                out["divergences"] += [str(d) for d in oracle.clip_grad_norm_(clip, norm, step=step)]
+        opt.step()
+        opt.zero_grad()
+        single_opt.step()
+        single_opt.zero_grad()
+        if oracle is not None:
+            oracle.step()
+            out["divergences"] += [str(d) for d in oracle.check_parameters(ours, step)]
+        out["losses"].append(_dp_mean(loss.float(), mesh))
+        out["single"].append(float(single_loss.detach()))
+    out["placements"] = {n: [str(p) for p in t.placements] for n, t in ours.named_parameters()}
+    return out
+
+
+def memory(model: str, stage: int) -> dict:
+    """Per-rank elements of parameters and AdamW state after a step, and what numel says they
+    must be: a parameter the TP plan shards holds numel/(dp*tp) per rank, one it replicates numel/dp
+    (every size here divides)."""
+    factory, plan, loss_fn = MODELS[model]
+    mesh = mesh_2x2()
+    base = factory()
+    ours = parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
+    tp_sharded = {n for n, p in ours.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()}
+    zerofx.compile(ours, mesh["dp"], stage=stage)
+    opt = torch.optim.AdamW(ours.parameters(), lr=LR)
+    x, y = batches(1, 2)[0]
+    loss_fn(ours, _mine(x, mesh.get_local_rank("dp")), _mine(y, mesh.get_local_rank("dp"))).backward()
+    opt.step()
+    dp, tp = mesh.size(0), mesh.size(1)
+    expected = sum(p.numel() // (dp * tp if n in tp_sharded else dp) for n, p in base.named_parameters())
+    params = sum(p.to_local().numel() for p in ours.parameters())
+    state = sum(
+        v.to_local().numel() for s in opt.state.values() for v in s.values() if isinstance(v, DTensor) and v.dim()
+    )
+    whole = sum(p.numel() for p in base.parameters())
+    return {"params": params, "state": state, "expected": expected, "whole": whole, "tp_sharded": len(tp_sharded)}
+
+
+class _EagerCollectives(TorchDispatchMode):
+    """Bytes of every functional collective run under it (DTensor's redistributions run as
+    functional collectives in eager mode too), counted as zerofx counts its own (NOTE: counting
+    collective bytes, zerofx/ir/collectives.py): (kind, group name) -> bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_group: dict[tuple[str, str], int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor desugar first; its collectives come back here
+        out = func(*args, **(kwargs or {}))
+        spec = COLLECTIVE_OPS.get(func)
+        if spec is not None:
+            sized = out if spec.sized == "out" else args[0]
+            size = collective_group_size(spec, args)
+            key = (spec.kind, args[spec.group_name_arg])
+            nbytes = wire_bytes(spec.kind, sized.numel() * sized.element_size(), size)
+            self.by_group[key] = self.by_group.get(key, 0) + nbytes
+        return out
+
+
+def collective_bytes(model: str) -> dict:
+    """Bytes per training step per rank on each mesh dimension (zerofx's counter), against the
+    formulas: ZeRO-3 on dp moves 3·Ψ_tp·(dp-1)/dp (Ψ_tp: this rank's TP-local parameter bytes;
+    forward gather + backward re-gather + gradient reduce-scatter); on tp, exactly the TP
+    model's own collectives (the same TP model without zerofx, eager, counted the same way):
+    zerofx adds no TP traffic and removes none."""
+    factory, plan, loss_fn = MODELS[model]
+    mesh = mesh_2x2()
+    dp_rank = mesh.get_local_rank("dp")
+    base = factory()
+    replica = parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
+    ours = parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
+    psi_tp = _local_bytes(ours)
+    zerofx.compile(ours, mesh["dp"])
+    x, y = batches(1, 2)[0]
+    xm, ym = _mine(x, dp_rank), _mine(y, dp_rank)
+    loss_fn(ours, xm, ym).backward()  # compile outside the count
+    with zerofx.CollectiveCounter() as forward:
+        loss = loss_fn(ours, xm, ym)
+    with zerofx.CollectiveCounter() as backward:
+        loss.backward()
+    with _EagerCollectives() as eager_forward:
+        loss = loss_fn(replica, xm, ym)
+    with _EagerCollectives() as eager_backward:
+        loss.backward()
+    dims = {mesh["dp"].get_group().group_name: "dp", mesh["tp"].get_group().group_name: "tp"}
+
+    def per_dim(by_group: dict) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for (kind, group), nbytes in by_group.items():
+            kinds = out.setdefault(dims.get(group, group), {})
+            kinds[kind] = kinds.get(kind, 0) + nbytes
+        return out
+
+    # the TP model leaves a TP-replicated parameter's gradient Partial (torch's optimizers and
+    # clipping then read it so); zerofx's rebuilt DTensor all-reduces it in the backward
+    partial = sum(
+        p.grad.to_local().numel() * p.grad.element_size()
+        for p in replica.parameters()
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)
+    )
+    share = (mesh.size(0) - 1) / mesh.size(0)
+    return {
+        "forward": per_dim(forward.by_group),
+        "backward": per_dim(backward.by_group),
+        "tp_forward": per_dim(eager_forward.by_group),
+        "tp_backward": per_dim(eager_backward.by_group),
+        "tp_partial_all_reduce": wire_bytes("all_reduce", partial, mesh.size(1)),
+        "psi_tp_share": psi_tp * share,  # every parameter trains here
+    }
+
+
+def errors() -> dict:
+    """Each bad input, and the first line of the error it raised (or 'no error')."""
+    results = {}
+
+    def attempt(name: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+            results[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            results[name] = f"{type(e).__name__}: {e}"
+
+    mesh = mesh_2x2()
+
+    def tp_on_dp():
+        model = parallelize(gpt(), mesh["dp"], gpt_plan(gpt()))
+        zerofx.compile(model, mesh["dp"])
+
+    def unnamed_3d():
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh3 = DeviceMesh("cpu", torch.arange(4).view(1, 2, 2))
+        model = parallelize(gpt(), mesh["tp"], gpt_plan(gpt()))
+        zerofx.compile(model, mesh3)
+
+    def two_meshes():  # another init_device_mesh call, laid out the other way round
+        other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))
+        model = parallelize(gpt(), other["tp"], gpt_plan(gpt()))
+        zerofx.compile(model, mesh["dp"])
+
+    def hybrid_and_tp():
+        mesh3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        model = parallelize(gpt(), mesh3["tp"], gpt_plan(gpt()))
+        zerofx.compile(model, mesh3, tp_dim="tp")
+
+    def tp_dim_without_plan():
+        zerofx.compile(gpt(), mesh, tp_dim="tp")
+
+    def tied_differently():
+        model = gpt()
+        plan = gpt_plan(model)
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        plan["lm_head"] = RowwiseParallel()
+        parallelize(model, mesh["tp"], plan)
+
+    attempt("tp_on_dp", tp_on_dp)
+    attempt("unnamed_3d", unnamed_3d)
+    attempt("two_meshes", two_meshes)
+    attempt("hybrid_and_tp", hybrid_and_tp)
+    attempt("tp_dim_without_plan", tp_dim_without_plan)
+    attempt("tied_differently", tied_differently)
+    return results
+
+
+def run(rank: int, world: int, calls: list[tuple[str, dict]]) -> dict:
+    """Run each ``(scenario name, kwargs)`` on this rank; a failure is recorded, not raised, so
+    the other scenarios still run (every rank fails the same way: they run the same code)."""
+    out = {}
+    for i, (name, kwargs) in enumerate(calls):
+        try:
+            out[i] = {"ok": globals()[name](**kwargs)}
+        except Exception:  # noqa: BLE001 - reported to the test
+            out[i] = {"error": traceback.format_exc()}
+        torch._dynamo.reset()
+    return out

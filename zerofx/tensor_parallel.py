@@ -1,0 +1,155 @@
+"""Tensor-parallel plans for the models zerofx trains, and ``parallelize``: torch's
+``parallelize_module`` that keeps tied parameters tied.
+
+ZeRO composes with tensor parallelism on a 2-D ``(dp, tp)`` mesh: the model is parallelized
+with torch's own tensor parallelism on ``mesh["tp"]`` (DTensor, ``ColwiseParallel`` /
+``RowwiseParallel`` / ``SequenceParallel``), then ``zerofx.compile(model, mesh["dp"])`` shards
+each parameter's TP-local value over the data-parallel dimension (zerofx/sharding.py, NOTE:
+ZeRO with tensor parallelism)::
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize(model, mesh["tp"], gpt_plan(model))        # or hf_plan(hf_model)
+    model = zerofx.compile(model, mesh["dp"])
+
+Nothing here is needed for that composition: any plan ``parallelize_module`` takes works. What
+this module adds:
+
+* ``gpt_plan``: Megatron-style tensor parallelism for ``zerofx.models.GPT`` (column-wise qkv and
+  MLP input, row-wise attention output and MLP output), with sequence parallelism (norms and
+  the residual stream sharded along the sequence) by default: what torchtitan does for Llama;
+* ``hf_plan``: an HF transformers model's own plan (``model._tp_plan``, the ``colwise`` /
+  ``rowwise`` strings its config declares for ``from_pretrained(tp_plan="auto")``) as torch
+  parallel styles, so an HF model built from a config parallelizes without HF's loader;
+* ``parallelize``: ``parallelize_module`` replaces each planned module's parameters with new
+  DTensors, so a parameter two modules share (tied input and output embeddings) silently
+  becomes two independent ones, each trained by half the gradient. ``parallelize`` ties them
+  again when both sides got the same placements, and refuses a plan that would shard them
+  differently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from zerofx.errors import ZeroFXError
+
+__all__ = ["gpt_plan", "hf_plan", "parallelize"]
+
+
+def gpt_plan(model: nn.Module, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
+    """Tensor parallelism for ``zerofx.models.GPT`` on a TP mesh of any size dividing its heads.
+
+    Attention: qkv column-wise (each rank whole heads: the GPT's qkv rows are head-major), the
+    output projection row-wise; MLP: ``fc`` column-wise, ``out`` row-wise; the token embedding
+    row-wise (vocabulary rows), the tied ``lm_head`` column-wise over the same rows, its logits
+    gathered. With ``sequence_parallel`` the residual stream between blocks is sharded along
+    the sequence (dim 1): layer norms run on each rank's positions (``SequenceParallel``), the
+    attention and MLP inputs are all-gathered and their outputs reduce-scattered; without it
+    the residual stream is replicated and the norms stay plain parameters."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        # positions are (seq, d_model): the sequence is dim 0 there
+        "wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        plan["ln_f"] = SequenceParallel()
+    for i in range(len(model.blocks)):
+        b = f"blocks.{i}"
+        plan.update(
+            {
+                f"{b}.attn.qkv": ColwiseParallel(),
+                f"{b}.attn.proj": RowwiseParallel(output_layouts=seq),
+                f"{b}.fc": ColwiseParallel(input_layouts=seq),
+                f"{b}.out": RowwiseParallel(output_layouts=seq),
+            }
+        )
+        if sequence_parallel:
+            plan.update(
+                {
+                    f"{b}.ln1": SequenceParallel(),
+                    f"{b}.attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                    f"{b}.ln2": SequenceParallel(),
+                }
+            )
+    return plan
+
+
+# HF transformers' plan strings (``config.base_model_tp_plan``, ``model._tp_plan``) -> torch styles
+_HF_STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(),
+}
+
+
+def hf_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """An HF transformers model's own tensor-parallel plan (``model._tp_plan``) as torch styles
+    for ``parallelize_module``: ``colwise`` -> ``ColwiseParallel``, ``rowwise`` ->
+    ``RowwiseParallel``, the embedding's and ``lm_head``'s variants with replicated inputs or
+    gathered outputs. Module paths keep HF's ``*`` wildcards (``parallelize_module`` matches
+    them). A style this table does not know (HF's sequence-parallel and packed variants) is an
+    error naming it: HF's own modules shape their sequence from the embedding's output, which a
+    sequence-sharded residual stream would change."""
+    plan = getattr(model, "_tp_plan", None)
+    if not plan:
+        raise ZeroFXError(
+            f"{type(model).__name__} has no tensor-parallel plan (model._tp_plan is empty): write one for "
+            "parallelize_module, or use a model whose config declares base_model_tp_plan"
+        )
+    unknown = {style for style in plan.values() if style not in _HF_STYLES}
+    if unknown:
+        raise ZeroFXError(
+            f"{type(model).__name__}'s tensor-parallel plan uses {sorted(unknown)}, which zerofx.tensor_parallel "
+            f"does not translate (it knows {sorted(_HF_STYLES)}); write the plan for parallelize_module yourself"
+        )
+    return {path: _HF_STYLES[style]() for path, style in plan.items()}
+
+
+def parallelize(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Any]) -> nn.Module:
+    """``parallelize_module(model, tp_mesh, plan)``, keeping tied parameters tied (see the
+    module docstring). Returns ``model``."""
+    tied: list[list[tuple[nn.Module, str, str]]] = []  # per shared parameter: (module, attribute, qualified name)
+    owners: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is not None:
+                qualname = f"{module_name}.{name}" if module_name else name
+                owners.setdefault(id(p), []).append((module, name, qualname))
+    tied = [users for users in owners.values() if len({q for _, _, q in users}) > 1]
+    parallelize_module(model, tp_mesh, plan)
+    for users in tied:
+        first_module, first_name, first_qualname = users[0]
+        shared = first_module._parameters[first_name]
+        for module, name, qualname in users[1:]:
+            other = module._parameters[name]
+            if other is shared:
+                continue
+            placements = (
+                tuple(p.placements) if isinstance(p, DTensor) else ("not a DTensor",) for p in (shared, other)
+            )
+            mine, theirs = placements
+            if mine != theirs:
+                raise ZeroFXError(
+                    f"{first_qualname} and {qualname} are one (tied) parameter, but the plan lays them out as "
+                    f"{mine} and {theirs}: give both modules styles that shard the shared weight the same way "
+                    "(e.g. a row-wise embedding and a column-wise output layer), or untie them first"
+                )
+            module._parameters[name] = shared
+    return model
