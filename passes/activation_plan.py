@@ -60,6 +60,7 @@ from torch.fx.experimental._backward_state import BackwardState
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerofx.errors import ZeroFXError
+from zerofx.ir.collectives import WAIT
 from zerofx.ir.meta import RECOMPUTE
 from zerofx.passes.cost_model import DeviceModel, is_alias, node_bytes, node_flops, storage_bytes, storage_key
 from zerofx.passes.graph import positions
@@ -109,7 +110,11 @@ def _dropout_free(node: fx.Node) -> bool:
 def _cannot_save(node: fx.Node) -> str | None:
     if is_sym_node(node):
         return None if isinstance(node.meta.get("val"), torch.SymInt) else "symbolic float/bool"
-    if is_alias(node):
+    if is_alias(node) and node.target is not WAIT:
+        # a collective's wait (a tensor-parallel plan's, traced from DTensor) is the memory model's
+        # alias of the collective's buffer, but the value the backward can be handed: neither the
+        # wait nor the collective may be recomputed, so a region's reader of a gathered
+        # activation needs the wait's output saved
         return "view (its base is saved instead)"
     val = node.meta.get("val")
     if isinstance(val, (FakeScriptObject, torch.ScriptObject, BackwardState)):
