@@ -30,7 +30,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import fx
 
-from zerofx.ir.collectives import COLLECTIVE_OPS, collective_group_size, collective_kind, wire_bytes
+from zerofx.ir.collectives import COLLECTIVE_OPS, collective_group_size, collective_kind, mesh_dim_of, wire_bytes
 from zerofx.ir.meta import PASS as PROVENANCE
 from zerofx.ir.meta import QUANTIZED
 from zerofx.passes.contract import PassContext
@@ -61,7 +61,8 @@ def _collective_line(node: fx.Node) -> str:
     wire = wire_bytes(kind, nbytes, collective_group_size(spec, node.args))
     val = node.meta["val"]
     dtype = str(val.dtype).replace("torch.", "")
-    line = f"{kind:<15} {node.name:<28} {tuple(val.shape)} {dtype}: {nbytes} B, {wire} B/rank on the wire"
+    dim = mesh_dim_of(node.args[spec.group_name_arg])
+    line = f"{kind:<15} {node.name:<28} {tuple(val.shape)} {dtype} on {dim}: {nbytes} B, {wire} B/rank on the wire"
     if QUANTIZED in node.meta:  # passes/quantize.py: what went on the wire, and what it replaced
         wire_format, was_dtype, was_wire = node.meta[QUANTIZED]
         line += f" as {wire_format}; {was_wire} B/rank as {was_dtype} before"
@@ -82,8 +83,8 @@ class PassRecord:
     messages: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        if self.pass_name == "input":
-            return f"  input: {self.nodes} nodes"
+        if self.pass_name == "input":  # collectives traced with the model (a tensor-parallel plan's)
+            return "\n".join([f"  input: {self.nodes} nodes", *(f"      collective {c}" for c in self.collectives)])
         delta = lambda c, sign: ", ".join(f"{sign}{n} {op}" for op, n in sorted(c.items()))  # noqa: E731
         changes = "; ".join(x for x in (delta(self.added, "+"), delta(self.removed, "-")) if x) or "no change"
         lines = [f"  {self.pass_name}: {self.nodes} nodes ({changes}) in {self.seconds * 1e3:.1f} ms"]
@@ -120,7 +121,7 @@ class Recorder:
             len(after.graph.nodes),
             after_ops - before_ops if before is not None else Counter(),
             before_ops - after_ops if before is not None else Counter(),
-            collectives if before is not None else [],
+            collectives,
             seconds,
             list(ctx.messages) if before is not None else [],
         )

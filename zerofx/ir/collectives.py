@@ -114,6 +114,24 @@ def collective_group_size(spec: CollectiveSpec, args: tuple) -> int:
 
 _simulated: list[str] = []
 
+# process group name -> the mesh dimension it is ("dp", "tp", "replicate", ...): what the dump and
+# the planner label collectives with; filled where zerofx learns the meshes (zerofx/sharding.py)
+_MESH_DIMS: dict[str, str] = {}
+
+
+def name_mesh_dims(mesh, unnamed: tuple[str, ...] | None = None) -> None:
+    """Remember which mesh dimension each of ``mesh``'s process groups is: its name, or for an
+    unnamed mesh ``unnamed`` (else ``dim<i>``)."""
+    names = mesh.mesh_dim_names or unnamed or tuple(f"dim{i}" for i in range(mesh.ndim))
+    for i, name in enumerate(names):
+        _MESH_DIMS[mesh.get_group(i).group_name] = name
+
+
+def mesh_dim_of(group_name: str) -> str:
+    """The mesh dimension a process group was registered as (``name_mesh_dims``), else
+    ``group <name>``."""
+    return _MESH_DIMS.get(group_name, f"group {group_name}")
+
 
 def backend_of(group_name: str) -> str:
     """The backend ("gloo", "nccl", ...) of the process group registered as ``group_name``; inside
