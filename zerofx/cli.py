@@ -138,6 +138,13 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("model", metavar="MODEL")
     plan.add_argument("--world-size", "-n", type=int, default=None, help="ranks (default: the mesh's product)")
     plan.add_argument("--mesh", default=None, help="mesh shape, e.g. 128x8 (replicate x shard); default 1-D")
+    plan.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size inside each node (the model's plan from zerofx.tensor_parallel.plan_for); "
+        "--mesh is then the data-parallel size, the job has mesh x tp ranks",
+    )
     plan.add_argument("--batch", type=int, default=1, help="sequences per rank per micro-step (default 1)")
     plan.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks")
     plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's, else 1024)")
@@ -226,6 +233,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             backend=args.backend,
             factory_kwargs=kwargs,
             compare=args.compare,
+            tensor_parallel=args.tp,
             **options,
         )
     except ZeroFXError as e:

@@ -196,9 +196,11 @@ class LlamaAttention(nn.Module):
         self.o = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # kv's rows are head-major ((kv head, k|v, head_dim)) and head counts are read from the
+        # projections' widths, so column-wise tensor parallelism gives each rank whole heads
         b, t, _ = x.shape
-        q = self.q(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-        k, v = self.kv(x).view(b, t, 2 * self.n_kv_head, self.head_dim).transpose(1, 2).chunk(2, dim=1)
+        q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k, v = (z.transpose(1, 2) for z in self.kv(x).view(b, t, -1, 2, self.head_dim).unbind(3))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
@@ -211,7 +213,8 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        # gate and up rows interleave (gate_j, up_j), so a column-wise split keeps pairs together
+        gate, up = self.gate_up(x).unflatten(-1, (-1, 2)).unbind(-1)
         return self.down(F.silu(gate) * up)
 
 

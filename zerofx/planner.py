@@ -270,10 +270,11 @@ class Plan:
         )
         if self.device_memory is not None:
             fit = "fits" if self.fits else "DOES NOT FIT"
-            lines.append(
-                f"device memory {_gib(self.device_memory)}: {fit}; largest batch {self.max_batch} (at seq "
-                f"{self.seq}), largest seq {self.max_seq} (at batch {self.batch})"
-            )
+            if self.max_batch is None and self.max_seq is None:  # tensor parallelism: traced at the given sizes
+                solved = "largest batch and seq not solved (tensor parallelism: plan the sizes you want to check)"
+            else:
+                solved = f"largest batch {self.max_batch} (at seq {self.seq}), largest seq {self.max_seq} (at batch {self.batch})"
+            lines.append(f"device memory {_gib(self.device_memory)}: {fit}; {solved}")
             if not self.fits:
                 lines.append(self.advice())
         for alt in self.alternatives:
@@ -383,6 +384,8 @@ def plan(
     compare: bool = False,
     depth_kwarg: str | None = None,
     exact: bool = False,
+    tensor_parallel: int = 1,
+    tp_plan: Callable[[nn.Module], dict] | None = None,
     **options: Any,
 ) -> Plan:
     """Plan one training step of ``model_fn()`` sharded by zerofx over ``mesh_shape`` (module docstring).
@@ -396,7 +399,11 @@ def plan(
     ``compare``: also plan each memory option that changes the answer; ``depth_kwarg``: the
     factory keyword that sets the number of identical blocks (built-ins: ``n_layer``): deeper
     models are planned from traces of 3 and 4 blocks (NOTE: planning by depth) unless ``exact``;
-    ``options``: those of
+    ``tensor_parallel``: the size of a tensor-parallel dimension inside each node next to
+    ``mesh_shape``'s data-parallel one (1-D: ``(dp,)``; the job has dp·tp ranks): the model is
+    parallelized with ``tp_plan(model)`` (default ``zerofx.tensor_parallel.plan_for``) and zerofx
+    shards over dp (zerofx/sharding.py, NOTE: ZeRO with tensor parallelism); its collectives are
+    reported under "tp"; ``options``: those of
     ``zerofx.compile``. Runs in a process without a process group (it simulates one), and resets
     dynamo's caches (``torch._dynamo.reset()``) before each trace: plan before compiling anything
     you keep in the same process."""
@@ -410,6 +417,17 @@ def plan(
     mesh_shape = tuple(int(n) for n in mesh_shape)
     if len(mesh_shape) not in (1, 2) or min(mesh_shape) < 1:
         raise ZeroFXError(f"mesh {mesh_shape}: give (world,) or (replicate, shard), e.g. --mesh 128x8")
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ZeroFXError(f"tensor_parallel={tensor_parallel!r}: give the tensor-parallel size, an int >= 1")
+    if tensor_parallel > 1:
+        if len(mesh_shape) != 1:
+            raise ZeroFXError(
+                f"mesh {mesh_shape} with tensor_parallel={tensor_parallel}: zerofx shards over one data-parallel "
+                "dimension next to tensor parallelism; give the data-parallel size alone (--mesh 64 --tp 8)"
+            )
+        if world_size is not None and world_size % tensor_parallel == 0 and mesh_shape == (world_size,):
+            mesh_shape = (world_size // tensor_parallel,)  # --world-size counts every rank
+        mesh_shape = (*mesh_shape, tensor_parallel)
     world = math.prod(mesh_shape)
     if world_size is not None and world_size != world:
         raise ZeroFXError(
@@ -417,12 +435,13 @@ def plan(
             "mesh dimensions multiply to --world-size"
         )
     if global_batch is not None:
-        if global_batch % world:
+        dp = world // tensor_parallel  # the ranks of a tensor-parallel group share their sequences
+        if global_batch % dp:
             raise ZeroFXError(
-                f"global batch {global_batch} is not divisible by the data-parallel size {world}: give a multiple "
-                f"of {world} (e.g. {world * max(1, global_batch // world)}) or --batch per rank"
+                f"global batch {global_batch} is not divisible by the data-parallel size {dp}: give a multiple "
+                f"of {dp} (e.g. {dp * max(1, global_batch // dp)}) or --batch per rank"
             )
-        batch = global_batch // world
+        batch = global_batch // dp
     if batch < 1:
         raise ZeroFXError(f"batch {batch}: give at least one sequence per rank")
     memory = _parse_memory(device_memory)
@@ -437,7 +456,9 @@ def plan(
     name = model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", type(model_fn).__name__)
     request = _Request(
         factory, name, mesh_shape, example_inputs_fn, batch, seq, device, rates, backend, gpus_per_node, memory,
-        optimizer, memory is not None, options,
+        # symbolic batch and sequence sizes do not pass through DTensor's sharding of the sequence
+        # yet: with tensor parallelism the plan is traced at the given sizes and solves no maximum
+        optimizer, memory is not None and tensor_parallel == 1, options, tensor_parallel, tp_plan,
     )  # fmt: skip
     depth = _depth(model_fn, factory_kwargs, depth_kwarg)
     if depth is not None and not exact and depth[1] > TRACED_DEPTHS[1]:
@@ -584,13 +605,18 @@ class _Request:
     optimizer: str | Callable
     symbolic: bool
     options: dict[str, Any]
+    tensor_parallel: int = 1  # > 1: mesh_shape is (dp, tp)
+    tp_plan: Callable | None = None
 
 
 def _plan_once(req: _Request) -> Plan:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
-    dims = ("shard",) if len(req.mesh_shape) == 1 else ("replicate", "shard")
+    if req.tensor_parallel > 1:
+        dims: tuple[str, ...] = ("shard", "tp")
+    else:
+        dims = ("shard",) if len(req.mesh_shape) == 1 else ("replicate", "shard")
     options = dict(req.options)
     options.setdefault("calibrate", False)
     if options.get("offload_optimizer") in ("disk", "auto"):
@@ -640,7 +666,12 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     inputs_fn = req.example_inputs_fn or _default_inputs(model)
     # what a real compile decides with (default constants; accelerator rates for a GPU target)
     decide = CostModel(comm=CommModel(), device=None if device == "cpu" else DeviceModel())
-    _compile(model, mesh["shard"] if len(mesh_shape) == 1 else mesh, None, options, cost=decide, keep_graphs=True)
+    if req.tensor_parallel > 1:
+        from zerofx.tensor_parallel import parallelize, plan_for
+
+        parallelize(model, mesh["tp"], (req.tp_plan or plan_for)(model))
+    dp_mesh = mesh["shard"] if len(dims) == 1 or req.tensor_parallel > 1 else mesh
+    _compile(model, dp_mesh, None, options, cost=decide, keep_graphs=True)
     opt = _make_optimizer(list(model.parameters()), req.optimizer)
     hints = (max(batch, 2), max(seq, 3)) if symbolic else (batch, seq)
     args, kwargs = _split(inputs_fn(*hints))
@@ -672,8 +703,10 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
         comm_bytes.setdefault(kind, {}).setdefault(dim, 0)
         comm_bytes[kind][dim] += int(hint(nbytes))
 
+    inner = mesh_shape[-1] * (mesh_shape[0] if req.tensor_parallel > 1 else 1)  # ranks the shard dim spans
     links = {
-        "shard": _link("intra" if mesh_shape[-1] <= req.gpus_per_node else "inter"),
+        "tp": _link("intra"),  # tensor parallelism stays inside a node
+        "shard": _link("intra" if inner <= req.gpus_per_node else "inter"),
         "replicate": _link("inter"),
         "all": _link("inter"),
     }

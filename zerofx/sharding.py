@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils._pytree import tree_map
 
 from zerofx.errors import ZeroFXError
+from zerofx.ir.collectives import name_mesh_dims
 from zerofx.ir.layout import local_rows, row_offset
 from zerofx.options import Options
 from zerofx.runtime.local_step import install as install_local_step
@@ -345,6 +346,7 @@ def _flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
         with unset_fake_temporarily():  # the mesh's rank tensor is real, also under zerofx.plan's fake mode
             _FLAT_MESHES[id(mesh)] = (mesh, mesh._flatten())
+            name_mesh_dims(_FLAT_MESHES[id(mesh)][1], ("whole mesh",))
     return _FLAT_MESHES[id(mesh)][1]
 
 
@@ -375,9 +377,12 @@ _SPMD_MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] =
 
 def _spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     """The (dp, tp) mesh of the optimizer's DTensors, made once per pair of meshes."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     key = (id(dp_mesh), id(tp_mesh))
     if key not in _SPMD_MESHES:  # the meshes are kept too, so their ids are never reused
-        _SPMD_MESHES[key] = (dp_mesh, tp_mesh, DeviceMesh._concatenate([dp_mesh, tp_mesh]))
+        with unset_fake_temporarily():  # the meshes' rank tensors are real, also under zerofx.plan's fake mode
+            _SPMD_MESHES[key] = (dp_mesh, tp_mesh, DeviceMesh._concatenate([dp_mesh, tp_mesh]))
     return _SPMD_MESHES[key][2]
 
 
@@ -401,7 +406,10 @@ def _on_dp_and_tp(
     if isinstance(dp_placement, Shard) and any(isinstance(p, Shard) and p.dim == 0 for p in tp_placements):
         dp_placement = _StridedShard(0, split_factor=tp_mesh.size())
     placements = (dp_placement, *tp_placements)
-    expected, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # index arithmetic on the mesh's (real) rank tensor
+        expected, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
     if tuple(expected) != tuple(local.shape):
         raise ZeroFXError(
             f"{qualname}: its tensor-parallel share {tuple(shape)} -> {tuple(local.shape)} rows per rank after "
@@ -490,18 +498,22 @@ def _tp_mesh_of(
     # DeviceMesh caches slices by value, so two init_device_mesh calls of one layout share them:
     # what must hold is that both are slices of one layout, crossing each other (every (dp, tp)
     # coordinate one rank), which concatenating them checks
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     problem = None
-    if tp_mesh._get_root_mesh() != mesh._get_root_mesh():
-        problem = "their root meshes differ"
-    else:
-        try:
-            _spmd_mesh(mesh, tp_mesh)
-        except RuntimeError as e:
-            problem = str(e)
+    with unset_fake_temporarily():
+        if tp_mesh._get_root_mesh() != mesh._get_root_mesh():
+            problem = "their root meshes differ"
+        else:
+            try:
+                _spmd_mesh(mesh, tp_mesh)
+            except RuntimeError as e:
+                problem = str(e)
+        ranks = (tp_mesh.mesh.tolist(), mesh.mesh.tolist())
     if problem is not None:
         raise ZeroFXError(
-            f"{name} is tensor-parallel on mesh {tp_mesh.mesh_dim_names} {tp_mesh.mesh.tolist()}, which is not the "
-            f"other dimension of the data-parallel mesh {mesh.mesh_dim_names} {mesh.mesh.tolist()} zerofx was "
+            f"{name} is tensor-parallel on mesh {tp_mesh.mesh_dim_names} {ranks[0]}, which is not the "
+            f"other dimension of the data-parallel mesh {mesh.mesh_dim_names} {ranks[1]} zerofx was "
             f"given ({problem}): were they made by different init_device_mesh calls? Slice both from one mesh "
             "(mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); parallelize on mesh['tp'], "
             "pass mesh['dp'])"
@@ -535,6 +547,9 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     if tp_mesh is not None and on_meta:
         raise ZeroFXError("a tensor-parallel model built on the meta device: materialize it before zerofx.shard")
     mesh = resolve_mesh(model, mesh, on_meta)
+    name_mesh_dims(mesh, ("dp",) if mesh.ndim == 1 else ("replicate", "shard"))
+    if tp_mesh is not None:
+        name_mesh_dims(tp_mesh, ("tp",))
     if opts.secondary_shard:
         _flat_mesh(mesh)  # a 1-D mesh is an error here, before anything changes
     full_precision = _full_precision_params(model, opts)

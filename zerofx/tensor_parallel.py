@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import (
 
 from zerofx.errors import ZeroFXError
 
-__all__ = ["gpt_plan", "hf_plan", "parallelize"]
+__all__ = ["gpt_plan", "llama_plan", "hf_plan", "plan_for", "parallelize"]
 
 
 def gpt_plan(model: nn.Module, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
@@ -86,6 +86,63 @@ def gpt_plan(model: nn.Module, sequence_parallel: bool = True) -> dict[str, Para
                 }
             )
     return plan
+
+
+def llama_plan(model: nn.Module, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
+    """Tensor parallelism for ``zerofx.models.Llama`` (dense MLPs; the shapes ``zerofx plan``
+    builds for Llama 3): q and kv column-wise (whole heads per rank: kv's rows are head-major;
+    the TP size must divide the KV heads), o row-wise; the SwiGLU's fused gate/up column-wise
+    (its rows interleave gate and up), down row-wise; embedding row-wise, ``lm_head`` column-wise
+    with its logits gathered. ``sequence_parallel``: as in ``gpt_plan`` (RMSNorms on each rank's
+    positions)."""
+    if any(getattr(block.mlp, "n_experts", 0) for block in model.blocks):
+        raise ZeroFXError("llama_plan: mixture-of-experts MLPs have no tensor-parallel plan here (expert parallelism)")
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    for i in range(len(model.blocks)):
+        b = f"blocks.{i}"
+        plan.update(
+            {
+                f"{b}.attn.q": ColwiseParallel(),
+                f"{b}.attn.kv": ColwiseParallel(),
+                f"{b}.attn.o": RowwiseParallel(output_layouts=seq),
+                f"{b}.mlp.gate_up": ColwiseParallel(),
+                f"{b}.mlp.down": RowwiseParallel(output_layouts=seq),
+            }
+        )
+        if sequence_parallel:
+            gathered = (Replicate(), None, None)  # (x, cos, sin): the rotary tables are plain tensors
+            plan.update(
+                {
+                    f"{b}.attn_norm": SequenceParallel(),
+                    f"{b}.attn": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=gathered),
+                    f"{b}.mlp_norm": SequenceParallel(),
+                    f"{b}.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                }
+            )
+    return plan
+
+
+def plan_for(model: nn.Module) -> dict[str, ParallelStyle]:
+    """The plan of this module for ``model``: ``gpt_plan`` / ``llama_plan`` for zerofx's own
+    models, ``hf_plan`` for an HF transformers model that declares one."""
+    from zerofx.models import GPT, Llama
+
+    if isinstance(model, GPT):
+        return gpt_plan(model)
+    if isinstance(model, Llama):
+        return llama_plan(model)
+    if getattr(model, "_tp_plan", None):
+        return hf_plan(model)
+    raise ZeroFXError(
+        f"no tensor-parallel plan for {type(model).__name__}: zerofx.tensor_parallel knows zerofx's GPT and Llama "
+        "and HF models that declare base_model_tp_plan; pass a plan for parallelize_module"
+    )
 
 
 # HF transformers' plan strings (``config.base_model_tp_plan``, ``model._tp_plan``) -> torch styles
