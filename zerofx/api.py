@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 
 from zerofx.backend import make_backend, recorder_for
 from zerofx.dump import Recorder
@@ -184,7 +185,10 @@ def gathered(model: nn.Module) -> Iterator[Gathered]:
             if state.full is not None:  # stages 1 and 2: the whole copy forward already reads
                 whole[state] = state.full
                 continue
-            value = state.param.full_tensor()  # an all-gather unless the parameter is kept whole
+            if state.param.device_mesh.ndim == 2 and runtime.tp_mesh is not None:  # (dp, tp): the TP share
+                value = state.param.redistribute(placements=(Replicate(), *state.param.placements[1:])).to_local()
+            else:
+                value = state.param.full_tensor()  # an all-gather unless the parameter is kept whole
             if state.compute_dtype is not None:
                 value = value.to(state.compute_dtype)
             whole[state] = value
