@@ -32,6 +32,8 @@ CALLS = [
     ("collective_bytes", {"model": "gpt"}),
     ("collective_bytes", {"model": "llama"}),
     ("errors", {}),
+    ("explain", {"model": "gpt"}),
+    ("gathered", {"model": "gpt"}),
 ]
 
 
@@ -155,3 +157,38 @@ def test_bad_inputs_are_clear_errors(results, case, message):
     for r in _ok(results, "errors"):
         assert r[case].startswith("ZeroFXError"), r[case]
         assert re.search(message, r[case]), r[case]
+
+
+def test_the_dump_labels_every_collective_with_its_mesh_dimension(results):
+    lines = _ok(results, "explain", model="gpt")[0]
+    collectives = [line for line in lines if line.startswith("collective")]
+    assert collectives and all(" on dp:" in line or " on tp:" in line for line in collectives), collectives
+    # the TP plan's collectives are listed with the traced graph (input), zerofx's with its passes
+    assert any(" on tp:" in line for line in collectives)
+    assert any(line.startswith("collective all_gather") and " on dp:" in line for line in collectives)
+
+
+def test_the_planner_predicts_the_2x2_run(results):
+    """``zerofx.plan`` with ``tensor_parallel=2`` (a fake process group in this process) against
+    what the 4 ranks measured: model state per rank and collective bytes per mesh dimension."""
+    from zerofx.planner import plan
+
+    p = plan(tp_scenarios.gpt, (2,), tensor_parallel=2, batch=tp_scenarios.PER_DP_RANK, seq=16, device="cpu")
+    assert p.world_size == 4 and p.mesh == {"shard": 2, "tp": 2}
+    measured = _ok(results, "memory", model="gpt", stage=3)[0]
+    assert p.per_rank.params_bytes == 4 * measured["params"]
+    assert p.per_rank.grad_bytes == 4 * measured["params"]
+    comm = _ok(results, "collective_bytes", model="gpt")[0]
+    for kind, dims in p.comm_bytes_per_step.items():
+        for dim, nbytes in dims.items():
+            dim = "dp" if dim == "shard" else dim
+            ran = comm["forward"].get(dim, {}).get(kind, 0) + comm["backward"].get(dim, {}).get(kind, 0)
+            assert nbytes == ran, (kind, dim)
+    assert set(p.comm_bytes_per_step["all_gather"]) == {"shard", "tp"}
+
+
+def test_inference_inside_gathered_reads_each_rank_tp_share(results):
+    for r in _ok(results, "gathered", model="gpt"):
+        assert r["shape"] == [2, 16, 64]  # the logits of this rank's sequences, the whole vocabulary
+        assert r["max_diff"] == 0.0  # eager DTensor ops vs the compiled graphs (aten executor): the same kernels
+        assert r["nbytes"] > 0

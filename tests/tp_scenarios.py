@@ -257,6 +257,47 @@ def collective_bytes(model: str) -> dict:
     }
 
 
+def explain(model: str) -> list[str]:
+    """The collective lines of ``zerofx.explain``'s report on the TP model."""
+    factory, plan, loss_fn = MODELS[model]
+    mesh = mesh_2x2()
+    base = factory()
+    ours = parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
+    zerofx.compile(ours, mesh["dp"])
+    x, y = batches(1, 2)[0]
+    dp_rank = mesh.get_local_rank("dp")
+
+    class Loss(torch.nn.Module):  # explain() calls its model with the example inputs
+        def __init__(self):
+            super().__init__()
+            self.inner = ours
+
+        def forward(self, x, y):
+            return loss_fn(self.inner, x, y)
+
+    report = zerofx.explain(Loss(), _mine(x, dp_rank), _mine(y, dp_rank))
+    return [line.strip() for line in report.splitlines() if line.strip().startswith(("collective", "input", "gather"))]
+
+
+def gathered(model: str) -> dict:
+    """Inference inside ``zerofx.gathered`` (each rank's TP share gathered over dp once) against
+    the compiled forward: the same logits."""
+    factory, plan, loss_fn = MODELS[model]
+    mesh = mesh_2x2()
+    base = factory()
+    ours = parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
+    zerofx.compile(ours, mesh["dp"])
+    x, _ = batches(1, 2)[0]
+    x = _mine(x, mesh.get_local_rank("dp"))
+    with torch.no_grad():
+        compiled = ours(x)
+        with zerofx.gathered(ours) as g:
+            eager = ours(x)
+    compiled = compiled.logits if hasattr(compiled, "logits") else compiled
+    eager = eager.logits if hasattr(eager, "logits") else eager
+    return {"max_diff": float((compiled - eager).abs().max()), "nbytes": g.nbytes, "shape": list(eager.shape)}
+
+
 def errors() -> dict:
     """Each bad input, and the first line of the error it raised (or 'no error')."""
     results = {}
