@@ -140,4 +140,4 @@ def schedule_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-PASS = Pass("schedule", schedule_pass, kinds=("forward", "backward", "inference"), reads=(), writes=())
+PASS = Pass("schedule", schedule_pass, kinds=("forward", "backward", "inference"), reads=(ROLE,), writes=())

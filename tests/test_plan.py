@@ -164,6 +164,9 @@ def test_cli_writes_json_with_the_documented_keys(tmp_path):
         (dict(model_fn=build, mesh_shape=(8,), global_batch=12), "not divisible by the data-parallel size 8"),
         (dict(model_fn=build, mesh_shape=(2,), seq=64), "longer than the model's 32 positions"),
         (dict(model_fn=build, mesh_shape=(2,), device="tpu9"), "unknown device 'tpu9'"),
+        (dict(model_fn=build, mesh_shape=(2, 2), tensor_parallel=2), "one data-parallel dimension next to tensor"),
+        (dict(model_fn=build, mesh_shape=(2,), tensor_parallel=0), "tensor_parallel=0: give the tensor-parallel size"),
+        (dict(model_fn=build, mesh_shape=(4,), tensor_parallel=2, global_batch=6), "data-parallel size 4"),
     ],
 )
 def test_bad_input_is_one_clear_error(kwargs, message):
