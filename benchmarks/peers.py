@@ -279,8 +279,12 @@ def _held_step(model, opt, x, y) -> set[int]:
     return held
 
 
-def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
+def prepare(method: str, setup: Setup, rank: int, world: int, mesh, build=None) -> Prepared:
     """Build ``method``'s model, compile (first step), warm up, and measure memory and bytes.
+
+    ``build(method, cfg, mesh, size)`` makes the model (default: this module's ``_build``;
+    benchmarks/tp.py passes its tensor-parallel one); ``rank`` and ``world`` choose this rank's
+    slice of the batches (the data-parallel rank and size).
 
     Memory: each of ``MEMORY_STEPS`` steady-state steps is traced; the step's peak is the most
     bytes alive during it, counted from before the model was built (so model state, optimizer
@@ -300,7 +304,7 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
     x, y = batches[0][0][mine], batches[0][1][mine]
     gc.collect()
     with AllocationTrace() as trace:
-        model = _build(method, cfg, mesh, setup.size)
+        model = (build or _build)(method, cfg, mesh, setup.size)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if method == "deepspeed":
             model, opt = _deepspeed(model, opt, setup.batch)
@@ -312,7 +316,7 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh) -> Prepared:
             _step(model, opt, x, y)
         held = _held_step(model, opt, x, y)
         gc.collect()  # compilation leaves reference cycles holding tensors; not a step's cost
-        spans = []
+        spans, comm_bytes = [], None
         for i in range(MEMORY_STEPS):
             t0 = trace.mark()
             # collectives are counted over the whole step: ZeRO-1/2 refresh their whole copies
@@ -370,34 +374,41 @@ def result(p: Prepared) -> dict:
     }
 
 
+def measure_methods(setup: Setup, rank: int, world: int, mesh, build=None) -> dict:
+    """Every method of ``setup`` prepared (``prepare``: ``rank``/``world`` pick the batch slice,
+    ``build`` the model), then timed interleaved; a method that failed on any rank is an error
+    row on all of them. Method -> ``result`` (or ``{"error": ...}``)."""
+    out, prepared = {}, {}
+    for method in setup.methods:
+        try:
+            prepared[method] = prepare(method, setup, rank, world, mesh, build)
+        except Exception:
+            out[method] = {"error": traceback.format_exc(limit=6)}
+        dist.barrier()
+    # A method that failed on one rank must not run on the others (its collectives would hang).
+    ok = torch.tensor([1 if m in prepared else 0 for m in setup.methods])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    for m, flag in zip(setup.methods, ok.tolist()):
+        if not flag and m in prepared:
+            del prepared[m]
+            out[m] = {"error": "failed on another rank"}
+    time_round_robin(prepared, setup.steps)
+    for m, p in prepared.items():
+        out[m] = result(p)
+        if dist.get_rank() == 0:
+            print(f"  [{setup.size} w{dist.get_world_size()}] {m}: {out[m]['step_s'] * 1e3:.1f} ms", flush=True)
+    return {m: out[m] for m in setup.methods}
+
+
 def _rank_main(setup: Setup) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
-    out, prepared = {}, {}
     try:
-        for method in setup.methods:
-            try:
-                prepared[method] = prepare(method, setup, rank, world, mesh)
-            except Exception:
-                out[method] = {"error": traceback.format_exc(limit=6)}
-            dist.barrier()
-        # A method that failed on one rank must not run on the others (its collectives would hang).
-        ok = torch.tensor([1 if m in prepared else 0 for m in setup.methods])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        for m, flag in zip(setup.methods, ok.tolist()):
-            if not flag and m in prepared:
-                del prepared[m]
-                out[m] = {"error": "failed on another rank"}
-        time_round_robin(prepared, setup.steps)
-        for m, p in prepared.items():
-            out[m] = result(p)
-            if rank == 0:
-                print(f"  [{setup.size} w{world}] {m}: {out[m]['step_s'] * 1e3:.1f} ms", flush=True)
+        return measure_methods(setup, rank, world, mesh)
     finally:
         dist.destroy_process_group()
-    return {m: out[m] for m in setup.methods}
 
 
 def run_world(setup: Setup, world: int) -> list[dict]:

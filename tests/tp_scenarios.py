@@ -51,7 +51,7 @@ def gpt(seed: int = 0) -> GPT:
     return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
 
 
-def llama(seed: int = 0):
+def llama(seed: int = 0, kv_heads: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -60,7 +60,7 @@ def llama(seed: int = 0):
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=32,
         tie_word_embeddings=False,
     )
@@ -74,6 +74,8 @@ MODELS: dict[str, tuple[Callable, Callable, Callable]] = {
     "gpt": (gpt, gpt_plan, lambda m, x, y: m(x, y)),
     "gpt-no-sp": (gpt, lambda m: gpt_plan(m, sequence_parallel=False), lambda m, x, y: m(x, y)),
     "llama": (llama, hf_plan, lambda m, x, y: m(input_ids=x, labels=y).loss),
+    # as many KV heads as query heads: HF's plan shards whole KV heads, so tp=4 needs 4 of them
+    "llama-kv4": (lambda seed=0: llama(seed, kv_heads=4), hf_plan, lambda m, x, y: m(input_ids=x, labels=y).loss),
 }
 
 
@@ -350,6 +352,112 @@ def errors() -> dict:
     attempt("tp_dim_without_plan", tp_dim_without_plan)
     attempt("tied_differently", tied_differently)
     return results
+
+
+# --- checkpoints across layouts (DCP) --------------------------------------------------------
+# The (2, 2) run's global batch of PER_DP_RANK * 2 sequences is what every layout trains on: each
+# data-parallel rank takes its equal slice, so the mean over dp of the per-rank mean losses is
+# the global batch's mean loss in every layout.
+GLOBAL_BATCH = PER_DP_RANK * 2
+# (dp, tp) of each layout a checkpoint loads into; tp=None: a plain 1-D zerofx model, no TP plan
+LAYOUTS = {"2x2": (2, 2), "dp4": (4, None), "tp4": (1, 4)}
+_FLAT: dict = {}
+
+
+def _layout(model: str, layout: str, stage: int, seed: int):
+    """``model`` (factory seed ``seed``) in ``layout``, zerofx-compiled at ``stage``: (module,
+    loss_fn, dp mesh)."""
+    factory, plan, loss_fn = MODELS[model]
+    dp, tp = LAYOUTS[layout]
+    base = factory(seed)
+    if tp is None:
+        if dp not in _FLAT:
+            _FLAT[dp] = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
+        dp_mesh = _FLAT[dp]
+    else:
+        mesh = mesh_2x2(dp, tp)
+        parallelize(base, mesh["tp"], plan(base))
+        dp_mesh = mesh["dp"]
+    return zerofx.compile(base, dp_mesh, stage=stage), loss_fn, dp_mesh
+
+
+def _train(model, opt, loss_fn, dp_mesh, steps) -> list[float]:
+    """One AdamW step per batch of ``steps`` (each a global batch); the global mean losses."""
+    per = GLOBAL_BATCH // dp_mesh.size()
+    rank = dp_mesh.get_local_rank()
+    losses = []
+    for x, y in steps:
+        loss = loss_fn(model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().float().clone()
+        dist.all_reduce(t, group=dp_mesh.get_group())
+        losses.append(float(t) / dp_mesh.size())
+    return losses
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def _full_state(model, opt) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer state tensor, whole (a collective), by parameter name."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = _full(p)
+        for key, value in opt.state.get(p, {}).items():
+            out[f"{name}:{key}"] = _full(value)
+    return out
+
+
+def checkpoint_layouts(model: str, folder: str, stage: int = 3, loads: tuple = (("2x2", 3),)) -> dict:
+    """Train 2 steps on (dp=2, tp=2) at ``stage``, save with zerofx.checkpoint.save, keep each
+    parameter and optimizer state tensor whole, then train 2 more steps (the uninterrupted
+    losses). Each ``(layout, stage)`` of ``loads`` then builds the model afresh from another
+    seed, loads the checkpoint and trains the same 2 steps: what the tests compare."""
+    from pathlib import Path
+
+    import zerofx.checkpoint
+
+    vocab = 64
+    steps = batches(4, GLOBAL_BATCH // PER_DP_RANK, vocab=vocab)
+    path = Path(folder) / f"{model}-stage{stage}"
+    ours, loss_fn, dp_mesh = _layout(model, "2x2", stage, seed=0)
+    opt = torch.optim.AdamW(ours.parameters(), lr=LR)
+    first = _train(ours, opt, loss_fn, dp_mesh, steps[:2])
+    zerofx.checkpoint.save(path, ours, opt, extra={"step": 2})
+    saved = _full_state(ours, opt)
+    out: dict[str, Any] = {"first": first, "uninterrupted": _train(ours, opt, loss_fn, dp_mesh, steps[2:])}
+    out["saved"] = sorted(saved)
+    torch._dynamo.reset()
+    for layout, load_stage in loads:
+        model_, loss_fn, dp_mesh = _layout(model, layout, load_stage, seed=1)
+        opt = torch.optim.AdamW(model_.parameters(), lr=LR)
+        differs_before = sorted(
+            k for k, v in _full_state(model_, opt).items() if k in saved and not torch.equal(v, saved[k])
+        )
+        extra = zerofx.checkpoint.load(path, model_, opt)
+        loaded = _full_state(model_, opt)
+        out[f"{layout}/stage{load_stage}"] = {
+            "extra": extra,
+            "keys": sorted(loaded),
+            "differs_before": differs_before,
+            "differs": sorted(k for k in saved if k not in loaded or not torch.equal(loaded[k], saved[k])),
+            "losses": _train(model_, opt, loss_fn, dp_mesh, steps[extra["step"] :]),
+        }
+        del model_, opt
+        torch._dynamo.reset()
+    return out
+
+
+def heads_not_divisible() -> str:
+    """The test Llama (2 KV heads) parallelized over 4 TP ranks: the error it raised."""
+    try:
+        parallelize(llama(), mesh_2x2(1, 4)["tp"], hf_plan(llama()))
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 def run(rank: int, world: int, calls: list[tuple[str, dict]]) -> dict:

@@ -179,9 +179,30 @@ def hf_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     return {path: _HF_STYLES[style]() for path, style in plan.items()}
 
 
+def _check_heads(model: nn.Module, tp: int, plan: dict[str, Any]) -> None:
+    """Column-wise attention projections give each TP rank ``heads / tp`` whole heads (HF's
+    plans and ``gpt_plan`` alike), so ``tp`` must divide the query and the key/value heads:
+    otherwise the first forward's reshape into heads fails deep inside the model. Checked when
+    the plan has a column-wise style on a module path naming attention."""
+    if not any(isinstance(style, ColwiseParallel) and "attn" in path for path, style in plan.items()):
+        return
+    config = getattr(model, "config", None)  # HF
+    counts = {f"config.{a}": getattr(config, a, None) for a in ("num_attention_heads", "num_key_value_heads")}
+    cfg = getattr(model, "cfg", None)  # zerofx.models.GPT
+    counts.update({f"cfg.{a}": getattr(cfg, a, None) for a in ("n_head", "n_kv_head")})
+    for name, n in counts.items():
+        if isinstance(n, int) and n > 0 and n % tp:
+            raise ZeroFXError(
+                f"{type(model).__name__}: {name}={n} is not divisible by the tensor-parallel size {tp}: the "
+                f"plan's column-wise attention projections would split a head across ranks; use a TP size "
+                f"dividing {n}"
+            )
+
+
 def parallelize(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Any]) -> nn.Module:
-    """``parallelize_module(model, tp_mesh, plan)``, keeping tied parameters tied (see the
-    module docstring). Returns ``model``."""
+    """``parallelize_module(model, tp_mesh, plan)``, keeping tied parameters tied and checking
+    that the TP size divides the attention heads (see the module docstring). Returns ``model``."""
+    _check_heads(model, tp_mesh.size(), plan)
     tied: list[list[tuple[nn.Module, str, str]]] = []  # per shared parameter: (module, attribute, qualified name)
     owners: dict[int, list[tuple[nn.Module, str, str]]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
