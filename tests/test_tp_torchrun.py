@@ -56,7 +56,6 @@ def ranks(tmp_path_factory) -> dict:
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "GLOO_SOCKET_IFNAME": "lo",  # gloo binds to the loopback interface: both "nodes" are here
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
     procs = []
     try:

@@ -19,8 +19,10 @@ import os
 import sys
 import traceback
 
-if __package__ in (None, ""):  # run as a script by torchrun: make `tests` and `zerofx` importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script by torchrun: make `tests` importable
+    # appended, not prepended (as pytest's --import-mode=append): in the source tree zerofx/ lacks
+    # zerofx.passes and zerofx.codegen, so the repository root must not shadow the installed package
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK")
 DEFAULT_CASES = ("gpt:3", "llama:3")
