@@ -29,6 +29,7 @@ this module adds:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -67,25 +68,21 @@ def gpt_plan(model: nn.Module, sequence_parallel: bool = True) -> dict[str, Para
     }
     if sequence_parallel:
         plan["ln_f"] = SequenceParallel()
-    for i in range(len(model.blocks)):
-        b = f"blocks.{i}"
-        plan.update(
+    block: dict[str, Callable[[], ParallelStyle]] = {
+        "attn.qkv": ColwiseParallel,
+        "attn.proj": lambda: RowwiseParallel(output_layouts=seq),
+        "fc": lambda: ColwiseParallel(input_layouts=seq),
+        "out": lambda: RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        block.update(
             {
-                f"{b}.attn.qkv": ColwiseParallel(),
-                f"{b}.attn.proj": RowwiseParallel(output_layouts=seq),
-                f"{b}.fc": ColwiseParallel(input_layouts=seq),
-                f"{b}.out": RowwiseParallel(output_layouts=seq),
+                "ln1": SequenceParallel,
+                "attn": lambda: PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                "ln2": SequenceParallel,
             }
         )
-        if sequence_parallel:
-            plan.update(
-                {
-                    f"{b}.ln1": SequenceParallel(),
-                    f"{b}.attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                    f"{b}.ln2": SequenceParallel(),
-                }
-            )
-    return plan
+    return plan | _every_block(model, block)
 
 
 def llama_plan(model: nn.Module, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
@@ -104,28 +101,30 @@ def llama_plan(model: nn.Module, sequence_parallel: bool = True) -> dict[str, Pa
     }
     if sequence_parallel:
         plan["norm"] = SequenceParallel()
-    for i in range(len(model.blocks)):
-        b = f"blocks.{i}"
-        plan.update(
+    block: dict[str, Callable[[], ParallelStyle]] = {
+        "attn.q": ColwiseParallel,
+        "attn.kv": ColwiseParallel,
+        "attn.o": lambda: RowwiseParallel(output_layouts=seq),
+        "mlp.gate_up": ColwiseParallel,
+        "mlp.down": lambda: RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        gathered = (Replicate(), None, None)  # (x, cos, sin): the rotary tables are plain tensors
+        block.update(
             {
-                f"{b}.attn.q": ColwiseParallel(),
-                f"{b}.attn.kv": ColwiseParallel(),
-                f"{b}.attn.o": RowwiseParallel(output_layouts=seq),
-                f"{b}.mlp.gate_up": ColwiseParallel(),
-                f"{b}.mlp.down": RowwiseParallel(output_layouts=seq),
+                "attn_norm": SequenceParallel,
+                "attn": lambda: PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=gathered),
+                "mlp_norm": SequenceParallel,
+                "mlp": lambda: PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
             }
         )
-        if sequence_parallel:
-            gathered = (Replicate(), None, None)  # (x, cos, sin): the rotary tables are plain tensors
-            plan.update(
-                {
-                    f"{b}.attn_norm": SequenceParallel(),
-                    f"{b}.attn": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=gathered),
-                    f"{b}.mlp_norm": SequenceParallel(),
-                    f"{b}.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                }
-            )
-    return plan
+    return plan | _every_block(model, block)
+
+
+def _every_block(model: nn.Module, block: dict[str, Callable[[], ParallelStyle]]) -> dict[str, ParallelStyle]:
+    """``block``'s styles for each of ``model.blocks`` (a fresh style object per module:
+    ``parallelize_module`` may keep state on them)."""
+    return {f"blocks.{i}.{name}": make() for i in range(len(model.blocks)) for name, make in block.items()}
 
 
 def plan_for(model: nn.Module) -> dict[str, ParallelStyle]:
