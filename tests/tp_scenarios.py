@@ -95,6 +95,11 @@ def _local_bytes(model) -> int:
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())
 
 
+def _tp_copy(base: torch.nn.Module, plan: Callable, mesh) -> torch.nn.Module:
+    """A copy of ``base`` parallelized on ``mesh["tp"]`` with ``plan`` (base itself stays whole)."""
+    return parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
+
+
 def batches(steps: int, dp: int, vocab: int = 64, seq: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1234)
     out = []
@@ -121,8 +126,8 @@ def parity(model: str, stage: int, steps: int = 3, clip: float | None = None, **
     dp_rank = mesh.get_local_rank("dp")
     base = factory()
     single = copy.deepcopy(base)
-    replica = parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
-    ours = parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
+    replica = _tp_copy(base, plan, mesh)
+    ours = _tp_copy(base, plan, mesh)
     zerofx.compile(ours, mesh["dp"], stage=stage, **options)
     exact = "param_dtype" not in options
     opt = torch.optim.AdamW(ours.parameters(), lr=LR)
@@ -167,7 +172,7 @@ def memory(model: str, stage: int) -> dict:
     factory, plan, loss_fn = MODELS[model]
     mesh = mesh_2x2()
     base = factory()
-    ours = parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
+    ours = _tp_copy(base, plan, mesh)
     tp_sharded = {n for n, p in ours.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()}
     zerofx.compile(ours, mesh["dp"], stage=stage)
     opt = torch.optim.AdamW(ours.parameters(), lr=LR)
@@ -217,8 +222,8 @@ def collective_bytes(model: str) -> dict:
     mesh = mesh_2x2()
     dp_rank = mesh.get_local_rank("dp")
     base = factory()
-    replica = parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
-    ours = parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
+    replica = _tp_copy(base, plan, mesh)
+    ours = _tp_copy(base, plan, mesh)
     psi_tp = _local_bytes(ours)
     zerofx.compile(ours, mesh["dp"])
     x, y = batches(1, 2)[0]
@@ -264,7 +269,7 @@ def explain(model: str) -> list[str]:
     factory, plan, loss_fn = MODELS[model]
     mesh = mesh_2x2()
     base = factory()
-    ours = parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
+    ours = _tp_copy(base, plan, mesh)
     zerofx.compile(ours, mesh["dp"])
     x, y = batches(1, 2)[0]
     dp_rank = mesh.get_local_rank("dp")
@@ -287,7 +292,7 @@ def gathered(model: str) -> dict:
     factory, plan, loss_fn = MODELS[model]
     mesh = mesh_2x2()
     base = factory()
-    ours = parallelize(copy.deepcopy(base), mesh["tp"], plan(base))
+    ours = _tp_copy(base, plan, mesh)
     zerofx.compile(ours, mesh["dp"])
     x, _ = batches(1, 2)[0]
     x = _mine(x, mesh.get_local_rank("dp"))

@@ -425,40 +425,10 @@ def _tp_mesh_of(
 ) -> tuple[DeviceMesh | None, DeviceMesh | None]:
     """(the data-parallel mesh zerofx shards over, the TP mesh of the model's DTensor parameters
     or None), with one clear error for each way the two can be mixed up."""
-    on = {}  # mesh (by value: parallelize_module may slice its own copy) -> (it, the first parameter on it)
-    for name, p in model.named_parameters():
-        if isinstance(p, DTensor):
-            on.setdefault(p.device_mesh, (p.device_mesh, name))
+    on = _dtensor_meshes(model)
+    tp_dim = _implied_tp_dim(on, mesh, tp_dim)
     if isinstance(mesh, DeviceMesh) and (tp_dim is not None or (on and mesh.ndim > 2)):
-        names = mesh.mesh_dim_names
-        if names is None:
-            raise ZeroFXError(
-                f"mesh: a {mesh.ndim}-D mesh {tuple(mesh.shape)} without dimension names; zerofx cannot tell its "
-                "data-parallel dimension from the others: build it with init_device_mesh(..., mesh_dim_names=("
-                "'dp', 'tp')) and pass mesh['dp'] (or the mesh and tp_dim='tp')"
-            )
-        if tp_dim is None:
-            raise ZeroFXError(
-                f"mesh: a {mesh.ndim}-D mesh {names}; pass the data-parallel submesh (mesh['dp']) or name the "
-                "tensor-parallel dimension with tp_dim="
-            )
-        if tp_dim not in names:
-            raise ZeroFXError(f"option tp_dim={tp_dim!r}: the mesh's dimensions are {names}")
-        rest = tuple(n for n in names if n != tp_dim)
-        if len(rest) != 1:
-            raise ZeroFXError(
-                f"option tp_dim={tp_dim!r} on mesh {names}: zerofx shards over one data-parallel dimension next to "
-                f"tensor parallelism, not {rest} (hybrid sharding with TP is not supported): pass mesh[{rest!r}] "
-                "flattened, or fewer dimensions"
-            )
-        tp_expected = mesh[tp_dim]
-        mesh = mesh[rest[0]]
-        if on and all(m is not tp_expected and m != tp_expected for m, _ in on.values()):
-            m, name = next(iter(on.values()))
-            raise ZeroFXError(
-                f"option tp_dim={tp_dim!r}: the model's tensor-parallel parameters ({name}, ...) live on mesh "
-                f"{m.mesh_dim_names}, not on that mesh's {tp_dim!r} dimension"
-            )
+        mesh = _data_parallel_dim(mesh, tp_dim, on)
     if not on:
         if tp_dim is not None:
             raise ZeroFXError(
@@ -483,8 +453,6 @@ def _tp_mesh_of(
         raise ZeroFXError(
             f"{name} is a DTensor on a {tp_mesh.ndim}-D mesh; zerofx composes with 1-D tensor parallelism"
         )
-    if mesh.ndim == 2 and tp_mesh.mesh_dim_names and set(tp_mesh.mesh_dim_names) <= set(mesh.mesh_dim_names or ()):
-        return _tp_mesh_of(model, mesh, tp_mesh.mesh_dim_names[0])
     if mesh.ndim != 1:
         raise ZeroFXError(
             f"mesh {tuple(mesh.shape)}: with tensor parallelism zerofx shards over one data-parallel dimension "
@@ -495,6 +463,67 @@ def _tp_mesh_of(
             f"{name} is tensor-parallel on mesh dimension {tp_mesh.mesh_dim_names}, the one zerofx was told to shard "
             "over: give zerofx the data-parallel dimension (mesh['dp']) and keep the TP plan on the other"
         )
+    _check_crossing(name, tp_mesh, mesh)
+    return mesh, tp_mesh
+
+
+def _dtensor_meshes(model: nn.Module) -> dict:
+    """The meshes of the model's DTensor parameters (by value: parallelize_module may slice its
+    own copy) -> (the mesh, the first parameter on it)."""
+    on = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            on.setdefault(p.device_mesh, (p.device_mesh, name))
+    return on
+
+
+def _implied_tp_dim(on: dict, mesh: DeviceMesh | None, tp_dim: str | None) -> str | None:
+    """``tp_dim``, or where a 2-D mesh was passed without it and the model's one TP mesh is one of
+    its named dimensions, that dimension's name."""
+    if tp_dim is not None or not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or len(on) != 1:
+        return tp_dim
+    tp_mesh, _ = next(iter(on.values()))
+    names = tp_mesh.mesh_dim_names
+    if tp_mesh.ndim == 1 and names and set(names) <= set(mesh.mesh_dim_names or ()):
+        return names[0]
+    return None
+
+
+def _data_parallel_dim(mesh: DeviceMesh, tp_dim: str | None, on: dict) -> DeviceMesh:
+    """The data-parallel dimension of a mesh of more than one dimension, named apart from ``tp_dim``."""
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ZeroFXError(
+            f"mesh: a {mesh.ndim}-D mesh {tuple(mesh.shape)} without dimension names; zerofx cannot tell its "
+            "data-parallel dimension from the others: build it with init_device_mesh(..., mesh_dim_names=("
+            "'dp', 'tp')) and pass mesh['dp'] (or the mesh and tp_dim='tp')"
+        )
+    if tp_dim is None:
+        raise ZeroFXError(
+            f"mesh: a {mesh.ndim}-D mesh {names}; pass the data-parallel submesh (mesh['dp']) or name the "
+            "tensor-parallel dimension with tp_dim="
+        )
+    if tp_dim not in names:
+        raise ZeroFXError(f"option tp_dim={tp_dim!r}: the mesh's dimensions are {names}")
+    rest = tuple(n for n in names if n != tp_dim)
+    if len(rest) != 1:
+        raise ZeroFXError(
+            f"option tp_dim={tp_dim!r} on mesh {names}: zerofx shards over one data-parallel dimension next to "
+            f"tensor parallelism, not {rest} (hybrid sharding with TP is not supported): pass mesh[{rest!r}] "
+            "flattened, or fewer dimensions"
+        )
+    tp_expected = mesh[tp_dim]
+    if on and all(m is not tp_expected and m != tp_expected for m, _ in on.values()):
+        m, name = next(iter(on.values()))
+        raise ZeroFXError(
+            f"option tp_dim={tp_dim!r}: the model's tensor-parallel parameters ({name}, ...) live on mesh "
+            f"{m.mesh_dim_names}, not on that mesh's {tp_dim!r} dimension"
+        )
+    return mesh[rest[0]]
+
+
+def _check_crossing(name: str, tp_mesh: DeviceMesh, mesh: DeviceMesh) -> None:
+    """``tp_mesh`` and the data-parallel ``mesh`` are the two dimensions of one layout."""
     # DeviceMesh caches slices by value, so two init_device_mesh calls of one layout share them:
     # what must hold is that both are slices of one layout, crossing each other (every (dp, tp)
     # coordinate one rank), which concatenating them checks
@@ -518,7 +547,6 @@ def _tp_mesh_of(
             "(mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); parallelize on mesh['tp'], "
             "pass mesh['dp'])"
         )
-    return mesh, tp_mesh
 
 
 def _cast_inputs_hook(dtype: torch.dtype):
