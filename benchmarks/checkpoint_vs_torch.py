@@ -61,12 +61,13 @@ def clone(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def capture_joint(model: torch.nn.Module, batch) -> tuple[fx.GraphModule, int, dict]:
-    """The joint graph zerofx's backend partitions (after the joint graph's regather pass)."""
+    """The joint graph zerofx's backend partitions, after the joint passes before the checkpoint
+    pass (which is left to the caller: by default it would tag the graph with its own plan)."""
     captured = []
 
     def partition(joint, inputs, *, num_fwd_outputs, **kwargs):
         ctx = PassContext("bench", "joint", zerofx.Options(), num_fwd_outputs=num_fwd_outputs)
-        joint = run_pipeline(joint, ctx)
+        joint = run_pipeline(joint, ctx, disabled=("checkpoint",))
         captured.append((clone(joint), num_fwd_outputs, kwargs))
         return min_cut_rematerialization_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
 

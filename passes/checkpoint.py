@@ -293,13 +293,16 @@ def _agree_across_ranks(gm: fx.GraphModule, problem: PlanProblem, plan: Activati
 
 
 def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Decide save / recompute / offload for every value the backward reads, under the budget."""
+    """Decide save / recompute / offload for every value the backward reads, under the budget
+    (with no option asking for more: recompute what is cheap, NOTE: cheap recompute)."""
     options = ctx.options.memory
-    if not wants_plan(options) or ctx.num_fwd_outputs is None:
+    if ctx.num_fwd_outputs is None:
         return gm
     if functorch_config.cse:  # plan on the graph the partitioner will cut (it runs CSE first)
         gm.graph = fx_graph_cse(gm.graph)
     gm.graph.eliminate_dead_code()
+    if not wants_plan(options):
+        return _cheap_recompute(gm, ctx)
     device = ctx.cost.device_for(gm)
     tier = None if options.offload_activations == "none" else options.offload_activations
 
@@ -337,6 +340,21 @@ def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ) from None
 
     plan = _agree_across_ranks(gm, problem, plan)
+    _write_plan(gm, problem, plan, unconstrained, lean.resident_bytes, budget)
+    _report(ctx, problem, plan, unconstrained, lean, budget, {**recompute, **save})
+    return gm
+
+
+def _write_plan(
+    gm: fx.GraphModule,
+    problem: PlanProblem,
+    plan: ActivationPlan,
+    unconstrained: ActivationPlan,
+    min_feasible_bytes: int | None,
+    budget: int | None,
+) -> None:
+    """Tag every forward node with the plan's decision (the partitioner's vocabulary) and keep
+    the plan's numbers in ``gm.meta[ACTIVATION_PLAN]``."""
     recomputed = set(plan.recomputed)
     info = problem.info
     for n in gm.graph.nodes:
@@ -354,11 +372,72 @@ def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         "resident_bytes": plan.resident_bytes,
         "offloaded_bytes": plan.offloaded_bytes,
         "recompute_flops": plan.recompute_flops,
-        "min_feasible_bytes": lean.resident_bytes,
+        "min_feasible_bytes": min_feasible_bytes,
         "budget_bytes": budget,
         **plan.names(),
     }
-    _report(ctx, problem, plan, unconstrained, lean, budget, {**recompute, **save})
+
+
+# NOTE: cheap recompute
+# With no budget and no checkpoint policy the forward still need not keep everything: a GELU's
+# output, a norm's output, a SwiGLU's product are each one pass over memory to rebuild from
+# values the backward keeps anyway (the matmul output the GELU's own backward reads, the norm's
+# input and statistics), and each is as large as a layer's hidden state. torch's min-cut
+# partitioner keeps them (it bans recomputing a value the backward must materialize, a rule
+# made for Inductor, which fuses recompute into backward kernels). So the default plan is the
+# min-cut at a fixed price of CHEAP_PRICE bytes per FLOP: a value is recomputed when that frees
+# more than CHEAP_PRICE bytes per FLOP spent. Elementwise ops and norms (one FLOP per element
+# in the cost model) free 2-4 bytes per FLOP (bf16 / fp32); matmuls and attention spend 2·K
+# FLOPs per output element (K the contraction: head size at least), so they stay saved unless
+# K < 4 / CHEAP_PRICE. Recompute runs the same ops on the same values: bit for bit the same
+# gradients.
+# The plan needs no agreement across ranks (NOTE: ranks agree) because it cannot change the
+# collectives: a forward value that reads a gathered parameter the backward does not read
+# anyway stays saved (a LayerNorm's recompute reads its weight and bias, which its backward
+# reads too), so the backward re-gathers exactly the parameters it would without the plan, and
+# ranks compiling at different times (dynamic="auto" with different shapes per rank) never
+# wait for each other. ``disable_passes=("checkpoint",)`` gives torch's partitioner back.
+CHEAP_PRICE = 0.5
+
+
+def _gathered_reads(node: fx.Node) -> set[fx.Node]:
+    """The gathered parameters ``node`` reads, through views."""
+    out = set()
+    for a in node.all_input_nodes:
+        base = _alias_base(a)
+        if base.meta.get(ROLE) in ("gather", "secondary_gather") or a.meta.get(ROLE) in ("gather", "secondary_gather"):
+            out.add(base)
+    return out
+
+
+def _cheap_recompute(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """The default plan: recompute what costs at most 1 / CHEAP_PRICE FLOPs per byte it frees
+    (NOTE: cheap recompute)."""
+    gathers = [n for n in gm.graph.nodes if n.meta.get(ROLE) == "gather"]
+    base = PlanProblem(gm, ctx.num_fwd_outputs, must_recompute=gathers, device=ctx.cost.device_for(gm))
+    info = base.info
+    if not info.required_bw_nodes:
+        return gm
+    read_by_backward = {g for n in gm.graph.nodes if n in info.tangents_closure for g in _gathered_reads(n)}
+    must_save = {}
+    for n in gm.graph.nodes:
+        if info.is_required_fw(n) and n.op == "call_function" and n.meta.get(ROLE) != "gather":
+            extra = _gathered_reads(n) - read_by_backward
+            if extra:
+                must_save[n] = f"reads {next(iter(extra)).name}, which the backward does not re-gather"
+    problem = PlanProblem(gm, ctx.num_fwd_outputs, must_recompute=gathers, must_save=must_save, device=base.device)
+    plan = problem.solve(CHEAP_PRICE)
+    unconstrained = problem.solve(problem.price_bounds()[1])
+    needs = {g for n in plan.recomputed for g in _gathered_reads(n)} - read_by_backward - set(gathers)
+    if needs:  # cannot happen by construction; never let a plan change the collectives unagreed
+        raise AssertionError(f"cheap recompute would re-gather {sorted(n.name for n in needs)}")
+    _write_plan(gm, problem, plan, unconstrained, None, None)
+    if plan.recomputed:
+        ctx.report(
+            f"cheap recompute: {len(plan.recomputed)} values rebuilt in the backward "
+            f"({format_flops(plan.recompute_flops)}), saved activations {format_bytes(unconstrained.resident_bytes)}"
+            f" -> {format_bytes(plan.resident_bytes)}"
+        )
     return gm
 
 

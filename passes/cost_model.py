@@ -32,7 +32,8 @@ convention as torch's partitioner), with a fallback for unbacked sizes.
 
 # NOTE: FLOP counting
 Matmul-like ops (mm, addmm, bmm, convolutions, attention) use the formulas torch registers for
-``torch.utils.flop_counter`` (2 FLOPs per multiply-add), applied to metadata shapes. Every other
+``torch.utils.flop_counter`` (its attention formulas for CPU flash attention too, which it leaves
+out) (2 FLOPs per multiply-add), applied to metadata shapes. Every other
 op that computes values counts one FLOP per output element (pointwise ops), or one per input
 element when the output is smaller (reductions such as sum or layer-norm statistics). Block quantize / dequantize
 (zerofx/ir/quantize.py) count ``QUANTIZE_FLOPS`` per value. Views,
@@ -68,7 +69,7 @@ import sympy
 import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from zerofx.ir.collectives import (
     COLLECTIVE_OPS,
@@ -113,6 +114,10 @@ __all__ = [
 # max, a multiply, an add and a floor (plus a clamp, folded in); dequantize one multiply and
 # the cast. What the quantize pass's report prices against the bytes it saves.
 QUANTIZE_FLOPS = {QUANTIZE: 5, DEQUANTIZE: 2}
+# CPU flash attention (what SDPA runs on CPU) -> where its (query, key, value) start: counted
+# with torch's formulas for the GPU kernels (torch registers none for these), not as pointwise ops
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+CPU_ATTENTION = {_CPU_FLASH: 0, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: 1}
 # size assumed for a data-dependent dimension with no hint (as torch does)
 UNBACKED_FALLBACK = 4096
 # ops whose output shares its input's buffer although their schema does not say so
@@ -189,6 +194,13 @@ def op_flops(func: Any, args: tuple, kwargs: dict, out: Any, *, symbolic: bool =
         return zero
     if any(r.alias_info is not None for r in func._schema.returns):
         return zero  # in-place and out= variants alias their input: counted as copies, not compute
+    if func.overloadpacket in CPU_ATTENTION:  # torch registers no formula for the CPU kernels
+        q, k, v = args[CPU_ATTENTION[func.overloadpacket] : CPU_ATTENTION[func.overloadpacket] + 3]
+        if func.overloadpacket is _CPU_FLASH:
+            flops = sdpa_flop_count(q.shape, k.shape, v.shape)
+        else:
+            flops = sdpa_backward_flop_count(args[0].shape, q.shape, k.shape, v.shape)
+        return _expr(flops) if symbolic else hint(flops)
     formula = flop_registry.get(func.overloadpacket)
     if formula is not None:
         try:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 import zerofx
-from benchmarks.checkpoint_vs_torch import capture_joint, clone
+from benchmarks.checkpoint_vs_torch import capture_joint, clone, torch_partition
 from tests.models import GPT_CFG, GraphBreakNet
 from zerofx import ZeroFXError
 from zerofx.measure.allocations import rss_bytes
@@ -72,6 +72,48 @@ def test_budgets_bound_the_plan_and_recompute_grows_as_they_shrink(gpt_joint):
         previous = p["recompute_flops"]
     _, _, in_bytes = plan(gpt_joint, activation_budget=20_000)  # an int budget is bytes
     assert in_bytes["resident_bytes"] <= 20_000 and in_bytes["budget_bytes"] == 20_000
+
+
+def test_default_plan_recomputes_norms_and_activations_never_matmuls_or_attention(gpt_joint):
+    """No option given: the min-cut at CHEAP_PRICE (NOTE: cheap recompute) rebuilds GELU and
+    LayerNorm outputs in the backward and keeps every matmul and attention output; it saves
+    fewer bytes than torch's partitioner on the same joint graph."""
+    joint, n, kwargs = gpt_joint
+    gm, messages, p = plan(gpt_joint)
+    assert p is not None and p["budget_bytes"] is None
+    ops = {node.name: getattr(node.target, "__name__", str(node.target)) for node in gm.graph.nodes}
+    recomputed = {ops[name].split(".")[0] for name in p["recomputed"]}
+    assert {"gelu", "native_layer_norm"} <= recomputed, recomputed
+    expensive = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu"}
+    assert not recomputed & expensive
+    assert p["recompute_flops"] > 0 and p["resident_bytes"] < p["unconstrained_bytes"]
+    fw, _ = torch_partition(joint, n, kwargs, 1.0)
+    assert p["resident_bytes"] < saved_activation_bytes(fw, n)
+    assert any(m.startswith("cheap recompute:") for m in messages)
+    # the partition saves exactly the plan, as under a budget
+    fw, _ = partition_by_plan(gm, n)
+    assert {v.name for v in saved_values(fw, n)} == set(p["saved"])
+
+
+def test_default_plan_trains_bit_for_bit_like_torch_partitioner(one_rank):
+    """Recompute runs the same ops on the same values: losses and gradients are identical with
+    and without it (disable_passes=("checkpoint",) hands the cut back to torch)."""
+    torch.manual_seed(0)
+    base = GPT(GPT_CFG)
+    models = {}
+    for name, options in (("cheap", {}), ("torch", {"disable_passes": ("checkpoint",)})):
+        models[name] = zerofx.compile(copy.deepcopy(base), one_rank, **options)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = random_batch(GPT_CFG, 2, gen)
+        losses = {name: m(x, y) for name, m in models.items()}
+        for loss in losses.values():
+            loss.backward()
+        assert torch.equal(losses["cheap"], losses["torch"])
+        for a, b in zip(models["cheap"].parameters(), models["torch"].parameters()):
+            assert torch.equal(a.grad, b.grad)
+            a.grad = b.grad = None
+    torch._dynamo.reset()
 
 
 def test_partition_saves_exactly_the_plan(gpt_joint):

@@ -428,7 +428,11 @@ class Options:
             amount (what the forward saves when nothing that costs FLOPs is recomputed), an int
             is bytes. The checkpoint pass then recomputes (or offloads) the cheapest values
             until the plan fits; a budget below what any plan can meet is an error that names
-            the minimum. None: torch's min-cut partitioner decides, as without zerofx.
+            the minimum. None (and no checkpoint option below): the forward keeps what costs
+            FLOPs to rebuild and the backward recomputes what is cheap: activations, norms and
+            other elementwise values (NOTE: cheap recompute, passes/checkpoint.py; bit for bit
+            the same gradients). ``disable_passes=("checkpoint",)`` leaves the cut to torch's
+            min-cut partitioner instead, as without zerofx.
         checkpoint: ``"auto"`` (decide by budget and the options below) or ``"full"``: recompute
             everything inside each block (transformer layer) and save only block boundaries.
         checkpoint_modules: fnmatch patterns of module names (``"blocks.1"``, ``"blocks.*.attn"``)
