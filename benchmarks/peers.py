@@ -377,9 +377,13 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh, build=None) 
 def time_round_robin(prepared: dict[str, Prepared], steps: int) -> None:
     """Time ``steps`` steps of every method, interleaved: step i of every method runs before
     step i+1 of any, so load that comes and goes on a shared machine lands on every method
-    alike instead of on whichever ran during it. Ranks start each step together."""
+    alike instead of on whichever ran during it. The order rotates by one method each round, so
+    no method always runs right after the same other one (a method can leave threads or caches
+    behind that slow whatever follows it). Ranks start each step together."""
+    methods = list(prepared.values())
     for i in range(steps):
-        for p in prepared.values():
+        start = i % len(methods)
+        for p in methods[start:] + methods[:start]:
             x, y = p.batches[i % 2][0][p.mine], p.batches[i % 2][1][p.mine]
             if dist.is_initialized():
                 dist.barrier()
