@@ -2,8 +2,9 @@
 
     python benchmarks/step_breakdown.py --size medium --world 2 --methods ddp zerofx
 
-Every method is built with benchmarks/peers.py's ``_build`` (the same GPT, batch and AdamW),
-warmed up, then timed interleaved (one step of each in turn). Per step, wall-clock timers split
+Every method is built with benchmarks/peers.py's ``_build`` (the same GPT, batch and AdamW;
+``zerofx:KEY=VALUE;...`` for any zerofx option), warmed up, then timed interleaved (one step of
+each in turn, the order rotating each round). Per step, wall-clock timers split
 forward, backward, ``opt.step()`` and ``zero_grad``; over ``--profile-steps`` further steps
 torch.profiler's self CPU time of the main thread's ops is grouped into categories:
 
@@ -173,8 +174,10 @@ def _rank_main(args) -> dict:
         built[m] = (model, opt)
         dist.barrier()
     timers = {m: defaultdict(list) for m in args.methods}
-    for i in range(args.steps):
-        for m, (model, opt) in built.items():
+    names = list(built)
+    for i in range(args.steps):  # the order rotates each round, as in peers.py
+        for m in names[i % len(names) :] + names[: i % len(names)]:
+            model, opt = built[m]
             x, y = batches[i % 2][0][mine], batches[i % 2][1][mine]
             dist.barrier()
             _timed_step(model, opt, x, y, timers[m])
