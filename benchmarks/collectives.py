@@ -11,6 +11,9 @@ rank's, ranks starting each call together):
                        sends each rank its chunk, the receiver sums the N chunks
 * ``all_reduce``       for scale: the whole input reduced everywhere
 * ``all_gather``       of an output as large as the reduce-scatter's input
+* ``pair_exchange``    the same all-gather as zerofx's exchange pass runs it over two gloo ranks
+                       (one all-to-all into the output: zerofx/ir/collectives.py, NOTE: pair
+                       exchange); 2 ranks only
 
 Ratios are to ``reduce_scatter`` of the same size and world size. Compare within one run only.
 """
@@ -30,7 +33,7 @@ if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make 
 from benchmarks._launch import launch_local, markdown_table, median_time, write_json  # noqa: E402
 
 SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)  # input bytes (fp32)
-KINDS = ("reduce_scatter", "all_to_all+sum", "all_reduce", "all_gather")
+KINDS = ("reduce_scatter", "all_to_all+sum", "all_reduce", "all_gather", "pair_exchange")
 
 
 def _measure(fn, repeats: int) -> float:
@@ -43,6 +46,9 @@ def _rank_main(sizes: tuple[int, ...], repeats: int) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    from zerofx.ir.collectives import PAIR_GATHER_OUT, WAIT
+
+    group = dist.group.WORLD.group_name
     out = {}
     try:
         for nbytes in sizes:
@@ -59,8 +65,11 @@ def _rank_main(sizes: tuple[int, ...], repeats: int) -> dict:
                 "all_to_all+sum": a2a_sum,
                 "all_reduce": lambda: dist.all_reduce(x.clone()),
                 "all_gather": lambda: dist.all_gather_into_tensor(gathered, x[: n // world]),
+                "pair_exchange": lambda: WAIT(PAIR_GATHER_OUT(x[: n // world], group, out=gathered)),
             }
             for kind in KINDS:
+                if kind == "pair_exchange" and world != 2:
+                    continue
                 _measure(fns[kind], 3)  # warm-up: connections, buffers
                 out[f"{kind}@{nbytes}"] = _measure(fns[kind], repeats)
     finally:
@@ -84,13 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         for nbytes in SIZES:
             base = times[f"reduce_scatter@{nbytes}"]
             for kind in KINDS:
-                t = times[f"{kind}@{nbytes}"]
+                t = times.get(f"{kind}@{nbytes}")
+                if t is None:
+                    continue
                 rows.append({"world": world, "input_bytes": nbytes, "kind": kind, "ms": t * 1e3, "ratio": t / base})
     lines = []
     for world in args.world_sizes:
         for nbytes in SIZES:
             cells = [r for r in rows if r["world"] == world and r["input_bytes"] == nbytes]
-            lines.append([str(world), str(nbytes >> 10), *(f"{r['ms']:.2f} ms ({r['ratio']:.2f}x)" for r in cells)])
+            by_kind = {r["kind"]: f"{r['ms']:.2f} ms ({r['ratio']:.2f}x)" for r in cells}
+            lines.append([str(world), str(nbytes >> 10), *(by_kind.get(k, "n/a") for k in KINDS)])
     print(markdown_table(["N", "input KiB", *KINDS], lines))
     write_json(args.json, rows)
     return 0

@@ -159,6 +159,8 @@ def _build(method: str, cfg, mesh, size: str = "small"):
         return torch.compile(model) if method == "fsdp2_compile" else model
     if method == "zerofx":
         return zerofx.compile(model, mesh)
+    if method.startswith("zerofx:"):
+        return zerofx.compile(model, mesh, **method_options(method))
     if method in ("zerofx_stage2", "zerofx_stage1"):
         return zerofx.compile(model, mesh, stage=int(method[-1]))
     if method in ZEROPP:
@@ -172,6 +174,27 @@ def _build(method: str, cfg, mesh, size: str = "small"):
         # re-gather skipped): faster again, more memory
         return zerofx.compile(model, mesh, executor="inductor", keep_gathered_bytes=psi // 2)
     raise ValueError(method)
+
+
+def method_options(method: str) -> dict:
+    """``zerofx:KEY=VALUE;KEY=VALUE`` -> zerofx.compile's keywords (values are Python literals:
+    ``"zerofx:disable_passes=('bucket',);bucket_bytes=0"``): any option set as a method of its own."""
+    import ast
+
+    options = {}
+    for item in method.split(":", 1)[1].split(";"):
+        if item.strip():
+            key, value = item.split("=", 1)
+            options[key.strip()] = ast.literal_eval(value.strip())
+    return options
+
+
+def _method(name: str) -> str:
+    if name in METHODS + OPTIONAL_METHODS or name.startswith("zerofx:"):
+        return name
+    raise argparse.ArgumentTypeError(
+        f"unknown method {name!r}: one of {METHODS + OPTIONAL_METHODS}, or zerofx:KEY=VALUE;..."
+    )
 
 
 def _deepspeed(model, opt, batch: int):
@@ -354,9 +377,13 @@ def prepare(method: str, setup: Setup, rank: int, world: int, mesh, build=None) 
 def time_round_robin(prepared: dict[str, Prepared], steps: int) -> None:
     """Time ``steps`` steps of every method, interleaved: step i of every method runs before
     step i+1 of any, so load that comes and goes on a shared machine lands on every method
-    alike instead of on whichever ran during it. Ranks start each step together."""
+    alike instead of on whichever ran during it. The order rotates by one method each round, so
+    no method always runs right after the same other one (a method can leave threads or caches
+    behind that slow whatever follows it). Ranks start each step together."""
+    methods = list(prepared.values())
     for i in range(steps):
-        for p in prepared.values():
+        start = i % len(methods)
+        for p in methods[start:] + methods[:start]:
             x, y = p.batches[i % 2][0][p.mine], p.batches[i % 2][1][p.mine]
             if dist.is_initialized():
                 dist.barrier()
@@ -558,7 +585,13 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="steps before measuring (>= 2: the last notes what model state a step keeps)",
     )
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + OPTIONAL_METHODS)
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(METHODS),
+        type=_method,
+        help=f"of {', '.join(METHODS + OPTIONAL_METHODS)}; or zerofx:KEY=VALUE;... (zerofx.compile's options)",
+    )
     parser.add_argument(
         "--launches",
         type=int,

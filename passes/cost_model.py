@@ -73,6 +73,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from zerofx.ir.collectives import (
     COLLECTIVE_OPS,
+    PAIR_GATHER_OUT,
     WAIT,
     all_gather,
     backend_of,
@@ -348,15 +349,17 @@ class MemoryEstimate:
 # for the duration of the collective a rank holds one more output-sized buffer; NCCL writes into
 # the output. gloo runs the collective on its own thread, so the buffer exists from the issue
 # until the wait returns (measured with AllocationTrace: it appears after compute the graph ran
-# past the issue, benchmarks/plan_accuracy.py); the simulation holds it over that window.
+# past the issue, benchmarks/plan_accuracy.py); the simulation holds it over that window. Over two
+# gloo ranks the exchange pass replaces the all-gather with an all-to-all into the output, which
+# has no such buffer.
 
 
 def collective_workspace_bytes(node: fx.Node, symbolic: bool = False) -> Any:
     """Bytes the backend itself allocates while ``node`` (a collective) runs (NOTE: collective workspace)."""
     zero: Any = sympy.Integer(0) if symbolic else 0
     spec = COLLECTIVE_OPS.get(node.target) if node.op == "call_function" else None
-    if spec is None or spec.kind != "all_gather":
-        return zero
+    if spec is None or spec.kind != "all_gather" or node.target is PAIR_GATHER_OUT:
+        return zero  # the pair exchange receives into the output (zerofx/ir/collectives.py, NOTE: pair exchange)
     try:
         backend = backend_of(node.args[spec.group_name_arg])
     except (ValueError, RuntimeError, KeyError):  # a group name no process group is registered under

@@ -30,6 +30,8 @@ from zerofx.options import closest
 from zerofx.passes import (
     bucket,
     checkpoint,
+    elide,
+    exchange,
     gather,
     offload,
     quantize,
@@ -55,8 +57,23 @@ __all__ = [
 
 # The order passes run in. Joint passes come first (the partitioner then splits the joint graph),
 # quantize then rewrites the collectives bucket merged and schedule placed, where they are, and
-# transport comes last: it rewrites collectives every earlier pass placed, moved or merged.
-_MODULES = (regather, secondary, checkpoint, gather, reduce, bucket, schedule, offload, quantize, transport)
+# transport then rewrites collectives every earlier pass placed, moved or merged; exchange
+# narrows transport's gloo all-gathers over two ranks to one all-to-all each, and elide last
+# drops the copies the bucketing and transport's local sums leave.
+_MODULES = (
+    regather,
+    secondary,
+    checkpoint,
+    gather,
+    reduce,
+    bucket,
+    schedule,
+    offload,
+    quantize,
+    transport,
+    exchange,
+    elide,
+)
 
 # Old pass names still accepted in disable_passes, with a DeprecationWarning.
 RENAMED = {"free": "regather"}

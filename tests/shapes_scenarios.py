@@ -29,6 +29,7 @@ PER_RANK = 2
 GATHER_OPS = {
     "out_of_place": "_c10d_functional::all_gather_into_tensor",
     "out_form": "_c10d_functional::all_gather_into_tensor_out",
+    "pair": "zerofx::all_gather_pair_out",  # two gloo ranks: passes/exchange.py
 }
 
 

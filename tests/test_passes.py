@@ -10,7 +10,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import zerofx  # noqa: F401  (registers the marker ops)
 from zerofx.errors import ZeroFXError
-from zerofx.ir.collectives import ALL_GATHER, ALL_GATHER_OUT, REDUCE_SCATTER, WAIT
+from zerofx.ir.collectives import ALL_GATHER, ALL_GATHER_OUT, PAIR_GATHER_OUT, REDUCE_SCATTER, WAIT
 from zerofx.passes.gather import gather_pass
 from zerofx.passes.pipeline import Pass, PassContext, run_pipeline
 from zerofx.passes.reduce import reduce_pass
@@ -211,6 +211,59 @@ def test_transport_gathers_a_symbolic_shape_into_a_buffer_sized_in_the_graph(mon
     assert str(buffer.meta["val"].shape[0]) == str(2 * gathered.args[0].meta["val"].shape[0])
 
 
+def test_exchange_turns_two_rank_gloo_gathers_into_pair_exchanges_and_elide_drops_copies(monkeypatch):
+    """exchange: over two gloo ranks the out= all-gather becomes zerofx.all_gather_pair_out on
+    the same input and buffer (its wait and the frees untouched), over four it stays; elide: the
+    local sum's average is divided in place."""
+    from zerofx.passes import elide, exchange, transport
+
+    monkeypatch.setattr(transport, "backend_of", lambda group: "gloo")
+    monkeypatch.setattr(exchange, "backend_of", lambda group: "gloo")
+
+    def bw(g, s):
+        w = unshard(s * 1, 2, "g", 6)
+        return reduce_grad(g * 2, 2, "g", 3), (w * 2).sum()
+
+    gm = gather_pass(reduce_pass(trace(bw, (6, 4), (3, 4)), ctx("backward")), ctx("backward"))
+    gm = transport.transport_pass(gm, ctx("backward"))
+    gathered = next(n for n in gm.graph.nodes if n.target is ALL_GATHER_OUT)
+    x, buf, users = gathered.args[0], gathered.kwargs["out"], set(gathered.users)
+    inductor = PassContext("test", "backward", options=zerofx.Options(executor="inductor"))
+    before = ops(gm)
+    assert ops(elide.elide_pass(exchange.exchange_pass(gm, inductor), inductor)) == before  # Inductor's own
+    gm = exchange.exchange_pass(gm, ctx("backward"))
+    assert ALL_GATHER_OUT not in ops(gm)
+    assert gathered.target is PAIR_GATHER_OUT and gathered.args == (x, "g") and gathered.kwargs["out"] is buf
+    assert set(gathered.users) == users
+    div = next(n for n in gm.graph.nodes if n.target is aten.div.Tensor)
+    gm = elide.elide_pass(gm, ctx("backward"))
+    assert div.target is aten.div_.Tensor and div.args[0].target is aten.add.Tensor
+
+    four = trace(lambda s: unshard(s, 4, "g", 8) * 2, (2, 3))
+    four = transport.transport_pass(gather_pass(four, ctx("forward")), ctx("forward"))
+    four = exchange.exchange_pass(four, ctx("forward"))
+    assert ALL_GATHER_OUT in ops(four) and PAIR_GATHER_OUT not in ops(four)
+
+
+def test_elide_concatenates_a_bucket_into_its_gather_rows():
+    from zerofx.passes import elide
+
+    def fw(a, b):
+        out = torch.empty(10)
+        rows = out[0:5]
+        rows.copy_(torch.cat([a.view(-1), b.view(-1)]))
+        return out * 1
+
+    gm = make_fx(fw, tracing_mode="fake")(torch.randn(3), torch.randn(2))
+    gm = elide.elide_pass(gm, ctx("forward"))
+    gm.recompile()
+    assert aten.cat.default not in ops(gm) and aten.copy_.default not in ops(gm)
+    (cat,) = [n for n in gm.graph.nodes if n.target is aten.cat.out]
+    assert cat.kwargs["out"].target is aten.slice.Tensor
+    a, b = torch.randn(3), torch.randn(2)
+    assert torch.equal(gm(a, b)[:5], torch.cat([a, b]))
+
+
 def test_free_tags_marker_and_its_views_but_not_computed_values():
     gm = trace(lambda s, x: x @ unshard(s, 2, "g", 6).t(), (3, 5), (2, 5))
     gm = regather_pass(gm, ctx("joint"))
@@ -220,9 +273,10 @@ def test_free_tags_marker_and_its_views_but_not_computed_values():
 
 
 def test_runner_skips_disabled_passes_and_records_each_pass(monkeypatch):
-    from zerofx.passes import transport
+    from zerofx.passes import exchange, transport
 
     monkeypatch.setattr(transport, "backend_of", lambda group: "gloo")  # group "g" is made up
+    monkeypatch.setattr(exchange, "backend_of", lambda group: "gloo")
     seen = []
     gm = trace(lambda s: unshard(s, 2, "g", 6) * 2, (3, 5))
     gm = run_pipeline(
@@ -231,8 +285,9 @@ def test_runner_skips_disabled_passes_and_records_each_pass(monkeypatch):
     assert seen[0] == "input" and "gather" not in seen and unshard.default in ops(gm)
     seen.clear()
     gm = run_pipeline(gm, ctx("forward"), observer=lambda c, name, before, after, secs: seen.append(name))
-    assert seen == ["input", "gather", "bucket", "schedule", "offload", "quantize", "transport"]
+    assert seen == ["input", "gather", "bucket", "schedule", "offload", "quantize", "transport", "exchange", "elide"]
     assert unshard.default not in ops(gm)
+    assert PAIR_GATHER_OUT in ops(gm) and ALL_GATHER_OUT not in ops(gm)  # two ranks: an exchange
 
 
 def test_runner_rejects_a_pass_that_drops_metadata():

@@ -81,9 +81,13 @@ def delay(where: str = "") -> None:
         time.sleep(_rng.uniform(0.0, CONFIG[1]))
 
 
+# zerofx's own ops that issue or wait for transfers (the pair exchange is a collective).
+_ZEROFX_DELAYED = ("offload", "reload", "reload_wait", "all_gather_pair_out")
+
+
 def _delayed_op(func: Any) -> bool:
     ns = getattr(func, "namespace", None)
-    return ns == "_c10d_functional" or (ns == "zerofx" and func._opname in ("offload", "reload", "reload_wait"))
+    return ns == "_c10d_functional" or (ns == "zerofx" and func._opname in _ZEROFX_DELAYED)
 
 
 class _DelayMode(TorchDispatchMode):

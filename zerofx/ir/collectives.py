@@ -28,6 +28,19 @@ all-gathers). So zerofx never issues the out-of-place all-gather on gloo: graphs
 passes/transport.py, eager code gathers through ``all_gather`` below. NCCL graphs keep the
 out-of-place op. DTensor's own gathers (``full_tensor``, reading a parameter) wait before the next
 one is issued, so they never have two in flight.
+
+# NOTE: pair exchange
+ProcessGroupGloo's all-gather (the ``out=`` form too) gathers into a flat buffer it allocates
+itself, then copies every rank's chunk out of it into the output: per all-gather one more
+output-sized allocation and two output-sized copies on gloo's worker thread, on top of the
+transfer. Its all-to-all sends from and receives into the caller's tensors. Between two ranks an
+all-gather is an exchange: each rank keeps its own rows and receives its peer's, so
+``zerofx::all_gather_pair_out(x, group, out=buf)`` is one ``all_to_all_single`` that sends
+``x`` (written into its rows of ``buf`` first, unless it already is those rows, as a bucket's
+input is) and receives the peer's rows into theirs; the work is registered on ``buf``, so
+``wait_tensor(buf)`` waits for it, as for the functional collectives. Same bytes on the wire
+(``S·(N-1)/N``), counted as an all-gather. passes/exchange.py puts it in place of every gloo
+all-gather over two ranks (measured: docs/measurements.md, exchange).
 """
 
 from __future__ import annotations
@@ -48,6 +61,7 @@ __all__ = [
     "REDUCE_SCATTER",
     "ALL_REDUCE",
     "ALL_TO_ALL",
+    "PAIR_GATHER_OUT",
     "WAIT",
     "all_gather",
     "collective_kind",
@@ -76,6 +90,43 @@ def all_gather(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tenso
     return ALL_GATHER_OUT(x, group_size, group_name, out=out)
 
 
+_lib = torch.library.Library("zerofx", "FRAGMENT")
+_lib.define("all_gather_pair_out(Tensor x, str group_name, *, Tensor(a!) out) -> Tensor(a!)")
+
+
+@torch.library.impl(_lib, "all_gather_pair_out", "CompositeExplicitAutograd")
+def _all_gather_pair_out(x: torch.Tensor, group_name: str, *, out: torch.Tensor) -> torch.Tensor:
+    """The all-gather of ``x`` (dim 0) over a group of two ranks into ``out``, as an exchange
+    (NOTE: pair exchange). Asynchronous: ``wait_tensor(out)`` before reading ``out``."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    if group.size() != 2 or out.shape[0] != 2 * x.shape[0]:
+        raise ValueError(
+            f"all_gather_pair_out: a group of 2 ranks and an output of twice the input's rows "
+            f"(got group size {group.size()}, rows {x.shape[0]} -> {out.shape[0]})"
+        )
+    rows = x.shape[0]
+    rank = dist.get_rank(group)
+    mine, theirs = out.narrow(0, rank * rows, rows), out.narrow(0, (1 - rank) * rows, rows)
+    if mine.data_ptr() != x.data_ptr() or mine.stride() != x.stride():
+        mine.copy_(x)
+    splits = [0, 0]
+    splits[1 - rank] = rows
+    work = dist.all_to_all_single(theirs, mine, splits, splits, group=group, async_op=True)
+    torch._C._distributed_c10d._register_work(out, work)
+    return out
+
+
+@torch.library.register_fake("zerofx::all_gather_pair_out")
+def _all_gather_pair_out_fake(x: torch.Tensor, group_name: str, *, out: torch.Tensor) -> torch.Tensor:
+    return out
+
+
+PAIR_GATHER_OUT = torch.ops.zerofx.all_gather_pair_out.default
+
+
 @dataclass(frozen=True)
 class CollectiveSpec:
     """How to read one collective op: its kind, which tensor's size counts, where its group size is."""
@@ -92,6 +143,7 @@ COLLECTIVE_OPS: dict = {
     REDUCE_SCATTER: CollectiveSpec("reduce_scatter", "in", 2, 3),
     ALL_REDUCE: CollectiveSpec("all_reduce", "in", None, 2),
     ALL_TO_ALL: CollectiveSpec("all_to_all", "in", None, 3),
+    PAIR_GATHER_OUT: CollectiveSpec("all_gather", "out", None, 1),
 }
 
 
