@@ -23,6 +23,9 @@ import pytest
 from tests import tp_scenarios
 from tests.multirank import run_ranks
 
+# minutes of 4-rank setup: `tox -e slow` (pytest -m slow), not the default run
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 
 SAVES = {

@@ -26,6 +26,9 @@ import pytest
 
 from tests import tp_scenarios
 
+# minutes of 4-rank setup: `tox -e slow` (pytest -m slow), not the default run
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parent.parent
