@@ -1,0 +1,98 @@
+"""Compile time: ``zerofx.compile(model, mesh)`` against ``torch.compile(model)`` (Inductor).
+
+    python benchmarks/compile_time.py --sizes medium llama-medium --rounds 2
+
+One gloo rank (the passes and the partition, not collectives, are what compile time is made
+of), the benchmark models of benchmarks/peers.py (the medium GPT; "llama-medium", an HF
+``LlamaForCausalLM`` from a config with the same shapes). Per round and method a fresh model is
+built and its first training step (forward + backward) timed; compile time is that step minus
+the median of the next three. The methods alternate within each round, and Inductor's caches
+are disabled (``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``, set here before torch is imported), so
+every round compiles from scratch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+if __package__ in (None, ""):
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._launch import launch_local, markdown_table, write_json  # noqa: E402
+from benchmarks.peers import SIZES, HFCausalLM  # noqa: E402
+
+METHODS = ("inductor", "zerofx")
+
+
+def _compile_seconds(method: str, size: str, mesh) -> float:
+    import zerofx
+    from zerofx.models import GPT, GPTConfig
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = GPTConfig(**SIZES[size])
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=g) for _ in range(2))
+    model = HFCausalLM(cfg) if size.startswith("llama-") else GPT(cfg)
+    model = torch.compile(model) if method == "inductor" else zerofx.compile(model, mesh)
+    start = time.perf_counter()
+    model(x, y).backward()
+    first = time.perf_counter() - start
+    steps = []
+    for _ in range(3):
+        start = time.perf_counter()
+        model(x, y).backward()
+        steps.append(time.perf_counter() - start)
+    return first - statistics.median(steps)
+
+
+def _rank_main(sizes: list[str], rounds: int) -> list[dict]:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
+        rows = []
+        for size in sizes:
+            seconds: dict[str, list[float]] = {m: [] for m in METHODS}
+            for _ in range(rounds):
+                for method in METHODS:
+                    seconds[method].append(_compile_seconds(method, size, mesh))
+            ratios = [z / i for z, i in zip(seconds["zerofx"], seconds["inductor"])]
+            rows.append({"size": size, **{f"{m}_s": seconds[m] for m in METHODS}, "ratios": ratios})
+        return rows
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["medium", "llama-medium"], choices=sorted(SIZES))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    rows = launch_local(_rank_main, 1, args.sizes, args.rounds)[0]
+    fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731
+    print(
+        markdown_table(
+            ["model", "torch.compile (Inductor) s", "zerofx.compile s", "zerofx / Inductor per round"],
+            [
+                [r["size"], fmt(r["inductor_s"]), fmt(r["zerofx_s"]), ", ".join(f"{x:.2f}" for x in r["ratios"])]
+                for r in rows
+            ],
+        )
+    )
+    write_json(args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
