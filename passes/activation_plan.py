@@ -74,8 +74,8 @@ def cannot_recompute(node: fx.Node) -> str | None:
         return "graph input"
     if node.op != "call_function":
         return f"{node.op} node"
-    if node.meta.get(RECOMPUTE) == CheckpointPolicy.MUST_SAVE:
-        return "marked MUST_SAVE"
+    if node.meta.get(RECOMPUTE) == CheckpointPolicy.MUST_SAVE and not is_alias(node):
+        return "marked MUST_SAVE"  # a view cannot be saved itself: its base is (see _policy_constraints)
     target = node.target
     if target is operator.getitem or is_sym_node(node):
         return None

@@ -153,7 +153,10 @@ def _policy_constraints(
                 else "tagged MUST_RECOMPUTE in the model"
             )
         elif n.meta.get(RECOMPUTE) == CheckpointPolicy.MUST_SAVE:
-            save[n] = "tagged MUST_SAVE in the model"
+            # a view is never saved, its buffer is: the base carries the tag's meaning (a kept
+            # gathered parameter's transpose is rebuilt for free from the kept parameter)
+            why = "kept gathered parameter (keep_gathered_bytes)" if n.meta.get(ROLE) == "kept_gather" else None
+            save[_alias_base(n)] = why or "tagged MUST_SAVE in the model"
     regions = _regions(fw, options)
     save_ops = tuple(options.checkpoint_save_ops)
     free_to_choose = lambda n: n not in recompute and n not in save and cannot_recompute(n) is None  # noqa: E731
@@ -413,22 +416,23 @@ def _gathered_reads(node: fx.Node) -> set[fx.Node]:
 def _cheap_recompute(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """The default plan: recompute what costs at most 1 / CHEAP_PRICE FLOPs per byte it frees
     (NOTE: cheap recompute)."""
-    gathers = [n for n in gm.graph.nodes if n.meta.get(ROLE) == "gather"]
-    base = PlanProblem(gm, ctx.num_fwd_outputs, must_recompute=gathers, device=ctx.cost.device_for(gm))
+    base = PlanProblem(gm, ctx.num_fwd_outputs, device=ctx.cost.device_for(gm))
     info = base.info
     if not info.required_bw_nodes:
         return gm
+    # the tags earlier passes wrote (regather: re-gather, or keep within keep_gathered_bytes)
+    recompute, save = _policy_constraints(gm, base, ctx.options.memory, budgeted=False)
     read_by_backward = {g for n in gm.graph.nodes if n in info.tangents_closure for g in _gathered_reads(n)}
-    must_save = {}
     for n in gm.graph.nodes:
-        if info.is_required_fw(n) and n.op == "call_function" and n.meta.get(ROLE) != "gather":
+        if info.is_required_fw(n) and n.op == "call_function" and n.meta.get(ROLE) != "gather" and n not in save:
             extra = _gathered_reads(n) - read_by_backward
             if extra:
-                must_save[n] = f"reads {next(iter(extra)).name}, which the backward does not re-gather"
-    problem = PlanProblem(gm, ctx.num_fwd_outputs, must_recompute=gathers, must_save=must_save, device=base.device)
+                save[n] = f"reads {next(iter(extra)).name}, which the backward does not re-gather"
+    problem = PlanProblem(gm, ctx.num_fwd_outputs, must_recompute=recompute, must_save=save, device=base.device)
     plan = problem.solve(CHEAP_PRICE)
     unconstrained = problem.solve(problem.price_bounds()[1])
-    needs = {g for n in plan.recomputed for g in _gathered_reads(n)} - read_by_backward - set(gathers)
+    gathers = {n for n in gm.graph.nodes if n.meta.get(ROLE) == "gather"}
+    needs = {g for n in plan.recomputed for g in _gathered_reads(n)} - read_by_backward - gathers
     if needs:  # cannot happen by construction; never let a plan change the collectives unagreed
         raise AssertionError(f"cheap recompute would re-gather {sorted(n.name for n in needs)}")
     _write_plan(gm, problem, plan, unconstrained, None, None)

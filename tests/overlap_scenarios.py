@@ -52,13 +52,13 @@ def scenarios(rank: int, world: int, dump_root: str) -> dict:
             "losses": losses,
         }
 
-    def unsharding(budget):
+    def unsharding(budget, **options):
         def run():
             case = CASES["mlp"]
             torch.manual_seed(0)
             model = case.build()
             ref = copy.deepcopy(model)
-            zerofx.compile(model, mesh, keep_gathered_bytes=budget, bucket_bytes=0)
+            zerofx.compile(model, mesh, keep_gathered_bytes=budget, bucket_bytes=0, **options)
             x, y = case.batch(2 * world, torch.Generator().manual_seed(1))
             mine = slice(2 * rank, 2 * rank + 2)
             with zerofx.CollectiveCounter() as comm:
@@ -121,6 +121,9 @@ def scenarios(rank: int, world: int, dump_root: str) -> dict:
     attempt("exact_parity", exact_parity)
     for budget in (0, 1100, 10**9):
         attempt(f"unsharding_{budget}", unsharding(budget))
+    # kept gathered parameters under an activation plan (a kept weight's transpose is a view:
+    # its base is what the plan saves)
+    attempt("unsharding_1100_budget", unsharding(1100, activation_budget=0.5))
     attempt("prefetch_order", prefetch_order)
     attempt("memory_prediction", memory_prediction)
     return out

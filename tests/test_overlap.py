@@ -57,6 +57,8 @@ def test_selective_unsharding_moves_from_3_psi_toward_2_psi(results):
     assert totals[0] == pytest.approx(3 * psi * share, abs=8)  # tight budget: ZeRO-3
     assert totals[10**9] == pytest.approx(2 * psi * share, abs=8)  # generous: nothing re-gathered
     assert 2 * psi * share < totals[1100] < 3 * psi * share  # some kept
+    with_plan = _get(results, "unsharding_1100_budget")[0]
+    assert with_plan["grad_err"] < 1e-6 and sum(with_plan["comm"].values()) == totals[1100]
 
 
 def test_prefetch_issues_next_gather_before_previous_layer_compute(results):
