@@ -58,7 +58,7 @@ import torch
 from torch import fx
 from torch._functorch import config as functorch_config
 from torch._functorch.compile_utils import fx_graph_cse
-from torch._functorch.partitioners import classify_nodes
+from torch._functorch.partitioners import NodeInfo, classify_nodes
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerofx.errors import ZeroFXError
@@ -138,10 +138,10 @@ def _alias_base(node: fx.Node) -> fx.Node:
 
 
 def _policy_constraints(
-    gm: fx.GraphModule, problem: PlanProblem, options: MemoryPolicy, budgeted: bool
+    gm: fx.GraphModule, info: NodeInfo, options: MemoryPolicy, budgeted: bool
 ) -> tuple[dict[fx.Node, str], dict[fx.Node, str]]:
-    """(must recompute, must save), each node with the reason the report gives."""
-    info = problem.info
+    """(must recompute, must save), each node with the reason the report gives (``info``: the
+    joint graph's forward / backward split, ``classify_nodes``)."""
     fw = [n for n in gm.graph.nodes if info.is_required_fw(n) and n.op == "call_function"]
     recompute: dict[fx.Node, str] = {}
     save: dict[fx.Node, str] = {}
@@ -320,7 +320,7 @@ def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     low, high = base.price_bounds()
     unconstrained = base.solve(high)
     budget = _budget_bytes(options.activation_budget, unconstrained.resident_bytes)
-    recompute, save = _policy_constraints(gm, base, options, budget is not None)
+    recompute, save = _policy_constraints(gm, base.info, options, budget is not None)
     problem = PlanProblem(
         gm, ctx.num_fwd_outputs, must_recompute=recompute, must_save=save, offload_tier=tier, device=device
     )
@@ -416,19 +416,19 @@ def _gathered_reads(node: fx.Node) -> set[fx.Node]:
 def _cheap_recompute(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """The default plan: recompute what costs at most 1 / CHEAP_PRICE FLOPs per byte it frees
     (NOTE: cheap recompute)."""
-    base = PlanProblem(gm, ctx.num_fwd_outputs, device=ctx.cost.device_for(gm))
-    info = base.info
+    info = classify_nodes(gm, [], ctx.num_fwd_outputs)
     if not info.required_bw_nodes:
         return gm
     # the tags earlier passes wrote (regather: re-gather, or keep within keep_gathered_bytes)
-    recompute, save = _policy_constraints(gm, base, ctx.options.memory, budgeted=False)
+    recompute, save = _policy_constraints(gm, info, ctx.options.memory, budgeted=False)
     read_by_backward = {g for n in gm.graph.nodes if n in info.tangents_closure for g in _gathered_reads(n)}
     for n in gm.graph.nodes:
         if info.is_required_fw(n) and n.op == "call_function" and n.meta.get(ROLE) != "gather" and n not in save:
             extra = _gathered_reads(n) - read_by_backward
             if extra:
                 save[n] = f"reads {next(iter(extra)).name}, which the backward does not re-gather"
-    problem = PlanProblem(gm, ctx.num_fwd_outputs, must_recompute=recompute, must_save=save, device=base.device)
+    device = ctx.cost.device_for(gm)
+    problem = PlanProblem(gm, ctx.num_fwd_outputs, must_recompute=recompute, must_save=save, device=device)
     plan = problem.solve(CHEAP_PRICE)
     unconstrained = problem.solve(problem.price_bounds()[1])
     gathers = {n for n in gm.graph.nodes if n.meta.get(ROLE) == "gather"}

@@ -115,10 +115,17 @@ __all__ = [
 # max, a multiply, an add and a floor (plus a clamp, folded in); dequantize one multiply and
 # the cast. What the quantize pass's report prices against the bytes it saves.
 QUANTIZE_FLOPS = {QUANTIZE: 5, DEQUANTIZE: 2}
-# CPU flash attention (what SDPA runs on CPU) -> where its (query, key, value) start: counted
-# with torch's formulas for the GPU kernels (torch registers none for these), not as pointwise ops
-_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-CPU_ATTENTION = {_CPU_FLASH: 0, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: 1}
+# CPU flash attention (what SDPA runs on CPU), forward (q, k, v, ...) and backward (grad, q, k, v,
+# ...): counted with torch's formulas for the GPU kernels (torch registers none for these), not as
+# pointwise ops
+CPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: lambda a: sdpa_flop_count(
+        a[0].shape, a[1].shape, a[2].shape
+    ),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda a: sdpa_backward_flop_count(
+        a[0].shape, a[1].shape, a[2].shape, a[3].shape
+    ),
+}
 # size assumed for a data-dependent dimension with no hint (as torch does)
 UNBACKED_FALLBACK = 4096
 # ops whose output shares its input's buffer although their schema does not say so
@@ -196,11 +203,7 @@ def op_flops(func: Any, args: tuple, kwargs: dict, out: Any, *, symbolic: bool =
     if any(r.alias_info is not None for r in func._schema.returns):
         return zero  # in-place and out= variants alias their input: counted as copies, not compute
     if func.overloadpacket in CPU_ATTENTION:  # torch registers no formula for the CPU kernels
-        q, k, v = args[CPU_ATTENTION[func.overloadpacket] : CPU_ATTENTION[func.overloadpacket] + 3]
-        if func.overloadpacket is _CPU_FLASH:
-            flops = sdpa_flop_count(q.shape, k.shape, v.shape)
-        else:
-            flops = sdpa_backward_flop_count(args[0].shape, q.shape, k.shape, v.shape)
+        flops = CPU_ATTENTION[func.overloadpacket](args)
         return _expr(flops) if symbolic else hint(flops)
     formula = flop_registry.get(func.overloadpacket)
     if formula is not None:
