@@ -17,6 +17,12 @@ torch.profiler's self CPU time of the main thread's ops is grouped into categori
   dispatch and framework overhead between ops).
 
 Each rank prints its table; times are ms per step. Compare methods within one run only.
+
+``--timeline`` also profiles one more step of each method and prints every rank's collective
+events on one clock: where the training thread issues and waits for each collective, and how
+long the backend's worker threads (gloo's) run each one. Waits that begin right after their
+collective's issue are communication nothing hides; a worker op that outlasts its peer's issue
+is one rank waiting for the other.
 """
 
 from __future__ import annotations
@@ -88,8 +94,22 @@ def _timed_step(model, opt, x, y, t: dict) -> None:
     t["off cpu"].append(t4 - t0 - main_cpu)  # the training thread not running: blocked, or preempted
 
 
+def _marked_step(model, opt, x, y) -> None:
+    """One training step, its phases marked for the profiler (``zfx_bench::<phase>``)."""
+    from torch.profiler import record_function
+
+    with record_function("zfx_bench::step"):
+        with record_function("zfx_bench::forward"):
+            loss = model(x, y)
+        with record_function("zfx_bench::backward"):
+            _backward(model, loss)
+        with record_function("zfx_bench::optimizer"):
+            opt.step()
+            opt.zero_grad()
+
+
 def _profile(model, opt, batches, mine, steps: int) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     walls = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -97,14 +117,7 @@ def _profile(model, opt, batches, mine, steps: int) -> dict[str, float]:
             x, y = batches[i % 2][0][mine], batches[i % 2][1][mine]
             dist.barrier()
             t0 = time.perf_counter()
-            with record_function("zfx_bench::step"):
-                with record_function("zfx_bench::forward"):
-                    loss = model(x, y)
-                with record_function("zfx_bench::backward"):
-                    _backward(model, loss)
-                with record_function("zfx_bench::optimizer"):
-                    opt.step()
-                    opt.zero_grad()
+            _marked_step(model, opt, x, y)
             walls.append(time.perf_counter() - t0)
     main_tid = None
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
@@ -151,6 +164,29 @@ def _top_ops(prof_steps: int, model, opt, batches, mine, n: int = 25) -> list[tu
     return [(a.key, a.self_cpu_time_total / 1e3 / prof_steps, a.count // prof_steps) for a in rows]
 
 
+def _timeline(model, opt, batches, mine, rank: int) -> list[tuple[float, str]]:
+    """One profiled step: ``(start in ms on the machine's clock, line)`` for the step's phases,
+    the training thread's collective issues and waits, and the worker threads' collective runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, y = batches[0][0][mine], batches[0][1][mine]
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _marked_step(model, opt, x, y)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    step = next(e for e in events if e.name == "zfx_bench::step")
+    lines = []
+    for e in events:
+        start, ms = e.time_range.start / 1e3, (e.time_range.end - e.time_range.start) / 1e3
+        if e.thread == step.thread:
+            outer = e.cpu_parent is None or category(e.cpu_parent.name) not in ("wait", "issue")
+            if e.name.startswith("zfx_bench::") or category(e.name) in ("wait", "issue") and outer:
+                lines.append((start, f"r{rank} {ms:7.2f} ms  {e.name}"))
+        elif e.name.startswith("gloo:") or "nccl" in e.name.lower():
+            lines.append((start, f"r{rank} {ms:7.2f} ms    [worker {e.thread}] {e.name}"))
+    return lines
+
+
 def _rank_main(args) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -187,10 +223,12 @@ def _rank_main(args) -> dict:
         cats = _profile(model, opt, batches, mine, args.profile_steps)
         dist.barrier()
         top = _top_ops(args.profile_steps, model, opt, batches, mine) if args.top else []
+        line = _timeline(model, opt, batches, mine, rank) if args.timeline else []
         result[m] = {
             "timers": {k: statistics.median(v) * 1e3 for k, v in timers[m].items()},
             "categories": cats,
             "top": top,
+            "timeline": line,
         }
     dist.destroy_process_group()
     return result
@@ -205,6 +243,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile-steps", type=int, default=4)
     p.add_argument("--methods", nargs="+", default=["ddp", "zerofx"])
     p.add_argument("--top", action="store_true", help="also list the 25 ops with the most self CPU time")
+    p.add_argument("--timeline", action="store_true", help="also print one step's collectives, every rank on one clock")
     args = p.parse_args(argv)
     per_rank = launch_local(_rank_main, args.world, args)
     cats = ("compute", "wait", "issue", "copies", "optimizer", "other", "untraced", "wall")
@@ -225,6 +264,11 @@ def main(argv=None) -> int:
                 print(f"\n  rank {rank} {m}: top ops (self ms/step, calls/step)")
                 for name, ms, count in r["top"]:
                     print(f"    {ms:7.2f}  {count:5d}  {name}")
+    for m in per_rank[0] if args.timeline else ():
+        merged = sorted(line for res in per_rank for line in res[m]["timeline"])
+        print(f"\n{m}: one step's collectives, ms since the first rank started it (issue, wait, worker run)")
+        for start, text in merged:
+            print(f"  {start - merged[0][0]:8.1f}  {text}")
     return 0
 
 
