@@ -14,6 +14,9 @@
 
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 import torch
 from torch import fx
@@ -161,6 +164,34 @@ def test_state_beyond_the_host_cap_trains_from_disk_under_the_cap(tmp_path, monk
         assert ram["peak_rss_delta"] > cap  # in memory, the same training does not fit
         assert disk["state_tensors_on_disk"] > 0
         assert disk["losses"] == ram["losses"] and r["param_error"] == 0.0  # exact parity
+
+
+def _open_file_of(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except FileNotFoundError:
+        return ""
+
+
+def test_disk_store_gives_its_files_back_when_the_tensors_die(tmp_path):
+    """A parameter's file is unlinked at once; its bytes leave the disk only when its descriptor
+    closes, which must happen when the tensor dies, not at process exit."""
+    from zerofx.ir.offload_ops import paged_storages
+    from zerofx.runtime.offload_store import DiskStore
+
+    store = DiskStore(str(tmp_path))
+    t = torch.arange(4096, dtype=torch.float32)
+    store.adopt(t)
+    ((ptr, (_, fd, nbytes)),) = store.files.items()
+    assert nbytes == 4096 * 4 and ptr == t.untyped_storage().data_ptr() and paged_storages[ptr] is store
+    assert str(tmp_path) in _open_file_of(fd)  # the unlinked file, held open
+    store.page_out(t)
+    store.prefetch(t)
+    assert torch.equal(t, torch.arange(4096, dtype=torch.float32))  # the bytes come back from the file
+    del t
+    gc.collect()
+    assert store.files == {} and ptr not in paged_storages and store.nbytes == 0
+    assert str(tmp_path) not in _open_file_of(fd)
 
 
 def test_tracker_stops_counting_a_buffer_the_graph_frees():

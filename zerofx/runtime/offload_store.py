@@ -27,6 +27,7 @@ import mmap
 import os
 import tempfile
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -87,13 +88,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class DiskStore:
-    """Tensors whose bytes live in memory-mapped files under one folder (one file per tensor)."""
+    """Tensors whose bytes live in memory-mapped files under one folder (one file per tensor).
+
+    Each file is unlinked at creation; its bytes stay on disk while its descriptor is open and
+    its mapping is alive. The tensor's storage holds the mapping (``torch.frombuffer``); the store
+    only refers to it weakly, and when the storage dies (the model and optimizer are gone) the
+    mapping's finalizer closes the descriptor and forgets the entry, so the disk space comes
+    back then, not at process exit.
+    """
 
     def __init__(self, directory: str | None):
         directory = default_offload_dir() if directory is None else directory
         check_offload_dir(directory)  # where the folder is first used: created, proven writable
         self.directory = str(directory)
-        self.files: dict[int, tuple[mmap.mmap, int, int]] = {}  # data_ptr -> (mapping, fd, nbytes)
+        self.files: dict[int, tuple[weakref.ref, int, int]] = {}  # data_ptr -> (mapping, fd, nbytes)
 
     def __contains__(self, t: torch.Tensor) -> bool:
         return _local(t).untyped_storage().data_ptr() in self.files
@@ -120,23 +128,36 @@ class DiskStore:
         with torch.no_grad():
             local.set_(data.untyped_storage(), 0, local.shape, local.stride())
         ptr = local.untyped_storage().data_ptr()
-        self.files[ptr] = (mapping, fd, nbytes)
+        self.files[ptr] = (weakref.ref(mapping), fd, nbytes)
         paged_storages[ptr] = self
+        weakref.finalize(mapping, self._release, ptr, fd)
         self.page_out(t)
+
+    def _release(self, ptr: int, fd: int) -> None:
+        """The mapping at ``ptr`` is gone with its storage: close its file, which frees its bytes."""
+        self.files.pop(ptr, None)
+        if paged_storages.get(ptr) is self:
+            del paged_storages[ptr]
+        os.close(fd)
+
+    def _mapping(self, t: torch.Tensor) -> tuple[mmap.mmap, int] | None:
+        entry = self.files.get(_local(t).untyped_storage().data_ptr())
+        mapping = entry[0]() if entry is not None else None
+        return None if mapping is None else (mapping, entry[1])
 
     def page_out(self, t: torch.Tensor) -> None:
         """Write ``t``'s dirty pages to its file and drop them from this process and the page cache."""
-        entry = self.files.get(_local(t).untyped_storage().data_ptr())
+        entry = self._mapping(t)
         if entry is None:
             return
-        mapping, fd, _ = entry
+        mapping, fd = entry
         mapping.flush()
         mapping.madvise(mmap.MADV_DONTNEED)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def prefetch(self, t: torch.Tensor) -> None:
         """Ask the kernel to start reading ``t``'s pages now (asynchronous readahead)."""
-        entry = self.files.get(_local(t).untyped_storage().data_ptr())
+        entry = self._mapping(t)
         if entry is not None:
             entry[0].madvise(mmap.MADV_WILLNEED)
 
