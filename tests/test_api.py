@@ -237,12 +237,12 @@ def test_torch_compile_backend_on_an_unsharded_model_in_a_multi_rank_job_warns()
     assert not dist.is_initialized()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        zerofx.backend._warned_unsharded = False
+        zerofx.backend._WARNED.discard("unsharded")
         torch._dynamo.reset()
         model = nn.Linear(3, 2)
         with pytest.warns(UserWarning, match=r"has not sharded, in a job of 2 ranks.*zerofx\.shard\(model, mesh\)"):
             torch.compile(model, backend="zerofx")(torch.randn(4, 3)).sum().backward()
-        zerofx.backend._warned_unsharded = False
+        zerofx.backend._WARNED.discard("unsharded")
         torch._dynamo.reset()
         sharded = zerofx.shard(nn.Linear(3, 2), init_device_mesh("cpu", (2,)))
         with warnings.catch_warnings():

@@ -271,7 +271,7 @@ def test_disabling_transport_on_gloo_warns(monkeypatch):
 
     gm = make_fx(gathers, tracing_mode="fake")(torch.randn(3))
     assert any(n.target is ALL_GATHER for n in gm.graph.nodes)
-    monkeypatch.setattr(backend, "_warned_gathers", False)
+    monkeypatch.setattr(backend, "_WARNED", set())
     monkeypatch.setattr(backend, "backend_of", lambda group: "nccl")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

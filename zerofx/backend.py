@@ -272,7 +272,14 @@ def _size_symbols(example_inputs: list[Any]) -> tuple[str, ...]:
     return tuple(sorted(found, key=lambda name: (len(name), name)))
 
 
-_warned_plan_recompile = False
+_WARNED: set[str] = set()  # the once-per-process warnings already given, by key
+
+
+def _warn_once(key: str, message: str) -> None:
+    """``warnings.warn(message)`` the first time ``key`` is warned about in this process."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=3)
 
 
 def _note_symbolic_frame(frame: _FrameCompiler, symbols: tuple[str, ...]) -> None:
@@ -281,21 +288,19 @@ def _note_symbolic_frame(frame: _FrameCompiler, symbols: tuple[str, ...]) -> Non
     shapes started: that agreement is a collective at compile time, so it only matches if every
     rank recompiles at this step (ranks seeing different shapes: use ``dynamic=True``; see
     docs/architecture.md, Dynamic shapes)."""
-    global _warned_plan_recompile
     import torch.distributed as dist
 
     if frame.recorder is not None:
         frame.recorder.note(frame.graph_id, "forward", f"dynamic sizes: {', '.join(symbols)}")
     multi_rank = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     options = frame.options
-    if options.codegen.dynamic == "auto" and wants_plan(options.memory) and multi_rank and not _warned_plan_recompile:
-        _warned_plan_recompile = True
-        warnings.warn(
+    if options.codegen.dynamic == "auto" and wants_plan(options.memory) and multi_rank:
+        _warn_once(
+            "plan_recompile",
             f"zerofx: compiling with dynamic sizes ({', '.join(symbols)}) under dynamic='auto' (a recompile after "
             "a shape changed, or torch._dynamo.mark_dynamic) while a checkpoint plan is agreed across ranks at "
             "compile time (a collective): every rank must compile at this same step. If ranks see different "
             "shapes, pass dynamic=True to zerofx.compile (every rank compiles once, at the first step).",
-            stacklevel=2,
         )
 
 
@@ -323,31 +328,23 @@ def zerofx_backend(
     return make_backend(opts)(gm, example_inputs)
 
 
-_warned_unsharded = False
-
-
 def _warn_if_unsharded(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> None:
     """One warning per process when ``torch.compile(backend="zerofx")`` compiles trainable
     parameters that ``zerofx.shard`` never touched, in a job of more than one rank: nothing in
     such a graph synchronizes gradients, so every rank would train its own replica."""
-    global _warned_unsharded
     import torch.distributed as dist
 
-    if _warned_unsharded or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if "unsharded" in _WARNED or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return
     trainable = any(isinstance(x, torch.nn.Parameter) and x.requires_grad for x in example_inputs)
     marked = any(str(n.target).startswith("zerofx.") for n in gm.graph.nodes if n.op == "call_function")
     if trainable and not marked:
-        _warned_unsharded = True
-        warnings.warn(
+        _warn_once(
+            "unsharded",
             f"torch.compile(backend='zerofx') is compiling trainable parameters that zerofx has not sharded, "
             f"in a job of {dist.get_world_size()} ranks: their gradients are not synchronized, so each rank "
             "trains alone. Call zerofx.shard(model, mesh) before torch.compile, or use zerofx.compile(model, mesh).",
-            stacklevel=2,
         )
-
-
-_warned_gathers = False
 
 
 def _warn_if_out_of_place_gathers(gm: fx.GraphModule) -> None:
@@ -355,15 +352,13 @@ def _warn_if_out_of_place_gathers(gm: fx.GraphModule) -> None:
     torch's out-of-place all-gather on a gloo group: two of those in flight corrupt the heap
     (zerofx/ir/collectives.py, NOTE: gloo all-gathers in flight), so the run may abort or
     compute on corrupted memory."""
-    global _warned_gathers
-    if _warned_gathers:
+    if "gathers" in _WARNED:
         return
     groups = {n.args[COLLECTIVE_OPS[ALL_GATHER].group_name_arg] for n in gm.graph.nodes if n.target is ALL_GATHER}
     if any(backend_of(group) == "gloo" for group in groups):
-        _warned_gathers = True
-        warnings.warn(
+        _warn_once(
+            "gathers",
             "zerofx: disable_passes includes 'transport', so this graph keeps torch's out-of-place "
             "all-gather on a gloo group; two of them in flight corrupt the process's heap (a torch bug, "
             "see zerofx/ir/collectives.py). Disable transport for debugging only.",
-            stacklevel=2,
         )
