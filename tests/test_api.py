@@ -251,3 +251,34 @@ def test_torch_compile_backend_on_an_unsharded_model_in_a_multi_rank_job_warns()
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
+
+
+def test_a_symbolic_recompile_under_an_agreed_plan_warns_once_per_process(monkeypatch):
+    """dynamic="auto" with a checkpoint plan agreed across ranks: a recompile with dynamic sizes
+    agrees at compile time, so every rank must recompile at the same step; say so, once."""
+    import types
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import zerofx.backend
+
+    def frame(**options):
+        return types.SimpleNamespace(recorder=None, options=zerofx.Options(**options), graph_id="frame0")
+
+    monkeypatch.setattr(zerofx.backend, "_WARNED", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zerofx.backend._note_symbolic_frame(frame(activation_budget=0.5), ("s0",))  # one rank: nothing to agree
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            zerofx.backend._note_symbolic_frame(frame(), ("s0",))  # no plan to agree
+            zerofx.backend._note_symbolic_frame(frame(activation_budget=0.5, dynamic=True), ("s0",))
+        with pytest.warns(UserWarning, match=r"dynamic sizes \(s0, s1\).*pass dynamic=True to zerofx\.compile"):
+            zerofx.backend._note_symbolic_frame(frame(activation_budget=0.5), ("s0", "s1"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            zerofx.backend._note_symbolic_frame(frame(activation_budget=0.5), ("s0",))  # once per process
+    finally:
+        dist.destroy_process_group()
