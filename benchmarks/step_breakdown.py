@@ -165,7 +165,7 @@ def _top_ops(prof_steps: int, model, opt, batches, mine, n: int = 25) -> list[tu
 
 
 def _timeline(model, opt, batches, mine, rank: int) -> list[tuple[float, str]]:
-    """One profiled step: ``(start in ms on the machine's clock, line)`` for the step's phases,
+    """One profiled step: ``(start in ms of wall-clock time, line)`` for the step's phases,
     the training thread's collective issues and waits, and the worker threads' collective runs."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -175,9 +175,11 @@ def _timeline(model, opt, batches, mine, rank: int) -> list[tuple[float, str]]:
         _marked_step(model, opt, x, y)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     step = next(e for e in events if e.name == "zfx_bench::step")
+    # event times count from this process's profiler start; its wall-clock time puts every rank on one clock
+    origin = prof.profiler.kineto_results.trace_start_ns() / 1e6
     lines = []
     for e in events:
-        start, ms = e.time_range.start / 1e3, (e.time_range.end - e.time_range.start) / 1e3
+        start, ms = origin + e.time_range.start / 1e3, (e.time_range.end - e.time_range.start) / 1e3
         if e.thread == step.thread:
             outer = e.cpu_parent is None or category(e.cpu_parent.name) not in ("wait", "issue")
             if e.name.startswith("zfx_bench::") or category(e.name) in ("wait", "issue") and outer:
@@ -223,12 +225,12 @@ def _rank_main(args) -> dict:
         cats = _profile(model, opt, batches, mine, args.profile_steps)
         dist.barrier()
         top = _top_ops(args.profile_steps, model, opt, batches, mine) if args.top else []
-        line = _timeline(model, opt, batches, mine, rank) if args.timeline else []
+        timeline = _timeline(model, opt, batches, mine, rank) if args.timeline else []
         result[m] = {
             "timers": {k: statistics.median(v) * 1e3 for k, v in timers[m].items()},
             "categories": cats,
             "top": top,
-            "timeline": line,
+            "timeline": timeline,
         }
     dist.destroy_process_group()
     return result
