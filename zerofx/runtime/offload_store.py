@@ -101,14 +101,15 @@ class DiskStore:
         directory = default_offload_dir() if directory is None else directory
         check_offload_dir(directory)  # where the folder is first used: created, proven writable
         self.directory = str(directory)
-        self.files: dict[int, tuple[weakref.ref, int, int]] = {}  # data_ptr -> (mapping, fd, nbytes)
+        # data_ptr -> (a weak reference to the mapping, its file descriptor, nbytes)
+        self.files: dict[int, tuple[weakref.ref, int, int]] = {}
 
     def __contains__(self, t: torch.Tensor) -> bool:
         return _local(t).untyped_storage().data_ptr() in self.files
 
     @property
     def nbytes(self) -> int:
-        return sum(n for _, _, n in self.files.values())
+        return sum(n for _, _, n in list(self.files.values()))  # a copy: a finalizer may drop entries meanwhile
 
     def adopt(self, t: torch.Tensor) -> None:
         """Move ``t``'s bytes into a new file and re-point ``t`` (its local shard) at the mapping."""
@@ -130,14 +131,18 @@ class DiskStore:
         ptr = local.untyped_storage().data_ptr()
         self.files[ptr] = (weakref.ref(mapping), fd, nbytes)
         paged_storages[ptr] = self
-        weakref.finalize(mapping, self._release, ptr, fd)
+        weakref.finalize(mapping, self._release, ptr, fd).atexit = False  # at exit the process closes it
         self.page_out(t)
 
     def _release(self, ptr: int, fd: int) -> None:
-        """The mapping at ``ptr`` is gone with its storage: close its file, which frees its bytes."""
-        self.files.pop(ptr, None)
-        if paged_storages.get(ptr) is self:
-            del paged_storages[ptr]
+        """The mapping at ``ptr`` is gone with its storage: close its file, which frees its bytes.
+        The address may already hold a newer mapping (the unmap comes first, and another thread may
+        adopt a tensor meanwhile): its entry has another descriptor, and stays."""
+        entry = self.files.get(ptr)
+        if entry is not None and entry[1] == fd:
+            del self.files[ptr]
+            if paged_storages.get(ptr) is self:
+                del paged_storages[ptr]
         os.close(fd)
 
     def _mapping(self, t: torch.Tensor) -> tuple[mmap.mmap, int] | None:
