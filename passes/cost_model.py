@@ -370,21 +370,56 @@ def collective_workspace_bytes(node: fx.Node, symbolic: bool = False) -> Any:
     return tensor_bytes(node.meta.get("val"), symbolic) if backend == "gloo" else zero
 
 
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the liveness simulation reads of each node that does not depend on where the node
+    stands: its storage root, the bytes it allocates, its backend workspace, a placeholder's
+    bytes. Valid while the graph's nodes and their arguments stay as they were, however they
+    are reordered: the schedule pass builds them once and simulates every move it tries with
+    them, instead of walking every alias chain again for each try."""
+
+    symbolic: bool
+    root: dict[fx.Node, fx.Node]
+    allocated: dict[fx.Node, Any]
+    workspace: dict[fx.Node, Any]
+    input_bytes: dict[fx.Node, Any]
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, symbolic: bool = False) -> NodeFacts:
+        nodes = list(gm.graph.nodes)
+        return cls(
+            symbolic,
+            {n: storage_root(n) for n in nodes},
+            {n: allocated_bytes(n, symbolic) for n in nodes},
+            {n: collective_workspace_bytes(n, symbolic) for n in nodes},
+            {n: tensor_bytes(n.meta.get("val"), symbolic) for n in nodes if n.op == "placeholder"},
+        )
+
+
 def _liveness(
-    gm: fx.GraphModule, inputs_freed_at_last_use: bool, owned_inputs: Iterable[str] | None, symbolic: bool
+    gm: fx.GraphModule,
+    inputs_freed_at_last_use: bool,
+    owned_inputs: Iterable[str] | None,
+    symbolic: bool,
+    facts: NodeFacts | None = None,
 ) -> tuple[list[tuple[str, Any]], Any]:
     """The one liveness simulation behind ``estimate_memory`` and ``memory_timeline``: for every
     node in graph order, the bytes live right after it allocated (before what dies there is
     freed), relative to the live bytes before the graph; and the bytes of the graph's outputs."""
+    if facts is None or facts.symbolic != symbolic or len(facts.root) != len(gm.graph.nodes):
+        facts = NodeFacts.of(gm, symbolic)
+    root_of, allocated, workspace_of = facts.root, facts.allocated, facts.workspace
     nodes = list(gm.graph.nodes)
     order = positions(gm.graph)
     output = nodes[-1]
-    outputs = {storage_root(a) for a in output.all_input_nodes}
+    outputs = {root_of[a] for a in output.all_input_nodes}
     last_use: dict[fx.Node, int] = {}
     for node in nodes:
+        idx = order[node]
         for inp in node.all_input_nodes:
-            root = storage_root(inp)
-            last_use[root] = max(last_use.get(root, -1), order[node])
+            root = root_of[inp]
+            if last_use.get(root, -1) < idx:
+                last_use[root] = idx
     names = set(owned_inputs or ())
     borrowed = gm.meta.get(BORROWED_INPUTS, ()) if inputs_freed_at_last_use else ()
     owned = {
@@ -400,24 +435,27 @@ def _liveness(
     timeline = []
     pending: dict[fx.Node, Any] = {}  # collective -> its backend workspace, until its wait
     for node in nodes:
-        workspace = collective_workspace_bytes(node, symbolic)
+        workspace = workspace_of[node]
         if workspace != 0:  # held by the backend until the collective is waited on
             pending[node] = workspace
-        live = live + allocated_bytes(node, symbolic) + workspace
+        live = live + allocated[node] + workspace
         timeline.append((node.name, live))
         if node.op == "call_function" and node.target is WAIT and node.args[0] in pending:
             live = live - pending.pop(node.args[0])
         for dead in frees.get(order[node], ()):
             if dead.op == "placeholder":
-                live = live - tensor_bytes(dead.meta.get("val"), symbolic)
+                live = live - facts.input_bytes[dead]
             else:
-                live = live - allocated_bytes(dead, symbolic)
-    out_bytes = sum((allocated_bytes(r, symbolic) for r in outputs if r.op == "call_function"), live * 0)
+                live = live - allocated[dead]
+    out_bytes = sum((allocated[r] for r in outputs if r.op == "call_function"), live * 0)
     return timeline, out_bytes
 
 
 def estimate_memory(
-    gm: fx.GraphModule, inputs_freed_at_last_use: bool = False, owned_inputs: Iterable[str] | None = None
+    gm: fx.GraphModule,
+    inputs_freed_at_last_use: bool = False,
+    owned_inputs: Iterable[str] | None = None,
+    facts: NodeFacts | None = None,
 ) -> MemoryEstimate:
     """Simulate allocation and freeing of ``gm``'s values in graph order.
 
@@ -430,9 +468,10 @@ def estimate_memory(
     but those the graph module's ``BORROWED_INPUTS`` names (saved parameter shards and user
     data: dropping them frees nothing), or those named in ``owned_inputs``. The result is
     relative to the live bytes before the graph (owned inputs included), so the peak is what
-    running the graph adds.
+    running the graph adds. ``facts``: ``NodeFacts.of(gm)`` built earlier, for a caller that
+    simulates many orders of the same nodes.
     """
-    timeline, out_bytes = _liveness(gm, inputs_freed_at_last_use, owned_inputs, symbolic=False)
+    timeline, out_bytes = _liveness(gm, inputs_freed_at_last_use, owned_inputs, symbolic=False, facts=facts)
     peak, peak_node = 0, "start"
     for name, live in timeline:
         if live > peak:

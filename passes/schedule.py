@@ -22,7 +22,7 @@ from torch import fx
 from zerofx.ir.collectives import COLLECTIVE_OPS, WAIT
 from zerofx.ir.meta import ROLE
 from zerofx.passes.contract import Pass, PassContext
-from zerofx.passes.cost_model import CostModel, DeviceModel, estimate_memory, tensor_bytes
+from zerofx.passes.cost_model import CostModel, DeviceModel, NodeFacts, estimate_memory, tensor_bytes
 from zerofx.passes.graph import hoist_before, positions, wait_of
 
 _GATHERS = {op for op, spec in COLLECTIVE_OPS.items() if spec.kind == "all_gather"}
@@ -60,7 +60,9 @@ def _compute_between(start: fx.Node, stop: fx.Node, device: DeviceModel) -> floa
     return total
 
 
-def _prefetch(gm: fx.GraphModule, cost: CostModel, device: DeviceModel, budget: int, base_peak: int) -> int:
+def _prefetch(
+    gm: fx.GraphModule, cost: CostModel, device: DeviceModel, budget: int, base_peak: int, facts: NodeFacts
+) -> int:
     moved = 0
     for coll in [n for n in gm.graph.nodes if n.target in _GATHERS and _own(n)]:
         wait = wait_of(coll)
@@ -86,7 +88,7 @@ def _prefetch(gm: fx.GraphModule, cost: CostModel, device: DeviceModel, budget: 
             if not hoist_before(coll, candidates[mid]):
                 hi = mid - 1
                 continue
-            ok = estimate_memory(gm).peak_bytes - base_peak <= budget
+            ok = estimate_memory(gm, facts=facts).peak_bytes - base_peak <= budget
             original_next.prepend(coll)  # undo (inputs hoisted with it stay early: harmless)
             if ok:
                 best, lo = mid, mid + 1
@@ -97,7 +99,9 @@ def _prefetch(gm: fx.GraphModule, cost: CostModel, device: DeviceModel, budget: 
     return moved
 
 
-def _defer_waits(gm: fx.GraphModule, cost: CostModel, device: DeviceModel, budget: int, base_peak: int) -> int:
+def _defer_waits(
+    gm: fx.GraphModule, cost: CostModel, device: DeviceModel, budget: int, base_peak: int, facts: NodeFacts
+) -> int:
     moved = 0
     for coll in [n for n in gm.graph.nodes if n.target in COLLECTIVE_OPS and n.target not in _GATHERS and _own(n)]:
         wait = wait_of(coll)
@@ -115,7 +119,7 @@ def _defer_waits(gm: fx.GraphModule, cost: CostModel, device: DeviceModel, budge
             continue
         original_next = wait.next
         target.prepend(wait)
-        if estimate_memory(gm).peak_bytes - base_peak > budget:
+        if estimate_memory(gm, facts=facts).peak_bytes - base_peak > budget:
             original_next.prepend(wait)
         else:
             moved += 1
@@ -128,11 +132,12 @@ def schedule_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     cost = ctx.cost
     budget = resolve_budget(ctx, gm)
-    before = estimate_memory(gm)
+    facts = NodeFacts.of(gm)  # the moves below reorder nodes, never change them
+    before = estimate_memory(gm, facts=facts)
     device = cost.device_for(gm)
-    prefetched = _prefetch(gm, cost, device, budget, before.peak_bytes)
-    deferred = _defer_waits(gm, cost, device, budget, before.peak_bytes)
-    after = estimate_memory(gm)
+    prefetched = _prefetch(gm, cost, device, budget, before.peak_bytes, facts)
+    deferred = _defer_waits(gm, cost, device, budget, before.peak_bytes, facts)
+    after = estimate_memory(gm, facts=facts)
     ctx.report(
         f"prefetched {prefetched} all-gathers, deferred {deferred} reduce-scatter waits; "
         f"estimated peak {before.peak_bytes} -> {after.peak_bytes} B (budget +{budget} B)"

@@ -10,6 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from zerofx.ir.meta import BORROWED_INPUTS
 from zerofx.passes.cost_model import (
     MemoryEstimate,
+    NodeFacts,
     borrowed_inputs,
     estimate_memory,
     hint,
@@ -96,6 +97,33 @@ def test_estimate_memory_frees_after_last_use_and_owned_inputs_at_theirs():
     assert estimate_memory(early).peak_bytes == 2 * 1024
     assert estimate_memory(early, owned_inputs=[inputs(early)]).peak_bytes == 1024
     assert estimate_memory(early, inputs_freed_at_last_use=True).peak_bytes == 1024
+
+
+def test_node_facts_built_once_price_every_order_of_the_same_nodes():
+    # the schedule pass builds NodeFacts once and simulates many orders of the same nodes with
+    # them: sink each op in turn to just before its first user (a legal order that holds its
+    # result longer) and compare with a simulation that builds them afresh
+    gm = trace(lambda x: (x * 2 + x * 3) * (x + 1), (256,))
+    facts = NodeFacts.of(gm)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    peaks = set()
+    for n in [n for n in gm.graph.nodes if n.op == "call_function"]:
+        first_user = min(n.users, key=list(gm.graph.nodes).index)
+        if first_user is not output:
+            first_user.prepend(n)
+            gm.graph.lint()
+            fresh = estimate_memory(gm)
+            assert estimate_memory(gm, facts=facts) == fresh
+            peaks.add(fresh.peak_bytes)
+    assert len(peaks) > 1  # the orders really hold different bytes at once
+    # facts of a graph that has since gained a node are not used: they are built again
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    with gm.graph.inserting_before(output):
+        extra = gm.graph.call_function(aten.mul.Tensor, (x, x))
+    extra.meta["val"] = x.meta["val"]
+    output.args = ((output.args[0], extra),)
+    assert estimate_memory(gm, facts=facts) == estimate_memory(gm)
+    assert estimate_memory(gm).output_bytes == 2 * 1024
 
 
 def test_a_backward_frees_what_its_forward_allocated_but_not_what_it_borrowed():
