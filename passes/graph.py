@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_arg
 
 from zerofx.ir.collectives import WAIT
@@ -23,6 +23,13 @@ CONVERT = torch.ops.prims.convert_element_type.default
 
 
 def fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode:
+    """The fake mode of ``gm``'s values (a new one when it has no fake values).
+
+    Every node a pass inserts asks for it (``insert_call``): the first fake placeholder answers
+    (a graph's fake values share one mode), instead of a scan of the whole graph per insert."""
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), FakeTensor):
+            return detect_fake_mode([n.meta["val"]])
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     if mode is None:
