@@ -96,9 +96,9 @@ def wait_of(collective: fx.Node) -> fx.Node | None:
 
 
 def first_user(node: fx.Node) -> fx.Node:
-    """The user of ``node`` that comes first in graph order."""
-    order = positions(node.graph)
-    return min(node.users, key=order.__getitem__)
+    """The user of ``node`` that comes first in graph order (fx nodes compare by their place in
+    the graph, which torch keeps up to date as nodes move: no index of the whole graph)."""
+    return min(node.users)
 
 
 # -- moving nodes (bucket and schedule) ----------------------------------------------------------
@@ -115,21 +115,19 @@ def hoist_before(node: fx.Node, anchor: fx.Node) -> bool:
     Returns False (and moves nothing) when an ancestor cannot move: a placeholder, or the
     anchor itself. Relative order of the moved nodes is kept.
     """
-    order = positions(node.graph)
-    limit = order[anchor]
-    if order[node] < limit:
+    if node < anchor:  # fx nodes compare by graph order (see first_user)
         return True
     to_move: set[fx.Node] = set()
     stack = [node]
     while stack:
         n = stack.pop()
-        if n in to_move or order[n] < limit:
+        if n in to_move or n < anchor:
             continue
         if n.op != "call_function" or n is anchor:
             return False
         to_move.add(n)
         stack.extend(n.all_input_nodes)
-    for n in sorted(to_move, key=order.__getitem__):
+    for n in sorted(to_move):
         anchor.prepend(n)
     return True
 
