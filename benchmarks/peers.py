@@ -56,6 +56,9 @@ from benchmarks._launch import launch_local, small_hf_llama  # noqa: E402
 SIZES = {
     "small": dict(vocab_size=512, seq_len=128, n_layer=4, n_head=4, d_model=128),
     "medium": dict(vocab_size=1024, seq_len=128, n_layer=6, n_head=8, d_model=256),
+    # medium's depth with almost no arithmetic: what a step costs besides compute (Python,
+    # dispatch, collective latency), which is what a GPU's fast matmuls leave exposed
+    "tiny": dict(vocab_size=64, seq_len=8, n_layer=6, n_head=2, d_model=32),
 }
 # the same shapes as an HF LlamaForCausalLM from a config (the hf extra): "llama-small", "llama-medium"
 SIZES.update({f"llama-{name}": shape for name, shape in list(SIZES.items())})
