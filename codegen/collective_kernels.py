@@ -15,9 +15,10 @@ Four kernels move data in and out of that layout, each one launch for the whole 
     average_into_shards  reduce-scatter output -> each shard's gradient, scaled by 1/N
                          (the "avg" of a sum reduce-scatter), cast, optionally accumulated
 
-The passes do not bucket yet (each parameter has its own collective, and the gather and reduce
-passes emit the pad/slice themselves); these kernels are the runtime half a bucketing pass will
-call. Tests check them against per-parameter ATen collectives on real gloo ranks.
+The graphs do not call them yet: the ``bucket`` pass (passes/bucket.py) copies in and out of its
+buckets with the ATen ops of torch's bucketing surgery, which these one-launch kernels could
+replace on a GPU, where a bucket's per-parameter copies are many small launches (docs/codegen.md).
+Tests check them against per-parameter ATen collectives on real gloo ranks.
 """
 
 from __future__ import annotations
