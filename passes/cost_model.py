@@ -374,9 +374,11 @@ def collective_workspace_bytes(node: fx.Node, symbolic: bool = False) -> Any:
 class NodeFacts:
     """What the liveness simulation reads of each node that does not depend on where the node
     stands: its storage root, the bytes it allocates, its backend workspace, a placeholder's
-    bytes. Valid while the graph's nodes and their arguments stay as they were, however they
-    are reordered: the schedule pass builds them once and simulates every move it tries with
-    them, instead of walking every alias chain again for each try."""
+    bytes. Valid while the graph's nodes, their arguments and their ``meta["val"]`` stay as they
+    were, however they are reordered: the schedule pass builds them once and simulates every
+    move it tries with them, instead of walking every alias chain again for each try. The
+    simulation rebuilds them when the number of nodes changed; a node rewired or replaced at the
+    same count is the caller's to avoid (the schedule pass only moves nodes)."""
 
     symbolic: bool
     root: dict[fx.Node, fx.Node]

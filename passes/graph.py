@@ -25,12 +25,14 @@ CONVERT = torch.ops.prims.convert_element_type.default
 def fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode:
     """The fake mode of ``gm``'s values (a new one when it has no fake values).
 
-    Every node a pass inserts asks for it (``insert_call``): the first fake placeholder answers
-    (a graph's fake values share one mode), instead of a scan of the whole graph per insert."""
-    for n in gm.graph.nodes:
-        if n.op == "placeholder" and isinstance(n.meta.get("val"), FakeTensor):
+    Every node a pass inserts asks for it (``insert_call``): the first fake placeholder answers,
+    instead of a scan of the whole graph per insert. A graph's fake values share one mode (the
+    trace's); with several, this would take the first one's, where a scan would raise."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    for n in placeholders:
+        if isinstance(n.meta.get("val"), FakeTensor):
             return detect_fake_mode([n.meta["val"]])
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in placeholders]
     mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     if mode is None:
         mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -23,7 +23,7 @@ from zerofx.ir.collectives import COLLECTIVE_OPS, WAIT
 from zerofx.ir.meta import ROLE
 from zerofx.passes.contract import Pass, PassContext
 from zerofx.passes.cost_model import CostModel, DeviceModel, NodeFacts, estimate_memory, tensor_bytes
-from zerofx.passes.graph import hoist_before, positions, wait_of
+from zerofx.passes.graph import first_user, hoist_before, wait_of
 
 _GATHERS = {op for op, spec in COLLECTIVE_OPS.items() if spec.kind == "all_gather"}
 _OWN = ("gather", "secondary_gather", "reduce")  # roles of the collectives zerofx inserted
@@ -107,8 +107,7 @@ def _defer_waits(
         wait = wait_of(coll)
         if wait is None:
             continue
-        order = positions(gm.graph)
-        first_use = min(wait.users, key=order.__getitem__)
+        first_use = first_user(wait)
         needed = cost.comm.node_time(coll) - _compute_between(coll, wait, device)
         target, hidden, node = None, 0.0, wait.next
         while node is not first_use and node.op != "output" and hidden < needed:
