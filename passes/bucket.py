@@ -51,7 +51,7 @@ from zerofx.ir.collectives import ALL_GATHER, REDUCE_SCATTER
 from zerofx.ir.meta import ROLE
 from zerofx.passes.contract import Pass, PassContext
 from zerofx.passes.cost_model import tensor_bytes
-from zerofx.passes.graph import first_user, hoist_before, positions, wait_of
+from zerofx.passes.graph import first_user, hoist_before, wait_of
 from zerofx.passes.modules import module_block
 
 # the roles of the collectives zerofx inserted (gather, reduce passes): only those are merged;
@@ -149,8 +149,7 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         # later members' inputs (views/pads of shards) must exist where the bucket is issued
         if not all(hoist_before(m.args[0], first) for m in members[1:]):
             continue
-        order = positions(gm.graph)
-        anchor = min((first_user(wait_of(m)) for m in members), key=order.__getitem__)
+        anchor = min(first_user(wait_of(m)) for m in members)  # fx nodes compare by graph order
         roles = {m.meta.get(ROLE) for m in members}
         new_nodes, _ = merge_all_gather_bucket(
             gm.graph, members, "default", insert_before=first, wait_insertion_point=anchor
@@ -161,8 +160,7 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             node.meta[ROLE] = role
         merged["all_gather"] += len(members)
     for members in choose_buckets(gm, REDUCE_SCATTER, cap, by_block=by_block, ceiling=ceiling):
-        order = positions(gm.graph)
-        last_input = max((m.args[0] for m in members), key=order.__getitem__)
+        last_input = max(m.args[0] for m in members)
         new_nodes, _ = merge_reduce_scatter_bucket(gm.graph, members, "default", insert_before=last_input.next)
         for node in new_nodes:
             node.meta[ROLE] = "reduce"

@@ -34,7 +34,7 @@ from zerofx.ir.meta import OFFLOAD_TIER, ROLE
 from zerofx.ir.offload_ops import OFFLOAD, PAGE_OUT, RELOAD, RELOAD_WAIT
 from zerofx.passes.contract import Pass, PassContext
 from zerofx.passes.cost_model import node_bytes, node_flops, storage_key
-from zerofx.passes.graph import insert_call, positions
+from zerofx.passes.graph import first_user, insert_call, positions
 
 __all__ = ["offload_pass"]
 
@@ -89,8 +89,7 @@ def _reload_saved(gm: fx.GraphModule, ctx: PassContext) -> list[str]:
         val = ph.meta["val"]
         if not _static(val):
             continue
-        order = positions(gm.graph)
-        first = min(ph.users, key=order.__getitem__)
+        first = first_user(ph)
         device = ctx.cost.device_for(val.device.type)
         need = device.transfer_s(node_bytes(ph), tier)
         # walk back from the first use until the compute in between covers the transfer

@@ -68,8 +68,7 @@ def _merge_tied(gm: fx.GraphModule, ctx: PassContext) -> None:
                 continue
             if a.args[0].meta["val"].shape != b.args[0].meta["val"].shape:
                 continue
-            order = positions(gm.graph)
-            later = max(a.args[0], b.args[0], key=order.__getitem__)
+            later = max(a.args[0], b.args[0])  # fx nodes compare by graph order
             with gm.graph.inserting_after(later):
                 total = insert_call(gm, aten.add.Tensor, (a.args[0], b.args[0]), role="reduce")
             with gm.graph.inserting_after(total):
