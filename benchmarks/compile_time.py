@@ -1,10 +1,12 @@
 """Compile time: ``zerofx.compile(model, mesh)`` against ``torch.compile(model)`` (Inductor).
 
     python benchmarks/compile_time.py --sizes medium llama-medium --rounds 2
+    python benchmarks/compile_time.py --sizes deep --world 2 --rounds 1
 
-One gloo rank (the passes and the partition, not collectives, are what compile time is made
-of), the benchmark models of benchmarks/peers.py (the medium GPT; "llama-medium", an HF
-``LlamaForCausalLM`` from a config with the same shapes). Per round and method a fresh model is
+One gloo rank by default (the passes and the partition, not collectives, are what compile time
+is made of; ``--world 2`` compiles on two, each rank timing its own), the benchmark models of benchmarks/peers.py (the medium GPT; "llama-medium", an HF
+``LlamaForCausalLM`` from a config with the same shapes; "deep", 48 narrow GPT blocks, for passes
+whose cost grows with depth). Per round and method a fresh model is
 built and its first training step (forward + backward) timed; compile time is that step minus
 the median of the next three. The methods alternate within each round, and Inductor's caches
 are disabled (``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``, set here before torch is imported), so
@@ -59,7 +61,7 @@ def _rank_main(sizes: list[str], rounds: int) -> list[dict]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
         rows = []
         for size in sizes:
             seconds: dict[str, list[float]] = {m: [] for m in METHODS}
@@ -77,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["medium", "llama-medium"], choices=sorted(SIZES))
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--world", type=int, default=1, help="ranks compiling (rank 0's times are printed)")
     parser.add_argument("--json", help="write the rows as JSON here")
     args = parser.parse_args(argv)
-    rows = launch_local(_rank_main, 1, args.sizes, args.rounds)[0]
+    rows = launch_local(_rank_main, args.world, args.sizes, args.rounds)[0]
     fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731
     print(
         markdown_table(

@@ -59,6 +59,8 @@ SIZES = {
     # medium's depth with almost no arithmetic: what a step costs besides compute (Python,
     # dispatch, collective latency), which is what a GPU's fast matmuls leave exposed
     "tiny": dict(vocab_size=64, seq_len=8, n_layer=6, n_head=2, d_model=32),
+    # many narrow blocks: what grows with depth (compile time: benchmarks/compile_time.py)
+    "deep": dict(vocab_size=1024, seq_len=128, n_layer=48, n_head=2, d_model=64),
 }
 # the same shapes as an HF LlamaForCausalLM from a config (the hf extra): "llama-small", "llama-medium"
 SIZES.update({f"llama-{name}": shape for name, shape in list(SIZES.items())})

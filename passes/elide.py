@@ -3,9 +3,9 @@
 Two patterns the lowering leaves in every bucketed graph, each one buffer-sized allocation and
 one pass over memory more than the values need:
 
-* an all-gather bucket's input (torch's ``merge_all_gather_bucket``): the shards are
-  concatenated into a new buffer, which is then copied into this rank's rows of the gathered
-  output (the collective gathers in place)::
+* an all-gather bucket's input (passes/bucket.py, the same nodes as torch's
+  ``merge_all_gather_bucket``): the shards are concatenated into a new buffer, which is then
+  copied into this rank's rows of the gathered output (the collective gathers in place)::
 
       c = aten.cat([s0, s1, ...]);  x = aten.copy_(rows, c)
     becomes

@@ -490,3 +490,77 @@ def test_module_block_reads_forward_and_backward_module_stacks():
     assert module_block(node) is None
     node.meta["fwd_nn_module_stack"] = {"m": ("L['fn'].__self__.head", torch.nn.Linear)}  # AOT's backward copy
     assert module_block(node) == "head"
+
+
+def _canonical_graphs(dump_dir) -> dict[str, list[str]]:
+    """Every dumped graph after the bucket pass and the final one, per (graph kind, pass), as code
+    with each assigned name replaced by its definition index (surgeries may number nodes apart)."""
+    import re
+
+    graphs = {}
+    for path in sorted(dump_dir.glob("rank0/frame*_*/*.py")):
+        kind = path.parent.name.split("_", 1)[1]
+        names: dict[str, str] = {}
+        lines = []
+        for line in path.read_text().splitlines():
+            if not line.strip() or line.strip().startswith("#"):
+                continue
+            m = re.match(r"\s+(\w+)(:[^=]*)? = ", line)
+            if m:
+                names[m.group(1)] = f"v{len(names)}"
+            lines.append(re.sub(r"(?<![.\w])[A-Za-z_]\w*\b", lambda w: names.get(w.group(0), w.group(0)), line))
+        graphs[f"{kind}/{path.stem.split('_', 1)[1]}"] = lines
+    return graphs
+
+
+@pytest.mark.parametrize(
+    "world,options",
+    [
+        (2, {}),
+        (4, {}),
+        (2, {"param_dtype": torch.bfloat16}),  # casts before the gathers: torch folds them into its copy-in
+        (4, {"quantize_weights": "int8", "quantize_grads": "int8"}),
+    ],
+)
+def test_bucket_surgery_writes_the_graphs_torchs_surgery_writes(tmp_path, monkeypatch, world, options):
+    """passes/bucket.py NOTE: bucket surgery. The same training step planned twice, once with
+    the direct surgery and once with torch's for every bucket: every graph the pipeline dumps
+    after bucketing is the same, node for node; without casts to fold the direct surgery does
+    every bucket itself."""
+    import zerofx
+    import zerofx.passes.bucket as bucket
+    from zerofx.models import GPT, GPTConfig
+
+    torch_calls = []
+    for name in ("merge_all_gather_bucket", "merge_reduce_scatter_bucket"):
+        original = getattr(bucket, name)
+        monkeypatch.setattr(
+            bucket, name, lambda *a, _f=original, _n=name, **k: (torch_calls.append(_n), _f(*a, **k))[1]
+        )
+
+    def planned(dump_dir):
+        zerofx.plan(
+            lambda: GPT(GPTConfig(vocab_size=128, seq_len=16, n_layer=3, n_head=2, d_model=32)),
+            world,
+            batch=2,
+            seq=16,
+            device="cpu",
+            backend="gloo",
+            exact=True,
+            dump_dir=str(dump_dir),
+            **options,
+        )
+        return _canonical_graphs(dump_dir)
+
+    direct = planned(tmp_path / "direct")
+    direct_torch_calls = list(torch_calls)
+    monkeypatch.setattr(bucket, "_merge_gathers", lambda *a, **k: None)
+    monkeypatch.setattr(bucket, "_merge_reduce_scatters", lambda *a, **k: None)
+    torchs = planned(tmp_path / "torch")
+    after_bucket = [k for k in torchs if k.split("/")[1] not in ("input", "gather", "reduce")]
+    assert after_bucket and len(torch_calls) > len(direct_torch_calls)
+    assert sorted(direct) == sorted(torchs)
+    for key in after_bucket:
+        assert direct[key] == torchs[key], key
+    if "param_dtype" not in options:
+        assert direct_torch_calls == []
