@@ -62,6 +62,7 @@ do the surgery.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -177,16 +178,28 @@ class _Builder:
         with ``shape`` itself where the strides allow one, else a contiguous copy and an
         ``_unsafe_view`` to the inferred shape."""
         val = x.meta["val"]
-        try:
-            val.view(shape)
-        except (RuntimeError, ValueError):  # fake tensors raise ValueError (torch._refs), real ones RuntimeError
-            copy = self.call(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
-            return self.call(aten._unsafe_view.default, (copy, list(val.reshape(shape).shape)))
-        return self.call(aten.view.default, (x, shape))
+        if _viewable(val, shape):
+            return self.call(aten.view.default, (x, shape))
+        copy = self.call(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+        known = math.prod(d for d in shape if d != -1)
+        return self.call(aten._unsafe_view.default, (copy, [val.numel() // known if d == -1 else d for d in shape]))
 
     def undo(self) -> None:
         for node in reversed(self.nodes):
             self.gm.graph.erase_node(node)
+
+
+def _viewable(val: torch.Tensor, shape: list[int]) -> bool:
+    """Whether ``val`` (static sizes) can be viewed as ``shape``: ATen's own stride check, on a
+    meta tensor of the same layout (asking the fake tensor costs a trace and an exception)."""
+    if val.is_contiguous():
+        return True
+    probe = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+    try:
+        probe.view(shape)
+    except (RuntimeError, ValueError):  # the meta kernel raises ValueError (torch._refs)
+        return False
+    return True
 
 
 def _direct_inputs(members: list[fx.Node], group, insert_before: fx.Node) -> list[torch.Tensor] | None:
