@@ -162,7 +162,6 @@ def run_pipeline(
         ctx.messages = []
         start = time.perf_counter()
         gm = p.fn(gm, ctx)
-        gm.recompile()
         for node in gm.graph.nodes:
             if node.name not in existing:
                 node.meta.setdefault(PROVENANCE.name, p.name)
@@ -170,6 +169,8 @@ def run_pipeline(
             verify_graph(gm, p.name, existing)
         if observer is not None:
             observer(ctx, p.name, before, gm, time.perf_counter() - start)
+    # passes edit the graph and read nothing of its generated code: one recompile for all of them
+    gm.recompile()
     return gm
 
 
