@@ -520,6 +520,7 @@ def _canonical_graphs(dump_dir) -> dict[str, list[str]]:
         (4, {}),
         (2, {"param_dtype": torch.bfloat16}),  # casts before the gathers: torch folds them into its copy-in
         (4, {"quantize_weights": "int8", "quantize_grads": "int8"}),
+        ((2, 2), {"secondary_shard": True}),  # hpZ: inner re-gathers on the 2-D mesh's inner group
     ],
 )
 def test_bucket_surgery_writes_the_graphs_torchs_surgery_writes(tmp_path, monkeypatch, world, options):
