@@ -159,6 +159,9 @@ def choose_buckets(
 aten = torch.ops.aten
 # the metadata torch's bucketing copies from a bucket's first member onto every node it adds
 _INHERITED = (("nn_module_stack", ""), ("fwd_nn_module_stack", ""), ("stack_trace", ""), ("custom", {}))
+# torch's own reordering after a bucket is inserted (a member's wait may have users before
+# the merged reduce-scatter, which must move after it): the same call keeps the graphs the same
+_sort_region = getattr(_torch_bucketing, "_sort_bucket_region", None)
 
 
 class _Builder:
@@ -221,11 +224,6 @@ def _direct_inputs(members: list[fx.Node], group, insert_before: fx.Node) -> lis
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()
-
-
-# torch's own reordering after a bucket is inserted (a member's wait may have users before
-# the merged reduce-scatter, which must move after it): the same call keeps the graphs the same
-_sort_region = getattr(_torch_bucketing, "_sort_bucket_region", None)
 
 
 def _finish(
