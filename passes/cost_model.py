@@ -13,6 +13,7 @@ The API is small on purpose:
     storage_key(node)                     which buffer the value lives in (views share one)
     storage_bytes(node)                   bytes of that whole buffer
     estimate_memory(gm, ...)              liveness-based peak of the bytes a graph allocates
+    PeakProbe(gm, facts)                  the same peak for reorders of one stretch, simulating only it
     memory_timeline(gm, ...)              the same simulation node by node (symbolic on request)
     estimate_time(gm, device, comm_for)   compute and exposed communication of a graph, simulated
     saved_activation_bytes(fw_gm, n)      bytes a forward graph keeps alive for the backward
@@ -83,7 +84,7 @@ from zerofx.ir.collectives import (
 )
 from zerofx.ir.meta import BORROWED_INPUTS
 from zerofx.ir.quantize import DEQUANTIZE, QUANTIZE
-from zerofx.passes.graph import is_view, positions
+from zerofx.passes.graph import is_view
 
 __all__ = [
     "hint",
@@ -100,6 +101,7 @@ __all__ = [
     "saved_activation_bytes",
     "MemoryEstimate",
     "estimate_memory",
+    "PeakProbe",
     "memory_timeline",
     "predict_step_peak",
     "DeviceModel",
@@ -385,16 +387,19 @@ class NodeFacts:
     allocated: dict[fx.Node, Any]
     workspace: dict[fx.Node, Any]
     input_bytes: dict[fx.Node, Any]
+    input_roots: dict[fx.Node, tuple[fx.Node, ...]]  # the storage roots a node reads, each once
 
     @classmethod
     def of(cls, gm: fx.GraphModule, symbolic: bool = False) -> NodeFacts:
         nodes = list(gm.graph.nodes)
+        root = {n: storage_root(n) for n in nodes}
         return cls(
             symbolic,
-            {n: storage_root(n) for n in nodes},
+            root,
             {n: allocated_bytes(n, symbolic) for n in nodes},
             {n: collective_workspace_bytes(n, symbolic) for n in nodes},
             {n: tensor_bytes(n.meta.get("val"), symbolic) for n in nodes if n.op == "placeholder"},
+            {n: tuple(dict.fromkeys(root[i] for i in n.all_input_nodes)) for n in nodes},
         )
 
 
@@ -410,18 +415,13 @@ def _liveness(
     freed), relative to the live bytes before the graph; and the bytes of the graph's outputs."""
     if facts is None or facts.symbolic != symbolic or len(facts.root) != len(gm.graph.nodes):
         facts = NodeFacts.of(gm, symbolic)
-    root_of, allocated, workspace_of = facts.root, facts.allocated, facts.workspace
+    allocated, workspace_of, input_roots = facts.allocated, facts.workspace, facts.input_roots
     nodes = list(gm.graph.nodes)
-    order = positions(gm.graph)
-    output = nodes[-1]
-    outputs = {root_of[a] for a in output.all_input_nodes}
+    outputs = set(input_roots[nodes[-1]])
     last_use: dict[fx.Node, int] = {}
-    for node in nodes:
-        idx = order[node]
-        for inp in node.all_input_nodes:
-            root = root_of[inp]
-            if last_use.get(root, -1) < idx:
-                last_use[root] = idx
+    for idx, node in enumerate(nodes):  # in graph order, so the last write is the last use
+        for root in input_roots[node]:
+            last_use[root] = idx
     names = set(owned_inputs or ())
     borrowed = gm.meta.get(BORROWED_INPUTS, ()) if inputs_freed_at_last_use else ()
     owned = {
@@ -436,15 +436,15 @@ def _liveness(
     live: Any = sympy.Integer(0) if symbolic else 0  # relative to the start: owned inputs are already live
     timeline = []
     pending: dict[fx.Node, Any] = {}  # collective -> its backend workspace, until its wait
-    for node in nodes:
+    for idx, node in enumerate(nodes):
         workspace = workspace_of[node]
         if workspace != 0:  # held by the backend until the collective is waited on
             pending[node] = workspace
         live = live + allocated[node] + workspace
         timeline.append((node.name, live))
-        if node.op == "call_function" and node.target is WAIT and node.args[0] in pending:
+        if pending and node.target is WAIT and node.op == "call_function" and node.args[0] in pending:
             live = live - pending.pop(node.args[0])
-        for dead in frees.get(order[node], ()):
+        for dead in frees.get(idx, ()):
             if dead.op == "placeholder":
                 live = live - facts.input_bytes[dead]
             else:
@@ -479,6 +479,93 @@ def estimate_memory(
         if live > peak:
             peak, peak_node = live, name
     return MemoryEstimate(int(peak), peak_node, int(out_bytes), int(tangent_bytes(gm)))
+
+
+class PeakProbe:
+    """``estimate_memory(gm, facts=facts).peak_bytes`` (default arguments: inputs never freed)
+    of orders that differ from one base order within one stretch of positions, simulating only
+    that stretch: what the schedule pass asks for every move it tries.
+
+    The base is the graph's order when the probe is built. ``peak_bytes(first, count)`` is the
+    estimate once the caller has permuted the nodes at base positions ``first .. first + count
+    - 1`` among themselves (nothing outside them moved). Before the stretch the simulation is
+    the base's; after it, it is the base's too: the same nodes allocated there, and every buffer
+    whose last use lies in the stretch still dies in it (its users outside the stretch did not
+    move), as does every backend workspace whose wait lies in it. So the peak is the larger of
+    the base's peaks before and after the stretch and the stretch simulated again, node by node
+    as ``estimate_memory`` does (tests/test_cost_model.py compares the two on permuted graphs)."""
+
+    def __init__(self, gm: fx.GraphModule, facts: NodeFacts):
+        if facts.symbolic or len(facts.root) != len(gm.graph.nodes):
+            raise ValueError("PeakProbe needs numeric NodeFacts of this graph's nodes")
+        self.facts = facts
+        roots, allocated, workspace_of = facts.input_roots, facts.allocated, facts.workspace
+        self.nodes = nodes = list(gm.graph.nodes)
+        self.index = {n: i for i, n in enumerate(nodes)}
+        outputs = set(roots[nodes[-1]])
+        last_use: dict[fx.Node, int] = {}
+        for i, node in enumerate(nodes):
+            for root in roots[node]:
+                last_use[root] = i
+        self.last_use = last_use
+        self.dies = {r for r in last_use if r not in outputs and r.op != "placeholder"}
+        frees: dict[int, list[fx.Node]] = {}
+        for root in self.dies:
+            frees.setdefault(last_use[root], []).append(root)
+        # live bytes entering each position, the backend workspaces pending there, and the
+        # live bytes right after each node allocated
+        self.enter, self.pending_in, after = [], [], []
+        live, pending, none = 0, {}, ()
+        for i, node in enumerate(nodes):
+            self.enter.append(live)
+            self.pending_in.append(tuple(pending.items()) if pending else none)
+            workspace = workspace_of[node]
+            if workspace != 0:
+                pending[node] = workspace
+            live = live + allocated[node] + workspace
+            after.append(live)
+            if pending and node.target is WAIT and node.op == "call_function" and node.args[0] in pending:
+                live = live - pending.pop(node.args[0])
+            for dead in frees.get(i, ()):
+                live = live - allocated[dead]
+        self.prefix_peak = [0]  # the peak before each position (estimate_memory starts at 0)
+        for value in after:
+            self.prefix_peak.append(max(self.prefix_peak[-1], value))
+        self.suffix_peak = [0] * (len(nodes) + 1)  # the peak from each position on
+        for i in range(len(nodes) - 1, -1, -1):
+            self.suffix_peak[i] = max(self.suffix_peak[i + 1], after[i])
+
+    def peak_bytes(self, first: int, count: int) -> int:
+        facts, last_use, dies = self.facts, self.last_use, self.dies
+        if first < 1 or first + count > len(self.nodes):
+            raise ValueError(f"stretch {first}..{first + count - 1} is not inside the graph after its first node")
+        stretch, node = [], self.nodes[first - 1].next
+        for _ in range(count):
+            stretch.append(node)
+            node = node.next
+        end = first + count - 1
+        frees: dict[int, list[fx.Node]] = {}
+        dying = {}
+        for j, node in enumerate(stretch):
+            for root in facts.input_roots[node]:
+                if root in dies and first <= last_use[root] <= end:
+                    dying[root] = j
+        for root, j in dying.items():
+            frees.setdefault(j, []).append(root)
+        peak = max(self.prefix_peak[first], self.suffix_peak[end + 1])
+        live, pending = self.enter[first], dict(self.pending_in[first])
+        for j, node in enumerate(stretch):
+            workspace = facts.workspace[node]
+            if workspace != 0:
+                pending[node] = workspace
+            live = live + facts.allocated[node] + workspace
+            if live > peak:
+                peak = live
+            if pending and node.target is WAIT and node.op == "call_function" and node.args[0] in pending:
+                live = live - pending.pop(node.args[0])
+            for dead in frees.get(j, ()):
+                live = live - facts.allocated[dead]
+        return int(peak)
 
 
 def memory_timeline(

@@ -22,7 +22,7 @@ from torch import fx
 from zerofx.ir.collectives import COLLECTIVE_OPS, WAIT
 from zerofx.ir.meta import ROLE
 from zerofx.passes.contract import Pass, PassContext
-from zerofx.passes.cost_model import CostModel, DeviceModel, NodeFacts, estimate_memory, tensor_bytes
+from zerofx.passes.cost_model import CostModel, DeviceModel, NodeFacts, PeakProbe, estimate_memory, tensor_bytes
 from zerofx.passes.graph import first_user, hoist_before, wait_of
 
 _GATHERS = {op for op, spec in COLLECTIVE_OPS.items() if spec.kind == "all_gather"}
@@ -83,12 +83,17 @@ def _prefetch(
         # the furthest point that keeps the estimated peak within budget (binary search)
         lo, hi, best = 0, len(candidates) - 1, None
         original_next = coll.next
+        # every try permutes nodes between the furthest point tried yet and the collective
+        # only: the probe simulates that stretch, not the whole graph (cost_model.PeakProbe)
+        probe = PeakProbe(gm, facts) if candidates else None
+        first = probe.index[coll] if probe else 0
         while lo <= hi:
             mid = (lo + hi) // 2
             if not hoist_before(coll, candidates[mid]):
                 hi = mid - 1
                 continue
-            ok = estimate_memory(gm, facts=facts).peak_bytes - base_peak <= budget
+            first = min(first, probe.index[candidates[mid]])
+            ok = probe.peak_bytes(first, probe.index[coll] - first + 1) - base_peak <= budget
             original_next.prepend(coll)  # undo (inputs hoisted with it stay early: harmless)
             if ok:
                 best, lo = mid, mid + 1
