@@ -492,6 +492,23 @@ def test_module_block_reads_forward_and_backward_module_stacks():
     assert module_block(node) == "head"
 
 
+def _plan_small_gpt(world, n_layer: int, **options) -> None:
+    """``zerofx.plan`` of a small GPT's training step (the real pipeline on fake tensors)."""
+    import zerofx
+    from zerofx.models import GPT, GPTConfig
+
+    zerofx.plan(
+        lambda: GPT(GPTConfig(vocab_size=128, seq_len=16, n_layer=n_layer, n_head=2, d_model=32)),
+        world,
+        batch=2,
+        seq=16,
+        device="cpu",
+        backend="gloo",
+        exact=True,
+        **options,
+    )
+
+
 def _canonical_graphs(dump_dir) -> dict[str, list[str]]:
     """Every dumped graph after the bucket pass and the final one, per (graph kind, pass), as code
     with each assigned name replaced by its definition index (surgeries may number nodes apart)."""
@@ -528,9 +545,7 @@ def test_bucket_surgery_writes_the_graphs_torchs_surgery_writes(tmp_path, monkey
     the direct surgery and once with torch's for every bucket: every graph the pipeline dumps
     after bucketing is the same, node for node; without casts to fold the direct surgery does
     every bucket itself."""
-    import zerofx
     import zerofx.passes.bucket as bucket
-    from zerofx.models import GPT, GPTConfig
 
     torch_calls = []
     for name in ("merge_all_gather_bucket", "merge_reduce_scatter_bucket"):
@@ -540,17 +555,7 @@ def test_bucket_surgery_writes_the_graphs_torchs_surgery_writes(tmp_path, monkey
         )
 
     def planned(dump_dir):
-        zerofx.plan(
-            lambda: GPT(GPTConfig(vocab_size=128, seq_len=16, n_layer=3, n_head=2, d_model=32)),
-            world,
-            batch=2,
-            seq=16,
-            device="cpu",
-            backend="gloo",
-            exact=True,
-            dump_dir=str(dump_dir),
-            **options,
-        )
+        _plan_small_gpt(world, 3, dump_dir=str(dump_dir), **options)
         return _canonical_graphs(dump_dir)
 
     direct = planned(tmp_path / "direct")
@@ -565,3 +570,58 @@ def test_bucket_surgery_writes_the_graphs_torchs_surgery_writes(tmp_path, monkey
         assert direct[key] == torchs[key], key
     if "param_dtype" not in options:
         assert direct_torch_calls == []
+
+
+def _layout(val, inputs) -> tuple:
+    """What a fake value says: class, sizes, strides, offset, dtype, device, grad flag, and
+    which input's storage it shares (views), or none."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(val, (tuple, list)):
+        return tuple(_layout(v, inputs) for v in val)
+    storage = val.untyped_storage()
+    shared = [k for k, t in enumerate(inputs) if t.untyped_storage()._cdata == storage._cdata]
+    return (
+        type(val) is FakeTensor,
+        tuple(val.shape),
+        val.stride(),
+        val.storage_offset(),
+        val.dtype,
+        val.fake_device,
+        val.requires_grad,
+        tuple(shared),
+    )
+
+
+@pytest.mark.parametrize(
+    "world,options",
+    [(2, {}), (4, {"quantize_weights": "int8", "quantize_grads": "int8"}), (2, {"param_dtype": torch.bfloat16})],
+)
+def test_insert_call_meta_kernel_values_match_the_fake_modes(monkeypatch, world, options):
+    """passes/graph.py NOTE: fake values of inserts. Every value insert_call takes from an op's
+    meta kernel while a GPT's step is planned is the value the fake mode computes for the same
+    call: same class, layout, device, grad flag and aliasing."""
+    from torch.utils._pytree import tree_flatten
+
+    import zerofx.passes.graph as graph
+
+    direct = graph._meta_kernel_value
+    seen = {}
+
+    def both(mode, target, args, kwargs):
+        val = direct(mode, target, args, kwargs)
+        if val is not None:
+            inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            with mode:
+                expected = target(*args, **kwargs)
+            assert _layout(val, inputs) == _layout(expected, inputs), target
+            seen[target] = seen.get(target, 0) + 1
+        return val
+
+    monkeypatch.setattr(graph, "_meta_kernel_value", both)
+    _plan_small_gpt(world, 2, **options)
+    aten = torch.ops.aten
+    expected = {aten.view.default, WAIT, ALL_GATHER, REDUCE_SCATTER, aten.cat.default, aten.split_with_sizes.default}
+    if "param_dtype" not in options:  # else torch's surgery builds the gather buckets (casts to fold)
+        expected |= {aten.clone.default, aten._unsafe_view.default}
+    assert expected <= seen.keys(), expected - seen.keys()
