@@ -54,7 +54,7 @@ import networkx as nx
 import torch
 from networkx.algorithms.flow import boykov_kolmogorov
 from torch import fx
-from torch._functorch.partitioners import _must_be_in_forward, classify_nodes, is_sym_node
+from torch._functorch.partitioners import NodeInfo, _must_be_in_forward, classify_nodes, is_sym_node
 from torch._library.fake_class_registry import FakeScriptObject
 from torch.fx.experimental._backward_state import BackwardState
 from torch.utils.checkpoint import CheckpointPolicy
@@ -149,7 +149,10 @@ class ActivationPlan:
 
 
 class PlanProblem:
-    """One joint graph, its constraints and its costs: ``solve(λ)`` returns the plan at price λ."""
+    """One joint graph, its constraints and its costs: ``solve(λ)`` returns the plan at price λ.
+
+    ``info``: torch's ``classify_nodes(joint, [], num_fwd_outputs)``, where the caller has it
+    already (it walks the whole joint graph)."""
 
     def __init__(
         self,
@@ -160,9 +163,10 @@ class PlanProblem:
         must_save: Iterable[fx.Node] = (),
         offload_tier: str | None = None,
         device: DeviceModel | None = None,
+        info: NodeInfo | None = None,
     ):
         self.joint = joint
-        self.info = classify_nodes(joint, [], num_fwd_outputs)
+        self.info = info if info is not None else classify_nodes(joint, [], num_fwd_outputs)
         self.must_recompute = set(must_recompute)
         reasons = must_save if isinstance(must_save, dict) else {}
         self.must_save = {n: reasons.get(n, "policy: always saved") for n in must_save if n not in self.must_recompute}

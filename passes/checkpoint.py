@@ -322,7 +322,13 @@ def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     budget = _budget_bytes(options.activation_budget, unconstrained.resident_bytes)
     recompute, save = _policy_constraints(gm, base.info, options, budget is not None)
     problem = PlanProblem(
-        gm, ctx.num_fwd_outputs, must_recompute=recompute, must_save=save, offload_tier=tier, device=device
+        gm,
+        ctx.num_fwd_outputs,
+        must_recompute=recompute,
+        must_save=save,
+        offload_tier=tier,
+        device=device,
+        info=base.info,
     )
     try:
         plan, lean = plan_activations(problem, budget)
@@ -428,7 +434,7 @@ def _cheap_recompute(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if extra:
                 save[n] = f"reads {next(iter(extra)).name}, which the backward does not re-gather"
     device = ctx.cost.device_for(gm)
-    problem = PlanProblem(gm, ctx.num_fwd_outputs, must_recompute=recompute, must_save=save, device=device)
+    problem = PlanProblem(gm, ctx.num_fwd_outputs, must_recompute=recompute, must_save=save, device=device, info=info)
     plan = problem.solve(CHEAP_PRICE)
     unconstrained = problem.solve(problem.price_bounds()[1])
     gathers = {n for n in gm.graph.nodes if n.meta.get(ROLE) == "gather"}
