@@ -72,14 +72,16 @@ def insert_call(
 
 # NOTE: fake values of inserts
 # A pass inserts thousands of nodes on a deep model (a bucket's copies in and out, every
-# parameter's gather and wait), and each needs its fake value. Running the op under the fake
-# mode costs 0.3-0.5 ms: the mode hashes the arguments for its cache, checks and converts them,
-# then calls the op's meta kernel and wraps what it returns. For the ops below, whose outputs
-# are new tensors (or views) computed from their inputs' metadata alone, insert_call calls the
-# meta kernel itself, inside the mode's own kernel-invocation context, and wraps the outputs as
-# the mode does (its converter, on the inputs' device): about 6x faster, the same value. It does
-# so only when every tensor argument is one of the mode's fake tensors with static sizes and no
-# constant, all on one device, and takes the mode's path otherwise (or if the kernel raises).
+# parameter's gather and wait), and each needs its fake value. Under the fake mode, most of an
+# insert's time is the mode's own work around the kernel: it hashes the arguments for its
+# cache, checks and converts them, then calls the op's meta kernel and wraps what it returns.
+# For the ops below, whose outputs are new tensors (or views) computed from their inputs'
+# metadata alone, insert_call calls the meta kernel itself, inside the mode's own
+# kernel-invocation context, and wraps the outputs as the mode does (its converter, on the
+# inputs' device): the same value for a fraction of the time (docs/measurements.md, "compile
+# time: the schedule's probe, ..."). It does so only when every tensor argument is one of the
+# mode's fake tensors with static sizes and no constant, all on one device, and takes the
+# mode's path otherwise (or if the kernel raises).
 # tests/test_passes.py::test_insert_call_meta_kernel_values_match_the_fake_modes compares the
 # two paths on every such node of planned graphs.
 aten = torch.ops.aten
