@@ -4,6 +4,7 @@ saved, exported, loaded back with ``zerofx.checkpoint.load_hf`` and asked to ``g
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -139,7 +140,7 @@ class TokenDataset(torch.utils.data.Dataset):
 def trainer_args(out: str, per_device: int, **extra):
     from transformers import TrainingArguments
 
-    return TrainingArguments(
+    settings = dict(
         output_dir=out,
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=TRAINER_ACCUMULATION,
@@ -152,8 +153,8 @@ def trainer_args(out: str, per_device: int, **extra):
         use_cpu=True,
         seed=0,
         disable_tqdm=True,
-        **extra,
     )
+    return TrainingArguments(**{**settings, **extra})
 
 
 def trainer_history(trainer) -> list[dict]:
@@ -188,6 +189,59 @@ def zerofx_trainer(out: str, stage: int) -> dict:
     trainer.train()
     trainer.save_model(f"{out}/saved")
     return {"history": trainer_history(trainer)}
+
+
+RESUME_STEPS = 4  # saving every 2 steps: checkpoint-2 is resumed from, checkpoint-4 is the end
+
+
+def _resumable_trainer(out: str, **extra):
+    from zerofx.hf import ZeroFXTrainer
+
+    args = trainer_args(
+        out,
+        TRAINER_PER_RANK,
+        ddp_backend="gloo",
+        save_strategy="steps",
+        save_steps=2,
+        max_steps=RESUME_STEPS,
+        lr_scheduler_type="linear",  # a scheduler with state worth restoring
+        **extra,
+    )
+    return ZeroFXTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset())
+
+
+def trainer_checkpoints(out: str) -> dict:
+    """One rank of a torchrun-launched job: 4 steps saving a resumable checkpoint every 2 steps;
+    returns the logged history, the final whole parameters and what checkpoint-2 holds."""
+    trainer = _resumable_trainer(f"{out}/run")
+    trainer.train()
+    params = _full_state(trainer.model)
+    return {
+        "history": trainer_history(trainer),
+        "params": params,
+        "files": sorted(p.name for p in Path(f"{out}/run/checkpoint-2").iterdir()),
+    }
+
+
+def trainer_resumed(out: str) -> dict:
+    """One rank of a fresh torchrun-launched job: a new model and Trainer resumed from the first
+    run's checkpoint-2 (model, optimizer, scheduler, RNG), trained to step 4; then another resumed
+    from a copy of checkpoint-2 without its zerofx_state (a model-only checkpoint: its
+    safetensors, and a fresh optimizer)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    trainer = _resumable_trainer(f"{out}/resumed")
+    trainer.train(resume_from_checkpoint=f"{out}/run/checkpoint-2")
+    params = _full_state(trainer.model)
+    model_only = Path(f"{out}/model-only/checkpoint-2")
+    if dist.get_rank() == 0:
+        shutil.copytree(f"{out}/run/checkpoint-2", model_only, ignore=shutil.ignore_patterns("zerofx_state"))
+    dist.barrier()
+    fresh = _resumable_trainer(f"{out}/model-only")
+    fresh.train(resume_from_checkpoint=str(model_only))
+    return {"history": trainer_history(trainer), "params": params, "model_only": trainer_history(fresh)}
 
 
 def meta_load_and_generate(rank: int, world: int, folder: str, stages: list[int]) -> dict:

@@ -224,6 +224,35 @@ def test_hf_trainer_trains_like_the_unsharded_trainer(tmp_path):
     assert not any(p.name.startswith(".") for p in (tmp_path / "zerofx").iterdir())  # staging removed
 
 
+def test_hf_trainer_resumes_from_its_checkpoints_exactly(tmp_path):
+    """ZeroFXTrainer saving resumable checkpoints on 2 torchrun-launched ranks: a second launch
+    resumed from checkpoint-2 logs steps 3 and 4 exactly as the uninterrupted run did and ends
+    with the same parameters, bit for bit (the same world size runs the same collectives on the
+    same values, so nothing may differ: a missing optimizer moment, scheduler step or data
+    position would). Resumed from the same checkpoint without its zerofx_state/ (what
+    save_only_model writes), the model comes from the safetensors: step 3's loss and gradient
+    norm, computed before any optimizer step, are again exactly the first run's, and step 4's
+    differ, its AdamW moments starting from zero."""
+    from zerofx.hf import STATE_DIR
+    from zerofx.launch import local_ranks
+
+    first = local_ranks(hs.trainer_checkpoints, 2, str(tmp_path), name="hf-save")
+    files = first[0]["files"]
+    assert STATE_DIR in files and "model.safetensors" in files and "scheduler.pt" in files, files
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= set(files), files
+    assert (tmp_path / "run" / "checkpoint-4" / STATE_DIR / ck.COMPLETE_MARKER).is_file()
+    resumed = local_ranks(hs.trainer_resumed, 2, str(tmp_path), name="hf-resume")
+    for rank in range(2):
+        whole, again = first[rank], resumed[rank]
+        assert len(whole["history"]) == hs.RESUME_STEPS, rank
+        # steps 1-2 come back with trainer_state.json; steps 3-4 are the resumed run's own
+        assert again["history"] == whole["history"], (rank, again["history"], whole["history"])
+        assert [k for k in whole["params"] if not torch.equal(again["params"][k], whole["params"][k])] == [], rank
+        model_only = again["model_only"]
+        assert len(model_only) == hs.RESUME_STEPS and model_only[2] == whole["history"][2], (rank, model_only)
+        assert model_only[3]["loss"] != whole["history"][3]["loss"], (rank, model_only, whole["history"])
+
+
 def test_hf_trainer_refuses_deepspeed_or_fsdp_in_the_same_run(tmp_path):
     from zerofx.hf import ZeroFXTrainer
 

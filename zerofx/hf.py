@@ -22,16 +22,29 @@ A zerofx model owns both in the same sense, so ``ZeroFXTrainer`` shards and comp
 environment when ``args.device`` is first read), marks it for that path, and otherwise leaves
 the Trainer alone. Its loss scaling assumes DDP's averaged gradients, which zerofx's
 reduce-scatter averages match, and ``clip_grad_norm_`` over DTensor shards returns the global
-norm. Two overrides:
+norm. Overrides:
 
 * ``training_step``: micro-steps inside a gradient-accumulation window run under
   ``zerofx.no_sync`` (one reduction per window, as DDP's ``no_sync`` does under accelerate);
 * ``save_model``: every rank writes a zerofx checkpoint, then rank 0 exports it to HF
-  safetensors (``zerofx.checkpoint.export``, one tensor at a time) next to ``config.json``.
+  safetensors (``zerofx.checkpoint.export``, one tensor at a time) next to ``config.json``;
+* the checkpoint hooks ``_save_optimizer_and_scheduler``, ``_load_from_checkpoint``,
+  ``_load_optimizer_and_scheduler`` and ``_load_best_model`` (below).
 
-Not supported yet: the Trainer's resumable checkpoints (optimizer, scheduler and RNG states;
-transformers refuses them for this path: use ``save_only_model=True``, or zerofx.checkpoint for
-resumable sharded checkpoints) and ``--deepspeed`` / ``--fsdp`` in the same run (an error).
+Resumable checkpoints (``save_strategy`` other than ``"no"``, without ``save_only_model``): each
+``checkpoint-N`` folder holds what ``save_model`` writes (HF safetensors, so ``from_pretrained``
+loads any checkpoint), the Trainer's own files (``trainer_state.json``, the scheduler, every
+rank's RNG state) and ``zerofx_state/``, a sharded ``zerofx.checkpoint`` of the model and
+optimizer, each rank writing its shards only. ``trainer.train(resume_from_checkpoint=...)``
+loads the model from it before training and the optimizer once the Trainer has built one; a
+checkpoint saved with ``save_only_model=True`` has no ``zerofx_state/``, so resuming from it
+loads the model from its safetensors (``zerofx.checkpoint.load_hf``) and starts the optimizer
+afresh, as the plain Trainer does. ``load_best_model_at_end`` loads the best checkpoint the same
+way. Resuming continues bit for bit as the uninterrupted run (tests/test_hf.py). transformers refuses optimizer checkpoints for its own load-time-sharded models, whose
+optimizer state it cannot save; ``ZeroFXTrainer`` saves that state itself, so it passes that
+check and leaves ``save_only_model`` as the user set it.
+
+Not supported: ``--deepspeed`` / ``--fsdp`` in the same run (an error).
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
@@ -53,7 +67,12 @@ from zerofx.runtime.accumulation import no_sync
 from zerofx.runtime.params import runtime_of
 from zerofx.sharding import is_sharded
 
-__all__ = ["ZeroFXTrainer"]
+__all__ = ["ZeroFXTrainer", "STATE_DIR"]
+
+# the sharded model + optimizer checkpoint inside each of the Trainer's checkpoint-N folders
+STATE_DIR = "zerofx_state"
+# the Trainer's file for the learning-rate scheduler's state (transformers.trainer.SCHEDULER_NAME)
+_SCHEDULER_FILE = "scheduler.pt"
 
 
 # a DeepSpeed config's training-loop keys -> the TrainingArguments field that sets the same
@@ -136,7 +155,14 @@ class ZeroFXTrainer(Trainer):
             raise ZeroFXError("the model is already compiled by zerofx: drop zerofx_config / zerofx_options")
         # transformers' path for models sharded at load time: no DDP wrap, no move
         model._is_distributed_loading_by_transformers = True
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        # That path refuses optimizer checkpoints, which it could not save; the hooks below save
+        # them through zerofx.checkpoint, so the check is passed and the setting put back.
+        save_only_model = args.save_only_model
+        args.save_only_model = True
+        try:
+            super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        finally:
+            args.save_only_model = save_only_model
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         if self.accelerator.sync_gradients:
@@ -163,3 +189,45 @@ class ZeroFXTrainer(Trainer):
                 shutil.rmtree(staging, ignore_errors=True)
         if dist.is_initialized():
             dist.barrier()
+
+    # -- resumable checkpoints (module docstring) --------------------------------------------------
+
+    def _inner_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer under accelerate's wrapper, which DCP's state-dict helpers need."""
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every rank writes its shards of the model and optimizer to ``output_dir/zerofx_state``;
+        rank 0 adds the scheduler's state, as the Trainer does; a collective."""
+        zerofx.checkpoint.save(Path(output_dir) / STATE_DIR, self.model, self._inner_optimizer())
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / _SCHEDULER_FILE)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """The model's parameters from a checkpoint folder: its ``zerofx_state`` when it has one,
+        else its HF safetensors (a ``save_only_model`` checkpoint); a collective."""
+        folder = Path(resume_from_checkpoint)
+        model = self.model if model is None else model
+        if (folder / STATE_DIR).is_dir():
+            zerofx.checkpoint.load(folder / STATE_DIR, model)
+        elif any(folder.glob("model*.safetensors")):
+            zerofx.checkpoint.load_hf(folder, model)
+        else:
+            raise ZeroFXError(
+                f"ZeroFXTrainer: {folder} holds neither {STATE_DIR}/ (a resumable checkpoint) nor "
+                "model*.safetensors: not a checkpoint this Trainer wrote"
+            )
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The optimizer's state (and the scheduler's) from a resumable checkpoint; nothing from a
+        ``save_only_model`` one, which has neither (the plain Trainer starts them afresh too)."""
+        if checkpoint is None or not (Path(checkpoint) / STATE_DIR).is_dir():
+            return
+        zerofx.checkpoint.load(Path(checkpoint) / STATE_DIR, self.model, self._inner_optimizer())
+        scheduler = Path(checkpoint) / _SCHEDULER_FILE
+        if self.lr_scheduler is not None and scheduler.is_file():
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's parameters, as resuming loads them."""
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
