@@ -64,7 +64,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import sympy
 import torch
@@ -403,6 +403,41 @@ class NodeFacts:
         )
 
 
+def _last_uses(nodes: list[fx.Node], input_roots: dict[fx.Node, tuple[fx.Node, ...]]) -> dict[fx.Node, int]:
+    """Each storage root's position of last use among ``nodes`` (graph order: the last write wins)."""
+    last_use: dict[fx.Node, int] = {}
+    for idx, node in enumerate(nodes):
+        for root in input_roots[node]:
+            last_use[root] = idx
+    return last_use
+
+
+def _simulate(
+    nodes: list[fx.Node],
+    facts: NodeFacts,
+    frees: dict[int, list[fx.Node]],
+    live: Any,
+    pending: dict[fx.Node, Any],
+) -> Iterator[tuple[Any, Any]]:
+    """The liveness step every simulation here shares, node by node: yields ``(live bytes
+    entering the node, live bytes right after it allocated)``, then releases a collective's
+    backend workspace at its wait and frees the roots ``frees`` lists at that position (by
+    index into ``nodes``). ``pending`` (collective -> workspace not yet released) is updated in
+    place, so a caller can read it between steps."""
+    allocated, workspace_of, input_bytes = facts.allocated, facts.workspace, facts.input_bytes
+    for idx, node in enumerate(nodes):
+        before = live
+        workspace = workspace_of[node]
+        if workspace != 0:  # held by the backend until the collective is waited on
+            pending[node] = workspace
+        live = live + allocated[node] + workspace
+        yield before, live
+        if pending and node.target is WAIT and node.op == "call_function" and node.args[0] in pending:
+            live = live - pending.pop(node.args[0])
+        for dead in frees.get(idx, ()):
+            live = live - (input_bytes[dead] if dead.op == "placeholder" else allocated[dead])
+
+
 def _liveness(
     gm: fx.GraphModule,
     inputs_freed_at_last_use: bool,
@@ -415,13 +450,9 @@ def _liveness(
     freed), relative to the live bytes before the graph; and the bytes of the graph's outputs."""
     if facts is None or facts.symbolic != symbolic or len(facts.root) != len(gm.graph.nodes):
         facts = NodeFacts.of(gm, symbolic)
-    allocated, workspace_of, input_roots = facts.allocated, facts.workspace, facts.input_roots
     nodes = list(gm.graph.nodes)
-    outputs = set(input_roots[nodes[-1]])
-    last_use: dict[fx.Node, int] = {}
-    for idx, node in enumerate(nodes):  # in graph order, so the last write is the last use
-        for root in input_roots[node]:
-            last_use[root] = idx
+    outputs = set(facts.input_roots[nodes[-1]])
+    last_use = _last_uses(nodes, facts.input_roots)
     names = set(owned_inputs or ())
     borrowed = gm.meta.get(BORROWED_INPUTS, ()) if inputs_freed_at_last_use else ()
     owned = {
@@ -433,23 +464,10 @@ def _liveness(
     for root, idx in last_use.items():
         if root not in outputs and (root.op != "placeholder" or root in owned):
             frees.setdefault(idx, []).append(root)
-    live: Any = sympy.Integer(0) if symbolic else 0  # relative to the start: owned inputs are already live
-    timeline = []
-    pending: dict[fx.Node, Any] = {}  # collective -> its backend workspace, until its wait
-    for idx, node in enumerate(nodes):
-        workspace = workspace_of[node]
-        if workspace != 0:  # held by the backend until the collective is waited on
-            pending[node] = workspace
-        live = live + allocated[node] + workspace
-        timeline.append((node.name, live))
-        if pending and node.target is WAIT and node.op == "call_function" and node.args[0] in pending:
-            live = live - pending.pop(node.args[0])
-        for dead in frees.get(idx, ()):
-            if dead.op == "placeholder":
-                live = live - facts.input_bytes[dead]
-            else:
-                live = live - allocated[dead]
-    out_bytes = sum((allocated[r] for r in outputs if r.op == "call_function"), live * 0)
+    start: Any = sympy.Integer(0) if symbolic else 0  # relative to the start: owned inputs are already live
+    steps = _simulate(nodes, facts, frees, start, {})
+    timeline = [(node.name, after) for node, (_, after) in zip(nodes, steps)]
+    out_bytes = sum((facts.allocated[r] for r in outputs if r.op == "call_function"), start)
     return timeline, out_bytes
 
 
@@ -499,15 +517,10 @@ class PeakProbe:
         if facts.symbolic or len(facts.root) != len(gm.graph.nodes):
             raise ValueError("PeakProbe needs numeric NodeFacts of this graph's nodes")
         self.facts = facts
-        roots, allocated, workspace_of = facts.input_roots, facts.allocated, facts.workspace
         self.nodes = nodes = list(gm.graph.nodes)
         self.index = {n: i for i, n in enumerate(nodes)}
-        outputs = set(roots[nodes[-1]])
-        last_use: dict[fx.Node, int] = {}
-        for i, node in enumerate(nodes):
-            for root in roots[node]:
-                last_use[root] = i
-        self.last_use = last_use
+        outputs = set(facts.input_roots[nodes[-1]])
+        self.last_use = last_use = _last_uses(nodes, facts.input_roots)
         self.dies = {r for r in last_use if r not in outputs and r.op != "placeholder"}
         frees: dict[int, list[fx.Node]] = {}
         for root in self.dies:
@@ -515,19 +528,12 @@ class PeakProbe:
         # live bytes entering each position, the backend workspaces pending there, and the
         # live bytes right after each node allocated
         self.enter, self.pending_in, after = [], [], []
-        live, pending, none = 0, {}, ()
-        for i, node in enumerate(nodes):
-            self.enter.append(live)
-            self.pending_in.append(tuple(pending.items()) if pending else none)
-            workspace = workspace_of[node]
-            if workspace != 0:
-                pending[node] = workspace
-            live = live + allocated[node] + workspace
-            after.append(live)
-            if pending and node.target is WAIT and node.op == "call_function" and node.args[0] in pending:
-                live = live - pending.pop(node.args[0])
-            for dead in frees.get(i, ()):
-                live = live - allocated[dead]
+        pending: dict[fx.Node, int] = {}
+        for node, (before, allocated) in zip(nodes, _simulate(nodes, facts, frees, 0, pending)):
+            self.enter.append(before)
+            after.append(allocated)
+            # the workspaces held on entry (_simulate has added this node's own already)
+            self.pending_in.append(tuple((c, w) for c, w in pending.items() if c is not node) if pending else ())
         self.prefix_peak = [0]  # the peak before each position (estimate_memory starts at 0)
         for value in after:
             self.prefix_peak.append(max(self.prefix_peak[-1], value))
@@ -553,18 +559,9 @@ class PeakProbe:
         for root, j in dying.items():
             frees.setdefault(j, []).append(root)
         peak = max(self.prefix_peak[first], self.suffix_peak[end + 1])
-        live, pending = self.enter[first], dict(self.pending_in[first])
-        for j, node in enumerate(stretch):
-            workspace = facts.workspace[node]
-            if workspace != 0:
-                pending[node] = workspace
-            live = live + facts.allocated[node] + workspace
+        for _, live in _simulate(stretch, facts, frees, self.enter[first], dict(self.pending_in[first])):
             if live > peak:
                 peak = live
-            if pending and node.target is WAIT and node.op == "call_function" and node.args[0] in pending:
-                live = live - pending.pop(node.args[0])
-            for dead in frees.get(j, ()):
-                live = live - facts.allocated[dead]
         return int(peak)
 
 
