@@ -194,7 +194,7 @@ def zerofx_trainer(out: str, stage: int) -> dict:
 RESUME_STEPS = 4  # saving every 2 steps: checkpoint-2 is resumed from, checkpoint-4 is the end
 
 
-def _resumable_trainer(out: str, **extra):
+def _resumable_trainer(out: str, eval_dataset=None, **extra):
     from zerofx.hf import ZeroFXTrainer
 
     args = trainer_args(
@@ -207,7 +207,7 @@ def _resumable_trainer(out: str, **extra):
         lr_scheduler_type="linear",  # a scheduler with state worth restoring
         **extra,
     )
-    return ZeroFXTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset())
+    return ZeroFXTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(), eval_dataset=eval_dataset)
 
 
 def trainer_checkpoints(out: str) -> dict:
@@ -216,10 +216,25 @@ def trainer_checkpoints(out: str) -> dict:
     trainer = _resumable_trainer(f"{out}/run")
     trainer.train()
     params = _full_state(trainer.model)
+    # load_best_model_at_end, "best" being the highest evaluation loss: checkpoint-2's
+    best = _resumable_trainer(
+        f"{out}/best",
+        eval_dataset=TokenDataset(n=10),
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=3,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
+    )
+    best.train()
     return {
         "history": trainer_history(trainer),
         "params": params,
         "files": sorted(p.name for p in Path(f"{out}/run/checkpoint-2").iterdir()),
+        "best_checkpoint": Path(best.state.best_model_checkpoint).name,
+        "evals": [h["eval_loss"] for h in best.state.log_history if "eval_loss" in h],
+        "final_eval": best.evaluate()["eval_loss"],
     }
 
 

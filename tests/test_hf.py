@@ -232,7 +232,9 @@ def test_hf_trainer_resumes_from_its_checkpoints_exactly(tmp_path):
     position would). Resumed from the same checkpoint without its zerofx_state/ (what
     save_only_model writes), the model comes from the safetensors: step 3's loss and gradient
     norm, computed before any optimizer step, are again exactly the first run's, and step 4's
-    differ, its AdamW moments starting from zero."""
+    differ, its AdamW moments starting from zero. With load_best_model_at_end (and "best" the
+    highest evaluation loss, so checkpoint-2 rather than the last), the model evaluated after
+    training is checkpoint-2's: its evaluation loss is exactly the one logged at step 2."""
     from zerofx.hf import STATE_DIR
     from zerofx.launch import local_ranks
 
@@ -241,6 +243,10 @@ def test_hf_trainer_resumes_from_its_checkpoints_exactly(tmp_path):
     assert STATE_DIR in files and "model.safetensors" in files and "scheduler.pt" in files, files
     assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= set(files), files
     assert (tmp_path / "run" / "checkpoint-4" / STATE_DIR / ck.COMPLETE_MARKER).is_file()
+    for rank, got in enumerate(first):
+        assert got["best_checkpoint"] == "checkpoint-2" and len(got["evals"]) == 2, (rank, got["best_checkpoint"])
+        assert got["evals"][0] > got["evals"][1], (rank, got["evals"])
+        assert got["final_eval"] == got["evals"][0], (rank, got["final_eval"], got["evals"])
     resumed = local_ranks(hs.trainer_resumed, 2, str(tmp_path), name="hf-resume")
     for rank in range(2):
         whole, again = first[rank], resumed[rank]
