@@ -320,3 +320,62 @@ def meta_load_and_generate(rank: int, world: int, folder: str, stages: list[int]
     for stage in stages:
         attempt(results, f"stage{stage}", lambda: one(stage))
     return results
+
+
+# -- a custom accelerate loop ----------------------------------------------------------------------
+
+ACCELERATE_STEPS = 3
+
+
+def _accelerate_batches(world: int):
+    """Micro-batch j of the global loop: rows [j * world * per-rank, ...) of TokenDataset, in order."""
+    ids = TokenDataset().ids
+    per_step = TRAINER_PER_RANK * world
+    return [ids[j * per_step : (j + 1) * per_step] for j in range(ACCELERATE_STEPS * TRAINER_ACCUMULATION)]
+
+
+def accelerate_reference(world: int) -> dict:
+    """The plain loop in one process on each whole global micro-batch: what the ranks must match."""
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for j, ids in enumerate(_accelerate_batches(world)):
+        loss = model(input_ids=ids, labels=ids).loss
+        (loss / TRAINER_ACCUMULATION).backward()
+        losses.append(loss.item())
+        if (j + 1) % TRAINER_ACCUMULATION == 0:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+            opt.step()
+            opt.zero_grad()
+    return {"losses": losses, "norms": norms, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def accelerate_loop(world: int) -> dict:
+    """One rank of a torchrun-launched job: accelerate's Accelerator and its accumulate() loop on
+    a zerofx model prepared with zerofx.hf.prepare; per micro-step this rank's loss and the
+    reduce-scatters its backward ran, per step the clipped global gradient norm."""
+    from accelerate import Accelerator
+
+    import zerofx
+    from zerofx.hf import prepare
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=TRAINER_ACCUMULATION)
+    model = zerofx.compile(tiny_llama(), _mesh(world))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = torch.utils.data.DataLoader(
+        TokenDataset().ids[: len(_accelerate_batches(world)) * TRAINER_PER_RANK * world], batch_size=TRAINER_PER_RANK
+    )
+    model, opt, loader = prepare(accelerator, model, opt, loader)
+    losses, reduces, norms = [], [], []
+    for ids in loader:
+        with accelerator.accumulate(model):
+            with zerofx.CollectiveCounter() as comm:
+                loss = model(input_ids=ids, labels=ids).loss
+                accelerator.backward(loss)
+            losses.append(loss.item())
+            reduces.append(comm.calls["reduce_scatter"])
+            if accelerator.sync_gradients:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), 1.0).item())
+            opt.step()
+            opt.zero_grad()
+    return {"losses": losses, "reduces": reduces, "norms": norms, "params": _full_state(model)}

@@ -259,6 +259,39 @@ def test_hf_trainer_resumes_from_its_checkpoints_exactly(tmp_path):
         assert model_only[3]["loss"] != whole["history"][3]["loss"], (rank, model_only, whole["history"])
 
 
+def test_accelerate_loop_trains_like_the_plain_loop(tmp_path):
+    """A custom accelerate loop (Accelerator, accumulate(), backward, clip_grad_norm_) on a zerofx
+    model prepared with zerofx.hf.prepare, 2 torchrun-launched ranks, 3 steps of 2 accumulated
+    micro-batches: the ranks' mean losses and the clipped gradient norms match the plain loop in
+    one process on the whole micro-batches to rounding (another summation order: the Trainer
+    test's tolerances), and so do the parameters. accumulate() found model.no_sync: the first
+    micro-batch of each step ran no reduce-scatter, the second ran them."""
+    from zerofx.launch import local_ranks
+
+    want = hs.accelerate_reference(2)
+    per_rank = local_ranks(hs.accelerate_loop, 2, 2, name="accelerate")
+    micro = hs.ACCELERATE_STEPS * hs.TRAINER_ACCUMULATION
+    assert [len(r["losses"]) for r in per_rank] == [micro, micro]
+    for j in range(micro):
+        mean = sum(r["losses"][j] for r in per_rank) / 2
+        assert abs(mean - want["losses"][j]) <= 1e-6 * want["losses"][j], (j, mean, want["losses"][j])
+    for rank, got in enumerate(per_rank):
+        assert len(got["norms"]) == hs.ACCELERATE_STEPS, rank
+        for step, (g, w) in enumerate(zip(got["norms"], want["norms"])):
+            assert abs(g - w) <= 1e-6 * w, (rank, step, g, w)
+        assert got["reduces"][0::2] == [0] * hs.ACCELERATE_STEPS, (rank, got["reduces"])
+        assert all(n > 0 for n in got["reduces"][1::2]), (rank, got["reduces"])
+        for k, v in want["params"].items():
+            torch.testing.assert_close(got["params"][k], v, rtol=0, atol=1e-5, msg=k)
+
+
+def test_accelerate_prepare_needs_a_zerofx_model():
+    from zerofx.hf import prepare
+
+    with pytest.raises(ZeroFXError, match="none of the objects is a model zerofx compiled"):
+        prepare(object(), nn.Linear(2, 2))
+
+
 def test_hf_trainer_refuses_deepspeed_or_fsdp_in_the_same_run(tmp_path):
     from zerofx.hf import ZeroFXTrainer
 

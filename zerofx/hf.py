@@ -45,6 +45,18 @@ optimizer state it cannot save; ``ZeroFXTrainer`` saves that state itself, so it
 check and leaves ``save_only_model`` as the user set it.
 
 Not supported: ``--deepspeed`` / ``--fsdp`` in the same run (an error).
+
+A custom loop on ``accelerate.Accelerator`` takes a zerofx model through :func:`prepare` in
+place of ``accelerator.prepare`` (which would wrap it in DDP, and refuses DTensor parameters)::
+
+    model = zerofx.compile(model, mesh)
+    model, opt, loader = zerofx.hf.prepare(accelerator, model, opt, loader)
+    for batch in loader:
+        with accelerator.accumulate(model):      # model.no_sync() inside a window
+            accelerator.backward(model(**batch).loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step(); opt.zero_grad()
 """
 
 from __future__ import annotations
@@ -67,7 +79,7 @@ from zerofx.runtime.accumulation import no_sync
 from zerofx.runtime.params import runtime_of
 from zerofx.sharding import is_sharded
 
-__all__ = ["ZeroFXTrainer", "STATE_DIR"]
+__all__ = ["ZeroFXTrainer", "prepare", "STATE_DIR"]
 
 # the sharded model + optimizer checkpoint inside each of the Trainer's checkpoint-N folders
 STATE_DIR = "zerofx_state"
@@ -105,6 +117,32 @@ def _check_loop_settings(training: dict[str, Any], args: TrainingArguments) -> N
             "from TrainingArguments (optim, learning_rate, lr_scheduler_type, ...)",
             stacklevel=3,
         )
+
+
+def prepare(accelerator: Any, *objects: Any) -> Any:
+    """``accelerator.prepare(*objects)`` for objects that include zerofx models: those are
+    registered with the accelerator (``accumulate``, ``save_state`` and ``unwrap_model`` know
+    them) but neither wrapped in DDP nor moved, as transformers' Trainer prepares models that own
+    their placement and gradient reduction; everything else (optimizers, data loaders,
+    schedulers) is prepared as accelerate would. Returns what ``accelerator.prepare`` returns: the
+    objects in order, or the one object."""
+    if not objects:
+        raise ZeroFXError("zerofx.hf.prepare(accelerator, *objects) needs at least one object to prepare")
+    models = [i for i, obj in enumerate(objects) if is_sharded(obj)]
+    if not models:
+        raise ZeroFXError(
+            "zerofx.hf.prepare: none of the objects is a model zerofx compiled; run zerofx.compile(model, mesh) "
+            "first, or use accelerator.prepare"
+        )
+    prepared = list(objects)
+    for i in models:  # evaluation_mode: no DDP wrap (the model reduces its own gradients)
+        prepared[i] = accelerator.prepare_model(objects[i], device_placement=False, evaluation_mode=True)
+    rest = [i for i in range(len(objects)) if i not in models]
+    if rest:
+        done = accelerator.prepare(*(objects[i] for i in rest))
+        for i, obj in zip(rest, done if len(rest) > 1 else (done,)):
+            prepared[i] = obj
+    return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
 
 class ZeroFXTrainer(Trainer):

@@ -32,6 +32,7 @@ Reading ``module.weight`` may be a collective: every rank of the mesh must do it
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -45,6 +46,7 @@ from zerofx.errors import ZeroFXError
 from zerofx.ir.collectives import name_mesh_dims
 from zerofx.ir.layout import local_rows, row_offset
 from zerofx.options import Options
+from zerofx.runtime.accumulation import no_sync
 from zerofx.runtime.local_step import install as install_local_step
 from zerofx.runtime.loss_scaling import make_loss_scaler
 from zerofx.runtime.params import GroupInfo, ModelRuntime, ParamState, TensorParallel, runtime_of, track
@@ -565,7 +567,9 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     ``options`` (or keyword arguments) are :class:`zerofx.Options`; the ones that shape the
     layout are ``stage``, ``persistence_threshold``, ``param_dtype``, ``reduce_dtype`` and the
     loss-scaling options. Returns ``model``. With a mesh of one rank and no mixed precision
-    nothing is sharded: the model trains as is.
+    nothing is sharded: the model trains as is. Unless it has one already, ``model`` gets
+    DDP's ``model.no_sync()`` context (``zerofx.no_sync(model)``), which loops written for DDP and
+    accelerate's ``accumulate`` call.
     """
     opts = Options.from_kwargs(options, **kwargs)
     if is_sharded(model):
@@ -584,6 +588,8 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     runtime = ModelRuntime(stage=opts.stage, mesh=mesh, options=opts, local_step=opts.local_optimizer_step)
     runtime.tp_mesh = tp_mesh
     model._zerofx = runtime
+    if not hasattr(model, "no_sync"):  # DDP's and FSDP1's spelling, which accelerate's accumulate() calls
+        model.no_sync = functools.partial(no_sync, model)
     runtime.scaler = make_loss_scaler(opts, mesh)
     if mesh.size() == 1 and opts.param_dtype is None and tp_mesh is None:
         log.info("zerofx: mesh has one rank; parameters stay whole")
