@@ -120,7 +120,40 @@ def scenarios(rank: int, world: int) -> dict:
     for name in ("regather", "gather", "reduce"):
         attempt(f"disabled_{name}", disabled(name))
     attempt("clip_and_state_dict", clip_and_state_dict)
+    attempt("ranks_disagree", lambda: ranks_disagree(rank, world, mesh))
     return out
+
+
+def ranks_disagree(rank: int, world: int, mesh) -> dict:
+    """zerofx.compile where rank 1's model or options differ from rank 0's: what each rank raised
+    (none may hang: before zerofx.agreement these crashed gloo or waited forever), then options
+    a rank may set for itself (a host memory cap per machine), which must train."""
+    import dataclasses
+
+    from zerofx.errors import ZeroFXError
+
+    odd = rank == 1
+    cases = {
+        "width": (dataclasses.replace(GPT_CFG, d_model=48) if odd else GPT_CFG, {}),
+        "depth": (dataclasses.replace(GPT_CFG, n_layer=3) if odd else GPT_CFG, {}),
+        "stage": (GPT_CFG, {"stage": 2} if odd else {}),
+        "frozen": (GPT_CFG, {}),
+        "host_memory_cap": (GPT_CFG, {"host_memory_cap": 2**30 * (1 + rank)}),
+    }
+    raised = {}
+    for name, (cfg, options) in cases.items():
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        if name == "frozen" and odd:
+            model.wte.weight.requires_grad_(False)
+        try:
+            compiled = zerofx.compile(model, mesh, **options)
+            x, y = random_batch(GPT_CFG, 2, torch.Generator().manual_seed(rank))
+            compiled(x, y).backward()
+            raised[name] = None
+        except ZeroFXError as e:
+            raised[name] = str(e)
+    return raised
 
 
 def fail_on_rank_one(rank: int, world: int) -> None:

@@ -83,6 +83,24 @@ def test_clip_grad_norm_on_shards_is_the_global_norm_and_state_dict_is_full_shap
         assert {kind for kind, _ in r["state_dict"].values()} == {"DTensor"}
 
 
+def test_ranks_that_shard_another_model_or_options_stop_with_the_difference(results):
+    rank0, rank1 = _get(results, "ranks_disagree")
+    first_difference = {
+        "width": "Here: parameter wte.weight: shape (96, 48), torch.float32, requires_grad=True; "
+        "on rank 0: parameter wte.weight: shape (96, 32)",
+        "depth": "Here: parameter blocks.2.ln1.weight: shape (32,), torch.float32, requires_grad=True; "
+        "on rank 0: parameter ln_f.weight",
+        "stage": "Here: option stage=2; on rank 0: option stage=3",
+        "frozen": "Here: parameter wte.weight: shape (96, 32), torch.float32, requires_grad=False; "
+        "on rank 0: parameter wte.weight: shape (96, 32), torch.float32, requires_grad=True",
+    }
+    for case, detail in first_difference.items():
+        assert rank0[case] is not None and "rank(s) [1] shard another model or options than rank 0" in rank0[case]
+        assert rank1[case] is not None and "this rank (1) differs from rank 0" in rank1[case], rank1[case]
+        assert detail in rank1[case], (case, rank1[case])
+    assert rank0["host_memory_cap"] is None and rank1["host_memory_cap"] is None  # a per-rank option
+
+
 def test_a_failing_rank_ends_the_run_promptly_with_its_traceback():
     start = time.monotonic()
     with pytest.raises(AssertionError, match="rank 1 fails on purpose"):

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map
 
+from zerofx.agreement import check_ranks_agree
 from zerofx.errors import ZeroFXError
 from zerofx.ir.collectives import name_mesh_dims
 from zerofx.ir.layout import local_rows, row_offset
@@ -582,6 +583,9 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     name_mesh_dims(mesh, ("dp",) if mesh.ndim == 1 else ("replicate", "shard"))
     if tp_mesh is not None:
         name_mesh_dims(tp_mesh, ("tp",))
+    for m in (mesh, tp_mesh):  # before any collective: a rank that differs would leave its peers waiting
+        if m is not None:
+            check_ranks_agree(model, m, opts)
     if opts.secondary_shard:
         _flat_mesh(mesh)  # a 1-D mesh is an error here, before anything changes
     full_precision = _full_precision_params(model, opts)

@@ -1,0 +1,108 @@
+"""Before the first collective: every rank must shard the same model with the same options.
+
+ZeRO's collectives pair up across ranks by order and size. A rank whose model has another width,
+another depth, or whose options pick another stage, issues other collectives than its peers:
+gloo then aborts the process with "Received data size doesn't match expected size", or, when
+the sizes happen to fit, every rank waits forever for a collective its peer never issues (each
+seen on 2 ranks with a GPT whose config differed by rank). The usual causes are a config read
+from a per-rank file or environment, or options computed from the rank.
+
+``check_ranks_agree`` runs where ``zerofx.shard`` starts, before any collective of its own:
+each rank describes what it is about to shard (every parameter and buffer's name, shape, dtype
+and ``requires_grad``, the mesh's shape, the options), and the ranks of each mesh dimension
+all-gather a 40-byte digest of that description. When the digests agree (the normal case, one
+tiny collective per mesh dimension) nothing else happens. When they differ, the dimension's
+first rank broadcasts its description and every rank raises a ``ZeroFXError``: the ranks that
+differ name their first difference from the reference rank, the others name the ranks that
+differ. Every rank raises, so none is left waiting in a collective.
+
+Options that may differ by rank without changing any collective are left out of the
+comparison: ``dump_dir``, ``offload_dir`` (a local disk per machine), ``host_memory_cap`` and
+``verify``. A fake process group (``zerofx.plan``) has no peers to compare with and is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from zerofx.errors import ZeroFXError
+from zerofx.options import Options
+
+__all__ = ["check_ranks_agree", "describe"]
+
+# options a rank may set for itself: none of them changes what any collective moves
+PER_RANK_OPTIONS = frozenset({"dump_dir", "offload_dir", "host_memory_cap", "verify"})
+_DIGEST = 32  # sha256
+_HEADER = _DIGEST + 8  # the digest, then the description's length in bytes
+
+
+def describe(model: nn.Module, mesh: DeviceMesh, options: Options) -> list[str]:
+    """What must be the same on every rank, one line per item."""
+    lines = [f"mesh of shape {tuple(mesh.shape)}"]
+    for name, p in model.named_parameters():
+        lines.append(f"parameter {name}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}")
+    for name, b in model.named_buffers():
+        lines.append(f"buffer {name}: shape {tuple(b.shape)}, {b.dtype}")
+    for key in Options.keywords():
+        if key not in PER_RANK_OPTIONS:
+            lines.append(f"option {key}={getattr(options, key)!r}")
+    return lines
+
+
+def _first_difference(mine: list[str], theirs: list[str]) -> tuple[str, str]:
+    """The first line (in order) where two descriptions part: (this rank's, the reference's)."""
+    for a, b in zip(mine, theirs):
+        if a != b:
+            return a, b
+    if len(mine) > len(theirs):
+        return mine[len(theirs)], "nothing there (it ends before)"
+    return "nothing there (it ends before)", theirs[len(mine)]
+
+
+def check_ranks_agree(model: nn.Module, mesh: DeviceMesh, options: Options) -> None:
+    """Raise the same kind of error on every rank of ``mesh`` unless all of them describe the same
+    model and options (module docstring); a collective over each mesh dimension."""
+    if mesh.size() == 1:
+        return
+    lines = describe(model, mesh, options)
+    blob = "\n".join(lines).encode()
+    header = hashlib.sha256(blob).digest() + len(blob).to_bytes(8, "little")
+    device = torch.device(mesh.device_type)
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        if dist.get_backend(group) == "fake":
+            return
+        size = mesh.size(dim)
+        mine = torch.tensor(list(header), dtype=torch.uint8, device=device)
+        rows = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(rows, mine, group=group)
+        headers = [bytes(r.cpu().tolist()) for r in rows]
+        if len(set(headers)) == 1:
+            continue
+        ranks = dist.get_process_group_ranks(group)
+        differing = [ranks[i] for i, h in enumerate(headers) if h[:_DIGEST] != headers[0][:_DIGEST]]
+        length = int.from_bytes(headers[0][_DIGEST:], "little")
+        if mesh.get_local_rank(dim) == 0:
+            reference = torch.tensor(list(blob), dtype=torch.uint8, device=device)
+        else:
+            reference = torch.empty(length, dtype=torch.uint8, device=device)
+        dist.broadcast(reference, group=group, group_src=0)
+        here = dist.get_rank()
+        if here not in differing:
+            raise ZeroFXError(
+                f"rank(s) {differing} shard another model or options than rank {ranks[0]} (mesh dimension {dim}); "
+                "zerofx stops on every rank instead of waiting in a collective they would never match. Their own "
+                "errors name what differs; the usual cause is a model config or option that depends on the rank"
+            )
+        ours, theirs = _first_difference(lines, bytes(reference.cpu().tolist()).decode().split("\n"))
+        raise ZeroFXError(
+            f"every rank must shard the same model with the same options, but this rank ({here}) differs from rank "
+            f"{ranks[0]} (mesh dimension {dim}; ranks that differ: {differing}). Here: {ours}; on rank {ranks[0]}: "
+            f"{theirs}. zerofx stops on every rank instead of waiting in a collective the ranks would never match; "
+            "the usual cause is a model config or option that depends on the rank"
+        )
