@@ -161,3 +161,20 @@ def fail_on_rank_one(rank: int, world: int) -> None:
     if rank == 1:
         raise ValueError("rank 1 fails on purpose")
     dist.barrier()
+
+
+def grid_rank_differs(rank: int, world: int) -> str | None:
+    """On a 2x2 (replicate, shard) mesh rank 3's model is wider: what each rank raised. Rank 0
+    shares no mesh group with rank 3, so it can only learn of the difference through the check's
+    second round (and would wait forever in its first collective if rank 3's group raised alone)."""
+    import dataclasses
+
+    from zerofx.errors import ZeroFXError
+
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(GPT_CFG, d_model=48) if rank == 3 else GPT_CFG)
+    try:
+        zerofx.compile(model, init_device_mesh("cpu", (2, 2)))
+    except ZeroFXError as e:
+        return str(e)
+    return None

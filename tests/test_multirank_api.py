@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.api_scenarios import fail_on_rank_one, scenarios
+from tests.api_scenarios import fail_on_rank_one, grid_rank_differs, scenarios
 from tests.multirank import run_ranks, scenario_results
 
 WORLD = 2
@@ -99,6 +99,14 @@ def test_ranks_that_shard_another_model_or_options_stop_with_the_difference(resu
         assert rank1[case] is not None and "this rank (1) differs from rank 0" in rank1[case], rank1[case]
         assert detail in rank1[case], (case, rank1[case])
     assert rank0["host_memory_cap"] is None and rank1["host_memory_cap"] is None  # a per-rank option
+
+
+def test_a_rank_that_differs_on_a_2d_mesh_stops_every_rank():
+    errors = run_ranks(grid_rank_differs, 4, timeout=180)
+    assert all(e is not None for e in errors), errors
+    assert "ranks of another group differ" in errors[0]  # rank 0 shares no group with rank 3
+    assert "rank(s) [3] shard another model or options than rank 1" in errors[1]
+    assert "this rank (3) differs from rank 1" in errors[3] and "shape (96, 48)" in errors[3], errors[3]
 
 
 def test_a_failing_rank_ends_the_run_promptly_with_its_traceback():

@@ -583,9 +583,8 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     name_mesh_dims(mesh, ("dp",) if mesh.ndim == 1 else ("replicate", "shard"))
     if tp_mesh is not None:
         name_mesh_dims(tp_mesh, ("tp",))
-    for m in (mesh, tp_mesh):  # before any collective: a rank that differs would leave its peers waiting
-        if m is not None:
-            check_ranks_agree(model, m, opts)
+    # before any collective: a rank that differs would leave its peers waiting
+    check_ranks_agree(model, [m for m in (mesh, tp_mesh) if m is not None], opts)
     if opts.secondary_shard:
         _flat_mesh(mesh)  # a 1-D mesh is an error here, before anything changes
     full_precision = _full_precision_params(model, opts)
