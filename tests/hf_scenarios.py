@@ -327,11 +327,10 @@ def meta_load_and_generate(rank: int, world: int, folder: str, stages: list[int]
 ACCELERATE_STEPS = 3
 
 
-def _accelerate_batches(world: int):
-    """Micro-batch j of the global loop: rows [j * world * per-rank, ...) of TokenDataset, in order."""
-    ids = TokenDataset().ids
-    per_step = TRAINER_PER_RANK * world
-    return [ids[j * per_step : (j + 1) * per_step] for j in range(ACCELERATE_STEPS * TRAINER_ACCUMULATION)]
+def _accelerate_rows(world: int) -> torch.Tensor:
+    """The rows the loop trains on, in order: micro-batch j of the global loop is the j-th block
+    of world x per-rank rows (accelerate hands rank r the r-th per-rank batch of each block)."""
+    return TokenDataset().ids[: ACCELERATE_STEPS * TRAINER_ACCUMULATION * TRAINER_PER_RANK * world]
 
 
 def accelerate_reference(world: int) -> dict:
@@ -339,7 +338,7 @@ def accelerate_reference(world: int) -> dict:
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, norms = [], []
-    for j, ids in enumerate(_accelerate_batches(world)):
+    for j, ids in enumerate(_accelerate_rows(world).split(TRAINER_PER_RANK * world)):
         loss = model(input_ids=ids, labels=ids).loss
         (loss / TRAINER_ACCUMULATION).backward()
         losses.append(loss.item())
@@ -362,9 +361,7 @@ def accelerate_loop(world: int) -> dict:
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=TRAINER_ACCUMULATION)
     model = zerofx.compile(tiny_llama(), _mesh(world))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = torch.utils.data.DataLoader(
-        TokenDataset().ids[: len(_accelerate_batches(world)) * TRAINER_PER_RANK * world], batch_size=TRAINER_PER_RANK
-    )
+    loader = torch.utils.data.DataLoader(_accelerate_rows(world), batch_size=TRAINER_PER_RANK)
     model, opt, loader = prepare(accelerator, model, opt, loader)
     losses, reduces, norms = [], [], []
     for ids in loader:

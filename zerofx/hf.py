@@ -71,6 +71,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
+from transformers.trainer import SCHEDULER_NAME
 
 import zerofx
 from zerofx.checkpoint import same_on_every_rank
@@ -83,8 +84,6 @@ __all__ = ["ZeroFXTrainer", "prepare", "STATE_DIR"]
 
 # the sharded model + optimizer checkpoint inside each of the Trainer's checkpoint-N folders
 STATE_DIR = "zerofx_state"
-# the Trainer's file for the learning-rate scheduler's state (transformers.trainer.SCHEDULER_NAME)
-_SCHEDULER_FILE = "scheduler.pt"
 
 
 # a DeepSpeed config's training-loop keys -> the TrainingArguments field that sets the same
@@ -239,7 +238,7 @@ class ZeroFXTrainer(Trainer):
         rank 0 adds the scheduler's state, as the Trainer does; a collective."""
         zerofx.checkpoint.save(Path(output_dir) / STATE_DIR, self.model, self._inner_optimizer())
         if self.args.should_save and self.lr_scheduler is not None:
-            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / _SCHEDULER_FILE)
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """The model's parameters from a checkpoint folder: its ``zerofx_state`` when it has one,
@@ -262,7 +261,7 @@ class ZeroFXTrainer(Trainer):
         if checkpoint is None or not (Path(checkpoint) / STATE_DIR).is_dir():
             return
         zerofx.checkpoint.load(Path(checkpoint) / STATE_DIR, self.model, self._inner_optimizer())
-        scheduler = Path(checkpoint) / _SCHEDULER_FILE
+        scheduler = Path(checkpoint) / SCHEDULER_NAME
         if self.lr_scheduler is not None and scheduler.is_file():
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
