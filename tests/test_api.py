@@ -253,6 +253,32 @@ def test_torch_compile_backend_on_an_unsharded_model_in_a_multi_rank_job_warns()
         torch._dynamo.reset()
 
 
+def test_an_optimizer_built_before_shard_is_refused_at_its_first_step():
+    """shard puts new parameter objects into the model; an optimizer over the old ones would step
+    parameters that never get a gradient (the model would not train, silently). Its first step,
+    or its first after add_param_group, is an error naming the parameter. torch's fake process
+    group stands in for a 2-rank job (the check is local: no collective runs)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = MLP()
+        old = {n: p for n, p in model.named_parameters()}
+        early = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        zerofx.shard(model, init_device_mesh("cpu", (2,)))
+        first = next(iter(old))
+        with pytest.raises(ZeroFXError, match=rf"AdamW holds the parameter '{first}' as it was before zerofx sharded"):
+            early.step()
+        later = torch.optim.SGD(model.parameters(), lr=1e-3)
+        later.step()  # over the sharded parameters: fine (no gradients yet, so nothing moves)
+        later.add_param_group({"params": [old[n] for n in list(old)[-1:]]})
+        with pytest.raises(ZeroFXError, match=rf"SGD holds the parameter '{list(old)[-1]}'"):
+            later.step()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_symbolic_recompile_under_an_agreed_plan_warns_once_per_process(monkeypatch):
     """dynamic="auto" with a checkpoint plan agreed across ranks: a recompile with dynamic sizes
     agrees at compile time, so every rank must recompile at the same step; say so, once."""

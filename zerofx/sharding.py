@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -258,6 +259,50 @@ def _make_state(
 # Buffers no checkpoint holds (non-persistent ones, such as HF's rotary ``inv_freq``) are
 # recomputed by ``load_hf`` through the HF model's own ``_init_weights`` for modules that own
 # no parameters; any other must be set by the user, who then calls ``mark_loaded``.
+
+
+# NOTE: an optimizer built before shard
+# ``shard`` puts new parameter objects (DTensors) into the modules. An optimizer built before it
+# still holds the old ones, which never get a gradient again: its steps would silently do
+# nothing (the model would not train) while holding a whole copy of every parameter. FSDP2 has
+# the same trap and documents it. Here each replaced parameter is marked with its name, and a
+# global optimizer step pre-hook refuses, at an optimizer's first step (and again after
+# ``add_param_group``), an optimizer that holds a marked one: an error naming the parameter
+# instead of a run that does not train.
+
+_RETIRED = "_zerofx_replaced_by"
+_RETIRED_HOOK = None
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> groups checked
+
+
+def _retire(param: nn.Parameter, qualname: str) -> None:
+    if not hasattr(param, _RETIRED):  # a tied parameter keeps its first name
+        setattr(param, _RETIRED, qualname)
+
+
+def _refuse_retired(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    groups = len(optimizer.param_groups)
+    if _CHECKED.get(optimizer) == groups or torch.compiler.is_compiling():
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = getattr(p, _RETIRED, None)
+            if name is not None:
+                raise ZeroFXError(
+                    f"{type(optimizer).__name__} holds the parameter {name!r} as it was before zerofx sharded the "
+                    "model: zerofx.shard / zerofx.compile put new (sharded) parameters into the model, so this "
+                    "optimizer would never see a gradient and the model would not train. Build the optimizer "
+                    "after zerofx.compile / zerofx.shard, over model.parameters()"
+                )
+    _CHECKED[optimizer] = groups
+
+
+def _install_retired_check() -> None:
+    global _RETIRED_HOOK
+    if _RETIRED_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _RETIRED_HOOK = register_optimizer_step_pre_hook(_refuse_retired)
 
 
 def _built_on_meta(model: nn.Module) -> bool:
@@ -616,6 +661,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
                 states[id(param)] = _make_state(qualname, param, mesh, opts, runtime, full_precision_param, tp_mesh)
         module._zerofx_params = {name: states[id(module._parameters[name])] for name in names}
         for name in names:
+            _retire(module._parameters[name], module._zerofx_params[name].qualname)
             module._parameters[name] = module._zerofx_params[name].param
         module.__class__ = _sharded_class(type(module), names)
     runtime.states = list(states.values())
@@ -625,6 +671,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
                 if buf is not None and buf.is_meta:
                     module._buffers[name] = torch.empty_like(buf, device=mesh.device_type)
         _expect_loading(model, runtime)
+    _install_retired_check()
     if opts.local_optimizer_step:
         install_local_step()
     runtime.refresh()
