@@ -210,11 +210,34 @@ def _resumable_trainer(out: str, eval_dataset=None, **extra):
     return ZeroFXTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(), eval_dataset=eval_dataset)
 
 
+def _record_checkpoint_io() -> list[tuple]:
+    """Every zerofx.checkpoint.save / load from now on, as (what, where, with optimizer, whole
+    model) rows: what the Trainer writes and reads, and how often."""
+    import zerofx.checkpoint as ck
+
+    calls: list[tuple] = []
+    save, load = ck.save, ck.load
+
+    def counted_save(path, model, optimizer=None, **kw):
+        calls.append(("save", Path(path).parent.name, optimizer is not None, True))
+        return save(path, model, optimizer, **kw)
+
+    def counted_load(path, model, optimizer=None, **kw):
+        calls.append(("load", Path(path).parent.name, optimizer is not None, kw.get("load_model", True)))
+        return load(path, model, optimizer, **kw)
+
+    ck.save, ck.load = counted_save, counted_load
+    return calls
+
+
 def trainer_checkpoints(out: str) -> dict:
     """One rank of a torchrun-launched job: 4 steps saving a resumable checkpoint every 2 steps;
-    returns the logged history, the final whole parameters and what checkpoint-2 holds."""
+    returns the logged history, the final whole parameters, what checkpoint-2 holds and every
+    zerofx.checkpoint call of the run."""
     trainer = _resumable_trainer(f"{out}/run")
+    io = _record_checkpoint_io()
     trainer.train()
+    io = list(io)
     params = _full_state(trainer.model)
     # load_best_model_at_end, "best" being the highest evaluation loss: checkpoint-2's
     best = _resumable_trainer(
@@ -235,6 +258,7 @@ def trainer_checkpoints(out: str) -> dict:
         "best_checkpoint": Path(best.state.best_model_checkpoint).name,
         "evals": [h["eval_loss"] for h in best.state.log_history if "eval_loss" in h],
         "final_eval": best.evaluate()["eval_loss"],
+        "io": io,
     }
 
 
@@ -248,7 +272,9 @@ def trainer_resumed(out: str) -> dict:
     import torch.distributed as dist
 
     trainer = _resumable_trainer(f"{out}/resumed")
+    io = _record_checkpoint_io()
     trainer.train(resume_from_checkpoint=f"{out}/run/checkpoint-2")
+    io = [row for row in io if row[0] == "load"]
     params = _full_state(trainer.model)
     model_only = Path(f"{out}/model-only/checkpoint-2")
     if dist.get_rank() == 0:
@@ -256,7 +282,7 @@ def trainer_resumed(out: str) -> dict:
     dist.barrier()
     fresh = _resumable_trainer(f"{out}/model-only")
     fresh.train(resume_from_checkpoint=str(model_only))
-    return {"history": trainer_history(trainer), "params": params, "model_only": trainer_history(fresh)}
+    return {"history": trainer_history(trainer), "params": params, "model_only": trainer_history(fresh), "io": io}
 
 
 def meta_load_and_generate(rank: int, world: int, folder: str, stages: list[int]) -> dict:

@@ -42,6 +42,31 @@ def test_save_load_round_trip_with_optimizer_and_extra(tmp_path):
         torch.testing.assert_close(state[k]["exp_avg_sq"], other_state[k]["exp_avg_sq"], rtol=0, atol=0)
 
 
+def test_load_model_false_reads_the_optimizer_state_and_leaves_the_model(tmp_path):
+    model = _model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    zerofx.checkpoint.save(tmp_path / "ck", model, opt, extra={"step": 1})
+    zerofx.checkpoint.save(tmp_path / "model_only", model)
+
+    other = _model(1)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)
+    assert zerofx.checkpoint.load(tmp_path / "ck", other, other_opt, load_model=False) == {"step": 1}
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())  # parameters not read
+    state, other_state = opt.state_dict()["state"], other_opt.state_dict()["state"]
+    assert state.keys() == other_state.keys()
+    for k in state:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(other_state[k][name], state[k][name], rtol=0, atol=0)
+
+    with pytest.raises(ZeroFXError, match="reads only an optimizer's state: pass the optimizer"):
+        zerofx.checkpoint.load(tmp_path / "ck", other, load_model=False)
+    with pytest.raises(ZeroFXError, match="holds no optimizer state"):
+        zerofx.checkpoint.load(tmp_path / "model_only", other, other_opt, load_model=False)
+
+
 def test_a_crash_mid_write_leaves_no_checkpoint_and_the_partial_folder_is_refused(tmp_path, monkeypatch):
     model = _model(0)
 

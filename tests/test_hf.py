@@ -243,11 +243,18 @@ def test_hf_trainer_resumes_from_its_checkpoints_exactly(tmp_path):
     assert STATE_DIR in files and "model.safetensors" in files and "scheduler.pt" in files, files
     assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= set(files), files
     assert (tmp_path / "run" / "checkpoint-4" / STATE_DIR / ck.COMPLETE_MARKER).is_file()
+    # each checkpoint's parameters written once: its zerofx_state (with the optimizer) is also
+    # what its safetensors are exported from
+    assert first[0]["io"] == [("save", "checkpoint-2", True, True), ("save", "checkpoint-4", True, True)], first[0][
+        "io"
+    ]
     for rank, got in enumerate(first):
         assert got["best_checkpoint"] == "checkpoint-2" and len(got["evals"]) == 2, (rank, got["best_checkpoint"])
         assert got["evals"][0] > got["evals"][1], (rank, got["evals"])
         assert got["final_eval"] == got["evals"][0], (rank, got["final_eval"], got["evals"])
     resumed = local_ranks(hs.trainer_resumed, 2, str(tmp_path), name="hf-resume")
+    # the model read once: before the optimizer exists, then only the optimizer's state
+    assert resumed[0]["io"] == [("load", "checkpoint-2", False, True), ("load", "checkpoint-2", True, False)]
     for rank in range(2):
         whole, again = first[rank], resumed[rank]
         assert len(whole["history"]) == hs.RESUME_STEPS, rank

@@ -42,8 +42,10 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 
@@ -157,13 +159,24 @@ def _check_complete(path: Path) -> dict[str, Any]:
     return json.loads(marker.read_text())
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    load_model: bool = True,
+) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save` into ``model`` (and ``optimizer``); a collective.
 
     Works across world sizes and meshes (DCP reshards). Returns the ``extra`` it was saved with.
+    ``load_model=False`` reads only the optimizer's state (``model`` then only names the
+    parameters and is left as it is): for a resume that loaded the model already, before the
+    optimizer existed, without reading the parameters twice.
     """
     path = Path(path)
     info = _check_complete(path)
+    if not load_model:
+        return _load_optimizer_only(path, info, model, optimizer)
     _init_unsaved_buffers(model)
     state = _state(model, optimizer)
     _check_compatible(f"checkpoint {path}", model, state["model"], _model_tensors(path)[1])
@@ -173,12 +186,35 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     mark_loaded(model, state["model"])
+    _after_load(model, info)
+    return info["extra"]
+
+
+def _load_optimizer_only(
+    path: Path, info: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    if optimizer is None:
+        raise ZeroFXError(
+            "zerofx.checkpoint.load(load_model=False) reads only an optimizer's state: pass the optimizer"
+        )
+    _check_compatible(f"checkpoint {path}", model, get_model_state_dict(model), _model_tensors(path)[1])
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if not any(key.startswith("optimizer.") for key in stored):
+        raise ZeroFXError(f"checkpoint {path} holds no optimizer state (it was saved without an optimizer)")
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    _after_load(model, info, parameters_changed=False)
+    return info["extra"]
+
+
+def _after_load(model: nn.Module, info: dict[str, Any], parameters_changed: bool = True) -> None:
     runtime = runtime_of(model)
     if runtime is not None:
-        runtime.refresh()  # stages 1 and 2: whole copies from the loaded shards
+        if parameters_changed:
+            runtime.refresh()  # stages 1 and 2: whole copies from the loaded shards
         if runtime.scaler is not None and info.get("loss_scaler"):
             runtime.scaler.load_state_dict(info["loss_scaler"])
-    return info["extra"]
 
 
 def _load_in_one_process(state: dict[str, Any], reader: dcp.FileSystemReader) -> None:

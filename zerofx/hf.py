@@ -27,7 +27,9 @@ norm. Overrides:
 * ``training_step``: micro-steps inside a gradient-accumulation window run under
   ``zerofx.no_sync`` (one reduction per window, as DDP's ``no_sync`` does under accelerate);
 * ``save_model``: every rank writes a zerofx checkpoint, then rank 0 exports it to HF
-  safetensors (``zerofx.checkpoint.export``, one tensor at a time) next to ``config.json``;
+  safetensors (``zerofx.checkpoint.export``, one tensor at a time) next to ``config.json``; in a
+  resumable ``checkpoint-N`` folder that checkpoint is ``zerofx_state/`` itself, written with the
+  optimizer, so the parameters are written once for both;
 * the checkpoint hooks ``_save_optimizer_and_scheduler``, ``_load_from_checkpoint``,
   ``_load_optimizer_and_scheduler`` and ``_load_best_model`` (below).
 
@@ -36,7 +38,9 @@ Resumable checkpoints (``save_strategy`` other than ``"no"``, without ``save_onl
 loads any checkpoint), the Trainer's own files (``trainer_state.json``, the scheduler, every
 rank's RNG state) and ``zerofx_state/``, a sharded ``zerofx.checkpoint`` of the model and
 optimizer, each rank writing its shards only. ``trainer.train(resume_from_checkpoint=...)``
-loads the model from it before training and the optimizer once the Trainer has built one; a
+loads the model from it before training and only the optimizer's state from it once the
+Trainer has built one (``zerofx.checkpoint.load(..., load_model=False)``: the parameters are
+read once); a
 checkpoint saved with ``save_only_model=True`` has no ``zerofx_state/``, so resuming from it
 loads the model from its safetensors (``zerofx.checkpoint.load_hf``) and starts the optimizer
 afresh, as the plain Trainer does. ``load_best_model_at_end`` loads the best checkpoint the same
@@ -72,6 +76,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import zerofx
 from zerofx.checkpoint import same_on_every_rank
@@ -194,6 +199,8 @@ class ZeroFXTrainer(Trainer):
         model._is_distributed_loading_by_transformers = True
         # That path refuses optimizer checkpoints, which it could not save; the hooks below save
         # them through zerofx.checkpoint, so the check is passed and the setting put back.
+        self._zerofx_state_saved: Path | None = None  # checkpoint-N whose zerofx_state save_model wrote
+        self._zerofx_model_loaded_from: Path | None = None  # checkpoint-N whose zerofx_state model was read
         save_only_model = args.save_only_model
         args.save_only_model = True
         try:
@@ -208,13 +215,20 @@ class ZeroFXTrainer(Trainer):
             return super().training_step(model, inputs, num_items_in_batch)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write ``output_dir`` as ``save_pretrained`` would (safetensors + config.json); a collective."""
+        """Write ``output_dir`` as ``save_pretrained`` would (safetensors + config.json); a collective.
+
+        For a resumable ``checkpoint-N`` folder the sharded checkpoint written on the way is its
+        ``zerofx_state`` (model and optimizer), so the parameters are written once for both."""
         output_dir = Path(output_dir or self.args.output_dir)
         staging = output_dir.parent / same_on_every_rank(f".{output_dir.name}.zerofx-{uuid.uuid4().hex[:12]}")
-        zerofx.checkpoint.save(staging / "ckpt", self.model)
+        if self._is_resumable_checkpoint(output_dir, _internal_call):
+            written = zerofx.checkpoint.save(output_dir / STATE_DIR, self.model, self._inner_optimizer())
+            self._zerofx_state_saved = output_dir
+        else:
+            written = zerofx.checkpoint.save(staging / "ckpt", self.model)
         if self.args.should_save:
             try:
-                exported = zerofx.checkpoint.export(staging / "ckpt", staging / "hf", to="hf")
+                exported = zerofx.checkpoint.export(written, staging / "hf", to="hf")
                 output_dir.mkdir(parents=True, exist_ok=True)
                 for stale in [*output_dir.glob("model*.safetensors"), *output_dir.glob("model.safetensors.index.json")]:
                     stale.unlink()  # an earlier save's files (another shard count) would mix in
@@ -227,6 +241,16 @@ class ZeroFXTrainer(Trainer):
         if dist.is_initialized():
             dist.barrier()
 
+    def _is_resumable_checkpoint(self, output_dir: Path, internal: bool) -> bool:
+        """Whether the Trainer is saving ``checkpoint-N`` with its optimizer (``_save_checkpoint``
+        calls ``save_model`` and then ``_save_optimizer_and_scheduler`` on the same folder)."""
+        return (
+            internal
+            and not self.args.save_only_model
+            and self.optimizer is not None
+            and output_dir.name == f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
+
     # -- resumable checkpoints (module docstring) --------------------------------------------------
 
     def _inner_optimizer(self) -> torch.optim.Optimizer:
@@ -236,7 +260,9 @@ class ZeroFXTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank writes its shards of the model and optimizer to ``output_dir/zerofx_state``;
         rank 0 adds the scheduler's state, as the Trainer does; a collective."""
-        zerofx.checkpoint.save(Path(output_dir) / STATE_DIR, self.model, self._inner_optimizer())
+        if self._zerofx_state_saved != Path(output_dir):  # else save_model wrote it, with the optimizer
+            zerofx.checkpoint.save(Path(output_dir) / STATE_DIR, self.model, self._inner_optimizer())
+        self._zerofx_state_saved = None
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
 
@@ -247,6 +273,7 @@ class ZeroFXTrainer(Trainer):
         model = self.model if model is None else model
         if (folder / STATE_DIR).is_dir():
             zerofx.checkpoint.load(folder / STATE_DIR, model)
+            self._zerofx_model_loaded_from = folder
         elif any(folder.glob("model*.safetensors")):
             zerofx.checkpoint.load_hf(folder, model)
         else:
@@ -260,7 +287,9 @@ class ZeroFXTrainer(Trainer):
         ``save_only_model`` one, which has neither (the plain Trainer starts them afresh too)."""
         if checkpoint is None or not (Path(checkpoint) / STATE_DIR).is_dir():
             return
-        zerofx.checkpoint.load(Path(checkpoint) / STATE_DIR, self.model, self._inner_optimizer())
+        # the parameters were read from the same folder already, unless transformers skipped that
+        loaded = self._zerofx_model_loaded_from == Path(checkpoint)
+        zerofx.checkpoint.load(Path(checkpoint) / STATE_DIR, self.model, self._inner_optimizer(), load_model=not loaded)
         scheduler = Path(checkpoint) / SCHEDULER_NAME
         if self.lr_scheduler is not None and scheduler.is_file():
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
