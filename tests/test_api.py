@@ -279,6 +279,49 @@ def test_an_optimizer_built_before_shard_is_refused_at_its_first_step():
         dist.destroy_process_group()
 
 
+def test_a_sharded_model_moves_to_its_own_device_and_compiles_again_as_a_no_op():
+    """After a compiled step (dynamo's guards now hold weak references to the parameters),
+    model.to(its device) / .cpu() / .float() keep every shard, where torch would try to swap
+    each DTensor parameter and fail; a cast that would change the shards is an error naming
+    one, before anything is converted. zerofx.compile again on a new mesh over the same ranks
+    (what Lightning's configure_model does for every stage) with the same options keeps the
+    compiled model; other options recompile it; a mesh over other ranks is an error. torch's
+    fake process group stands in for a 2-rank job."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from zerofx.runtime.params import runtime_of
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch._dynamo.reset()
+        model = zerofx.compile(MLP(), init_device_mesh("cpu", (2,)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(4, 16), torch.randn(4, 8)).backward()
+        opt.step()
+        params = [(n, id(p)) for n, p in model.named_parameters()]
+        assert model.to("cpu").cpu().float() is model
+        assert [(n, id(p)) for n, p in model.named_parameters()] == params
+        with pytest.raises(
+            ZeroFXError, match=r"converting a zerofx-sharded parameter \(torch.float32 on cpu -> torch.float64"
+        ):
+            model.double()
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+        compiled = runtime_of(model).compiled
+        assert zerofx.compile(model, init_device_mesh("cpu", (2,))) is model
+        assert runtime_of(model).compiled is compiled  # same options: nothing recompiled
+        zerofx.compile(model, init_device_mesh("cpu", (2,)), executor="inductor")
+        assert runtime_of(model).compiled is not compiled
+        with pytest.raises(
+            ZeroFXError, match=r"sharded on a mesh of ranks \[0, 1\].*this mesh has ranks \[\[0\], \[1\]\]"
+        ):
+            zerofx.compile(model, init_device_mesh("cpu", (2, 1)))
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
 def test_a_symbolic_recompile_under_an_agreed_plan_warns_once_per_process(monkeypatch):
     """dynamic="auto" with a checkpoint plan agreed across ranks: a recompile with dynamic sizes
     agrees at compile time, so every rank must recompile at the same step; say so, once."""

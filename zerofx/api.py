@@ -57,6 +57,10 @@ def compile(model: nn.Module, mesh: DeviceMesh | None = None, *, config: Any = N
     contradicts it raises, keys with no effect here are named in one warning each, and its
     training-loop settings (clipping, accumulation, ...) are kept in
     ``zerofx.runtime.params.runtime_of(model).training``.
+
+    Called again on a model it compiled, with the same options and no mesh or a mesh over the
+    same ranks, it returns the model as it is (Lightning calls ``configure_model`` for every
+    stage); other options recompile it (layout options must match the sharding).
     """
     return _compile(model, mesh, config, options)
 
@@ -86,15 +90,23 @@ def _compile(
     if not isinstance(model, nn.Module):
         raise ZeroFXError(f"zerofx.compile takes an nn.Module, got {type(model).__name__}")
     if is_sharded(model):
-        if mesh is not None and mesh is not mesh_of(model):
-            raise ZeroFXError("model was sharded on a different mesh; pass the same mesh or none")
-        sharded_with = runtime_of(model).options
+        runtime = runtime_of(model)
+        if mesh is not None and not _same_mesh(mesh, runtime, opts.tp_dim):
+            raise ZeroFXError(
+                f"model was sharded on a mesh of ranks {runtime.mesh.mesh.tolist()} ({runtime.mesh.device_type}), "
+                f"this mesh has ranks {mesh.mesh.tolist()} ({mesh.device_type}); pass the same mesh or none"
+            )
+        sharded_with = runtime.options
         differ = [n for n in LAYOUT_OPTIONS if n in options and getattr(opts, n) != getattr(sharded_with, n)]
         if differ:
             raise ZeroFXError(
                 f"option {differ[0]}={getattr(opts, differ[0])!r} differs from the one the model was "
                 f"sharded with ({getattr(sharded_with, differ[0])!r}); shard and compile with the same"
             )
+        compiled = runtime.compiled
+        if cost is None and not keep_graphs and compiled is not None and compiled.options == opts:
+            runtime.training = training
+            return model  # compiled with these options already: a second call (Lightning's configure_model per stage) is a no-op
     else:
         shard(model, mesh, opts)
     mesh = mesh_of(model)
@@ -115,6 +127,23 @@ def _compile(
     dynamic = None if opts.codegen.dynamic == "auto" else opts.codegen.dynamic  # None: torch's automatic
     model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=backend, dynamic=dynamic)
     return model
+
+
+def _same_mesh(given: DeviceMesh, runtime: Any, tp_dim: str | None) -> bool:
+    """Whether ``given`` lays out the ranks the model was sharded over as its own mesh does (a
+    new DeviceMesh object over the same ranks counts: Lightning builds one per stage), or is
+    the whole ``(dp, tp)`` mesh whose dimensions those are."""
+
+    def same(a: DeviceMesh, b: DeviceMesh | None) -> bool:
+        return a is b or (b is not None and a.device_type == b.device_type and torch.equal(a.mesh, b.mesh))
+
+    if same(given, runtime.mesh):
+        return True
+    names = given.mesh_dim_names or ()
+    if runtime.tp_mesh is not None and given.ndim == 2 and tp_dim in names:
+        dp = names[1 - names.index(tp_dim)]
+        return same(given[dp], runtime.mesh) and same(given[tp_dim], runtime.tp_mesh)
+    return False
 
 
 def explain(model: nn.Module, *example_inputs: Any, backward: bool = True, **options: Any) -> str:

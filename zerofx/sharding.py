@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -117,10 +118,49 @@ def _gathered_property(name: str) -> property:
     return property(gathered, doc=f"The full '{name}', through zerofx's marker ops (may be a collective).")
 
 
+def _apply_keeping_shards(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply`` (``.to()``, ``.cpu()``, ``.float()``, ``share_memory()``, ...) for a
+    module with zerofx parameters. A conversion that leaves a shard as it is (a move to the
+    device it is on, a cast to its dtype) keeps it: torch would swap every DTensor parameter
+    for its converted copy, which fails once anything holds a weak reference to it (dynamo's
+    guards do, after the first step) and would leave zerofx's states and the optimizer on the
+    old object. A conversion that would change a shard is an error naming it: shards, gradients
+    and optimizer state were laid out by ``zerofx.shard``, so convert the model before that.
+    Buffers and other parameters convert as usual."""
+    ours = self._zerofx_params
+    for name, state in ours.items():
+        param = self._parameters[name]
+        with torch.no_grad():
+            out = fn(param)
+        kept = out is param or (
+            isinstance(out, DTensor)
+            and out.dtype == param.dtype
+            and out.device == param.device
+            and out._local_tensor.data_ptr() == param._local_tensor.data_ptr()
+        )
+        if not kept:
+            raise ZeroFXError(
+                f"{state.qualname}: converting a zerofx-sharded parameter ({param.dtype} on {param.device} -> "
+                f"{out.dtype} on {out.device}) is not supported: its shards, gradient and optimizer state were "
+                "laid out by zerofx.compile / zerofx.shard. Move or cast the model before that (for low-precision "
+                "compute, param_dtype=...)"
+            )
+    order = list(self._parameters)
+    held = {name: self._parameters.pop(name) for name in ours}
+    try:
+        super(type(self), self)._apply(fn, recurse)
+    finally:
+        rest = dict(self._parameters)
+        self._parameters.clear()
+        self._parameters.update((name, held[name] if name in held else rest[name]) for name in order)
+    return self
+
+
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     key = (cls, names)
     if key not in _SHARDED_CLASSES:
-        attrs = {name: _gathered_property(name) for name in names}
+        attrs: dict[str, Any] = {name: _gathered_property(name) for name in names}
+        attrs["_apply"] = _apply_keeping_shards
         attrs["__module__"] = cls.__module__
         _SHARDED_CLASSES[key] = type(f"ZeroFX{cls.__name__}", (cls,), attrs)
     return _SHARDED_CLASSES[key]
