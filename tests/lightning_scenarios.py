@@ -57,6 +57,11 @@ class LitGPT(L.LightningModule):
         self.losses.append(loss.item())
         return loss
 
+    def validation_step(self, rows: torch.Tensor, index: int) -> torch.Tensor:
+        loss = self.model(rows[:, :-1], rows[:, 1:])
+        self.log("val_loss", loss, sync_dist=True)  # the mean over the ranks
+        return loss
+
     def on_before_backward(self, loss: torch.Tensor) -> None:
         self.comm.__enter__()
         self._before = self.comm.calls["reduce_scatter"]
@@ -71,12 +76,21 @@ class LitGPT(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=LR)
 
-    def record(self) -> dict:
-        params = {
+    @staticmethod
+    def record_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Every parameter whole (gathered: a collective), by state_dict key."""
+        return {
             k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in self.model.state_dict().items()
+            for k, v in model.state_dict().items()
         }
-        return {"losses": self.losses, "reduces": self.reduces, "steps": self.steps, "params": params}
+
+    def record(self) -> dict:
+        return {
+            "losses": self.losses,
+            "reduces": self.reduces,
+            "steps": self.steps,
+            "params": self.record_params(self.model),
+        }
 
 
 def _trainer(out: str, sharded: bool, **extra) -> L.Trainer:
@@ -110,21 +124,27 @@ def _loader(sharded: bool, world: int):
 
 def fit_and_resume(out: str, world: int) -> dict:
     """STEPS optimizer steps of ACCUMULATION micro-batches (two epochs), a checkpoint at the end
-    of each epoch; then a new module and Trainer resumed from the checkpoint after epoch 0. On a
+    of each epoch, and trainer.validate on the trained module; then a new module and Trainer
+    resumed from the checkpoint after epoch 0. On a
     rank of a torchrun-launched job under ZeroFXStrategy when WORLD_SIZE is set, else plain
     Lightning in this process."""
     sharded = "WORLD_SIZE" in os.environ
     ends = ModelCheckpoint(dirpath=f"{out}/ckpt", filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True)
     first = LitGPT(sharded)
-    _trainer(f"{out}/first", sharded, callbacks=[ends]).fit(first, _loader(sharded, world))
+    trainer = _trainer(f"{out}/first", sharded, callbacks=[ends])
+    trainer.fit(first, _loader(sharded, world))
+    # a second entry point on the trained module: Lightning calls configure_model (zerofx.compile
+    # again, on a new mesh) and moves the module to its device again
+    (validated,) = trainer.validate(first, _loader(sharded, world), verbose=False)
     resumed = LitGPT(sharded)
     _trainer(f"{out}/resumed", sharded).fit(resumed, _loader(sharded, world), ckpt_path=f"{out}/ckpt/epoch=0.ckpt")
-    return {"first": first.record(), "resumed": resumed.record()}
+    return {"first": first.record(), "resumed": resumed.record(), "val_loss": validated["val_loss"]}
 
 
 def refusals(out: str) -> dict:
     """On one torchrun-launched rank: what fit raises for a module whose configure_model shards
-    nothing, and for a precision that converts the parameters."""
+    nothing and for a precision that converts the parameters, and what Fabric's setup_module
+    raises for a parallelize_fn that shards nothing."""
     from zerofx.errors import ZeroFXError
     from zerofx.lightning import ZeroFXStrategy
 
@@ -144,4 +164,83 @@ def refusals(out: str) -> dict:
             return str(e)
         return "trained"
 
-    return {"unsharded": error(LitGPT(shard=False)), "bf16-true": error(LitGPT(shard=True), precision="bf16-true")}
+    from zerofx.lightning import ZeroFXFabricStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=ZeroFXFabricStrategy(lambda module, mesh: module))
+    fabric.launch()
+    try:
+        fabric.setup_module(gpt())
+        fabric_error = "set up"
+    except ZeroFXError as e:
+        fabric_error = str(e)
+    return {
+        "unsharded": error(LitGPT(shard=False)),
+        "bf16-true": error(LitGPT(shard=True), precision="bf16-true"),
+        "fabric": fabric_error,
+    }
+
+
+def _fabric_steps(fabric, model, opt, first_step: int, last_step: int, record: dict) -> None:
+    """Optimizer steps first_step..last_step-1 of a Fabric loop: ACCUMULATION micro-batches each
+    (this rank's PER_RANK rows of every micro-batch), the window's earlier ones under
+    fabric.no_backward_sync, gradients clipped to CLIP."""
+    data, world, rank = Tokens(), fabric.world_size, fabric.global_rank
+    for step in range(first_step, last_step):
+        for k in range(ACCUMULATION):
+            micro = step * ACCUMULATION + k
+            start = (micro * PER_RANK * world + rank * PER_RANK) % ROWS
+            rows = torch.stack([data[start + i] for i in range(PER_RANK)])
+            with fabric.no_backward_sync(model, enabled=k < ACCUMULATION - 1):
+                with zerofx.CollectiveCounter() as comm:
+                    loss = model(rows[:, :-1], rows[:, 1:])
+                    fabric.backward(loss / ACCUMULATION)
+            record["losses"].append(loss.item())
+            record["reduces"].append(comm.calls["reduce_scatter"])
+        fabric.clip_gradients(model, opt, max_norm=CLIP)
+        opt.step()
+        opt.zero_grad()
+
+
+def fabric_loop(out: str) -> dict:
+    """One rank of a torchrun-launched job: a Fabric loop under ZeroFXFabricStrategy, STEPS
+    steps with fabric.save after half of them; then a new model and optimizer that fabric.load
+    that checkpoint and run the second half again."""
+    from zerofx.lightning import ZeroFXFabricStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=ZeroFXFabricStrategy())
+    fabric.launch()
+
+    def setup():
+        model = fabric.setup_module(gpt())
+        return model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+
+    model, opt = setup()
+    first: dict = {"losses": [], "reduces": []}
+    _fabric_steps(fabric, model, opt, 0, STEPS // 2, first)
+    fabric.save(f"{out}/half", {"model": model, "optimizer": opt})
+    _fabric_steps(fabric, model, opt, STEPS // 2, STEPS, first)
+    first["params"] = LitGPT.record_params(model)
+
+    model, opt = setup()
+    fabric.load(f"{out}/half", {"model": model, "optimizer": opt})
+    resumed: dict = {"losses": [], "reduces": []}
+    _fabric_steps(fabric, model, opt, STEPS // 2, STEPS, resumed)
+    resumed["params"] = LitGPT.record_params(model)
+    return {"first": first, "resumed": resumed}
+
+
+def fabric_reference() -> dict:
+    """The Fabric loop's arithmetic in one process on the whole micro-batches (2 ranks' rows)."""
+    model = gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    data, per_micro, losses = Tokens(), PER_RANK * 2, []
+    for micro in range(STEPS * ACCUMULATION):
+        rows = torch.stack([data[(micro * per_micro + i) % ROWS] for i in range(per_micro)])
+        loss = model(rows[:, :-1], rows[:, 1:])
+        losses.append(loss.item())
+        (loss / ACCUMULATION).backward()
+        if (micro + 1) % ACCUMULATION == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+    return {"losses": losses, "params": LitGPT.record_params(model)}
