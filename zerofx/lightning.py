@@ -1,4 +1,4 @@
-"""PyTorch Lightning with zerofx as its engine: ``ZeroFXStrategy``.
+"""PyTorch Lightning with zerofx as its engine: ``ZeroFXStrategy`` (Trainer), ``ZeroFXFabricStrategy`` (Fabric).
 
     import lightning as L, zerofx
     from zerofx.lightning import ZeroFXStrategy
@@ -53,7 +53,7 @@ whose ``parallelize_fn`` defaults to ``zerofx.compile`` over the data-parallel d
         fabric.backward(loss)
 
 Fabric converts a ``"bf16-true"`` model before the strategy sees it, so zerofx shards bf16
-parameters (pure bf16 training); nothing is refused there.
+parameters (pure bf16 training, tried by hand on 2 ranks); nothing is refused there.
 """
 
 from __future__ import annotations

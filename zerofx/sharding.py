@@ -119,7 +119,7 @@ def _gathered_property(name: str) -> property:
 
 
 def _apply_keeping_shards(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
-    """``nn.Module._apply`` (``.to()``, ``.cpu()``, ``.float()``, ``share_memory()``, ...) for a
+    """``nn.Module._apply`` (``.to()``, ``.cpu()``, ``.cuda()``, ``.float()``, ...) for a
     module with zerofx parameters. A conversion that leaves a shard as it is (a move to the
     device it is on, a cast to its dtype) keeps it: torch would swap every DTensor parameter
     for its converted copy, which fails once anything holds a weak reference to it (dynamo's
