@@ -114,12 +114,50 @@ def scenarios(rank: int, world: int) -> dict:
             "ref_state_dict": {k: tuple(v.shape) for k, v in ref.state_dict().items()},
         }
 
+    def whole_state_dict():
+        """model.load_state_dict of a plain, whole state dict (every rank loads the same) at each
+        stage, bf16 compute, and into a model built on the meta device."""
+        case = CASES["uneven"]  # rows not divisible by the ranks: uneven and padded shards
+        torch.manual_seed(1)
+        source = case.build()
+        whole = source.state_dict()
+        x, y = case.batch(4, torch.Generator().manual_seed(5))
+        want = source(x, y).item()
+        got = {}
+        for label, options in (
+            ("stage1", {"stage": 1}),
+            ("stage2", {"stage": 2}),
+            ("stage3", {}),
+            ("bf16", {"param_dtype": torch.bfloat16}),
+        ):
+            torch.manual_seed(0)
+            model = zerofx.compile(case.build(), mesh, **options)
+            model.load_state_dict(whole)
+            params = {k: v.full_tensor() for k, v in model.state_dict().items() if isinstance(v, DTensor)}
+            got[label] = {
+                "param_err": max((params[k] - whole[k]).abs().max().item() for k in params),
+                "loss": model(x, y).item(),
+            }
+        with torch.device("meta"):
+            meta = case.build()
+        zerofx.compile(meta, mesh)
+        meta.load_state_dict(whole)
+        got["meta"] = {"loss": meta(x, y).item()}
+        wrong = {k: (v[:-1] if v.ndim == 2 else v) for k, v in whole.items()}
+        try:
+            model.load_state_dict(wrong)
+            got["mismatch"] = "loaded"
+        except RuntimeError as e:
+            got["mismatch"] = str(e)
+        return {"want": want, "got": got}
+
     attempt("explain", explain)
     attempt("two_step_pairing", two_step_pairing)
     attempt("eager_sharded", eager_sharded)
     for name in ("regather", "gather", "reduce"):
         attempt(f"disabled_{name}", disabled(name))
     attempt("clip_and_state_dict", clip_and_state_dict)
+    attempt("whole_state_dict", whole_state_dict)
     attempt("ranks_disagree", lambda: ranks_disagree(rank, world, mesh))
     return out
 

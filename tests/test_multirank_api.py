@@ -83,6 +83,21 @@ def test_clip_grad_norm_on_shards_is_the_global_norm_and_state_dict_is_full_shap
         assert {kind for kind, _ in r["state_dict"].values()} == {"DTensor"}
 
 
+def test_a_whole_plain_state_dict_loads_into_the_shards(results):
+    """model.load_state_dict(torch.load("model.pt")) after zerofx.compile: every rank passes the
+    whole, plain tensors and keeps its rows of them (stages 1-3, bf16 compute, a model built on
+    the meta device, which then runs), where DTensor refused a plain tensor; the parameters come
+    out exactly the loaded ones and the fp32 loss matches the source model's.
+    A tensor of another shape still gets torch's size-mismatch error."""
+    for r in _get(results, "whole_state_dict"):
+        want, got = r["want"], r["got"]
+        for label in ("stage1", "stage2", "stage3", "bf16"):
+            assert got[label]["param_err"] == 0.0, (label, got[label])
+        for label in ("stage1", "stage2", "stage3", "meta"):
+            assert abs(got[label]["loss"] - want) <= 1e-6 * abs(want), (label, got[label]["loss"], want)
+        assert "size mismatch" in got["mismatch"], got["mismatch"]
+
+
 def test_ranks_that_shard_another_model_or_options_stop_with_the_difference(results):
     rank0, rank1 = _get(results, "ranks_disagree")
     first_difference = {

@@ -156,11 +156,33 @@ def _apply_keeping_shards(self: nn.Module, fn: Any, recurse: bool = True) -> nn.
     return self
 
 
+def _load_whole_into_shards(self: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """``nn.Module._load_from_state_dict`` for a module with zerofx parameters: a whole, plain
+    tensor for one of them (a state dict saved from the unsharded model and loaded on every
+    rank, ``model.load_state_dict(torch.load("model.pt"))``) becomes this rank's shard of it,
+    with no communication, instead of DTensor's "got mixed torch.Tensor and DTensor". Every
+    rank must pass the same values, as loading the same file does. DTensor values (a sharded
+    state dict) load as before; a value of another shape gets torch's shape error."""
+    for name in self._zerofx_params:
+        key = prefix + name
+        value, param = state_dict.get(key), self._parameters[name]
+        if (
+            isinstance(value, torch.Tensor)
+            and not isinstance(value, DTensor)
+            and isinstance(param, DTensor)
+            and value.shape == param.shape
+        ):
+            whole = value.detach().to(param.device)
+            state_dict[key] = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+    super(type(self), self)._load_from_state_dict(state_dict, prefix, *args)
+
+
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     key = (cls, names)
     if key not in _SHARDED_CLASSES:
         attrs: dict[str, Any] = {name: _gathered_property(name) for name in names}
         attrs["_apply"] = _apply_keeping_shards
+        attrs["_load_from_state_dict"] = _load_whole_into_shards
         attrs["__module__"] = cls.__module__
         _SHARDED_CLASSES[key] = type(f"ZeroFX{cls.__name__}", (cls,), attrs)
     return _SHARDED_CLASSES[key]
@@ -294,8 +316,9 @@ def _make_state(
 # only each rank's rows of each parameter (and the buffers) on the mesh's device, uninitialized,
 # so the whole model never exists on any rank; its weights must be loaded
 # (``zerofx.checkpoint.load_hf`` reads each rank's rows from safetensors, ``checkpoint.load``
-# from a zerofx checkpoint). Until every parameter and buffer has been loaded, forward is an error
-# naming what is missing (``ModelRuntime.unloaded``), never a run on uninitialized memory.
+# from a zerofx checkpoint, ``model.load_state_dict`` from whole tensors every rank holds, or
+# from DTensors). Until every parameter and buffer has been loaded, forward is an error naming
+# what is missing (``ModelRuntime.unloaded``), never a run on uninitialized memory.
 # Buffers no checkpoint holds (non-persistent ones, such as HF's rotary ``inv_freq``) are
 # recomputed by ``load_hf`` through the HF model's own ``_init_weights`` for modules that own
 # no parameters; any other must be set by the user, who then calls ``mark_loaded``.
@@ -364,7 +387,8 @@ def _not_loaded_hook(runtime: ModelRuntime):
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ZeroFXError(
                 f"the model was built on the meta device and {len(missing)} of its tensors were never loaded "
-                f"({shown}): load its weights first (zerofx.checkpoint.load_hf or zerofx.checkpoint.load); "
+                f"({shown}): load its weights first (zerofx.checkpoint.load_hf, zerofx.checkpoint.load or "
+                "model.load_state_dict); "
                 "set buffers no checkpoint holds yourself, then zerofx.sharding.mark_loaded(model, names)"
             )
 
@@ -374,6 +398,11 @@ def _not_loaded_hook(runtime: ModelRuntime):
 def _expect_loading(model: nn.Module, runtime: ModelRuntime) -> None:
     runtime.unloaded = set(model.state_dict()) | {n for n, _ in model.named_buffers()}
     runtime.unloaded_hook = model.register_forward_pre_hook(_not_loaded_hook(runtime), with_kwargs=True)
+
+    def loaded(module: nn.Module, incompatible: Any) -> None:  # model.load_state_dict loads too
+        mark_loaded(module, set(module.state_dict()) - set(incompatible.missing_keys))
+
+    model.register_load_state_dict_post_hook(loaded)
 
 
 def mark_loaded(model: nn.Module, names) -> None:
