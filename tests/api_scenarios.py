@@ -151,6 +151,33 @@ def scenarios(rank: int, world: int) -> dict:
             got["mismatch"] = str(e)
         return {"want": want, "got": got}
 
+    def gathered_copy_writes():
+        """Outside a compiled graph module.weight is a gathered copy: reads work, in-place writes
+        are refused naming the parameter, and the parameter itself takes them."""
+        model, _ = _fresh_gpt()
+        zerofx.compile(model, mesh)
+        block = model.blocks[0].fc
+        whole = model.state_dict()["blocks.0.fc.weight"].full_tensor()
+        read_err = (block.weight - whole).abs().max().item()
+        refused = {}
+        writes = {
+            "mul_": lambda w: w.mul_(0.5),
+            "data.clamp_": lambda w: w.data.clamp_(-0.01, 0.01),
+            "init.normal_": lambda w: torch.nn.init.normal_(w),
+            "setitem": lambda w: w.__setitem__(0, 1.0),
+            "out=": lambda w: torch.add(w, 1.0, out=w),
+        }
+        with torch.no_grad():
+            for label, write in writes.items():
+                try:
+                    write(block.weight)
+                    refused[label] = "allowed"
+                except zerofx.ZeroFXError as e:
+                    refused[label] = str(e)
+            dict(model.named_parameters())["blocks.0.fc.weight"].mul_(0.5)
+        after = model.state_dict()["blocks.0.fc.weight"].full_tensor()
+        return {"read_err": read_err, "refused": refused, "halved_err": (after - whole / 2).abs().max().item()}
+
     attempt("explain", explain)
     attempt("two_step_pairing", two_step_pairing)
     attempt("eager_sharded", eager_sharded)
@@ -158,6 +185,7 @@ def scenarios(rank: int, world: int) -> dict:
         attempt(f"disabled_{name}", disabled(name))
     attempt("clip_and_state_dict", clip_and_state_dict)
     attempt("whole_state_dict", whole_state_dict)
+    attempt("gathered_copy_writes", gathered_copy_writes)
     attempt("ranks_disagree", lambda: ranks_disagree(rank, world, mesh))
     return out
 

@@ -98,6 +98,18 @@ def test_a_whole_plain_state_dict_loads_into_the_shards(results):
         assert "size mismatch" in got["mismatch"], got["mismatch"]
 
 
+def test_in_place_writes_to_a_gathered_weight_are_refused_not_lost(results):
+    """model.block.weight outside a compiled graph is a copy gathered for the read: its values
+    are the parameter's, and mul_, .data.clamp_, nn.init.normal_, item assignment and out= into
+    it, which would change only the copy, raise naming the parameter; the parameter itself (a
+    DTensor) takes the write on every rank's rows."""
+    for r in _get(results, "gathered_copy_writes"):
+        assert r["read_err"] == 0.0, r
+        for label, message in r["refused"].items():
+            assert message.startswith("blocks.0.fc.weight: ") and "would be lost" in message, (label, message)
+        assert r["halved_err"] == 0.0, r
+
+
 def test_ranks_that_shard_another_model_or_options_stop_with_the_difference(results):
     rank0, rank1 = _get(results, "ranks_disagree")
     first_difference = {

@@ -110,9 +110,82 @@ def mesh_of(model: nn.Module) -> DeviceMesh | None:
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
+# NOTE: writes to a gathered copy
+# Outside a compiled graph, ``module.weight`` is a whole copy gathered for this read; an in-place
+# change to it (weight clipping, ``nn.init.normal_(module.weight)``, ``.data.copy_``) would change
+# that copy only and be lost, silently. So eager reads come back as ``GatheredCopy``, a plain
+# tensor for every read (results are plain tensors, autograd as before) that refuses in-place
+# ops, ``out=`` into it and item assignment, naming the parameter and where to write instead:
+# the parameter itself (``dict(model.named_parameters())[name]``, a DTensor of shards, whose
+# in-place ops change every rank's rows; stages 1 and 2 then renew their whole copies with
+# ``runtime_of(model).refresh()``). Compiled graphs (dynamo traces the read) get the plain value.
+
+_NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "detach_"})
+_INPLACE_DUNDERS = frozenset(
+    {
+        "__setitem__",
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+        "__imatmul__",
+    }
+)
+
+
+class GatheredCopy(torch.Tensor):
+    """A parameter's whole value gathered for one eager read (NOTE: writes to a gathered copy)."""
+
+    _zerofx_name: str = "?"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        target = args[0] if args else next((kwargs[k] for k in ("tensor", "input", "self") if k in kwargs), None)
+        writes = (
+            isinstance(target, GatheredCopy)
+            and (
+                (name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES) or name in _INPLACE_DUNDERS
+            )
+        ) or isinstance(kwargs.get("out"), GatheredCopy)
+        if writes:
+            copy = target if isinstance(target, GatheredCopy) else kwargs["out"]
+            raise ZeroFXError(
+                f"{copy._zerofx_name}: {name} would change a copy of the parameter gathered for this read, and "
+                f"the change would be lost. Change the parameter itself: dict(model.named_parameters())"
+                f"[{copy._zerofx_name!r}] is a DTensor of this rank's rows, and its in-place ops change every "
+                "rank's rows (at stages 1 and 2, then renew the whole copies: "
+                "zerofx.sharding.runtime_of(model).refresh())"
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if (name == "__get__" and getattr(func, "__self__", None) is torch.Tensor.data) or name == "detach":
+            return _as_gathered_copy(out, target._zerofx_name)  # still the same gathered bytes
+        return out
+
+
+def _as_gathered_copy(value: torch.Tensor, qualname: str) -> torch.Tensor:
+    copy = value.as_subclass(GatheredCopy)
+    copy._zerofx_name = qualname
+    return copy
+
+
 def _gathered_property(name: str) -> property:
     def gathered(self: nn.Module) -> torch.Tensor:
-        return self._zerofx_params[name].forward_value(self._parameters[name])
+        state = self._zerofx_params[name]
+        value = state.forward_value(self._parameters[name])
+        if torch.compiler.is_compiling() or type(value) is not torch.Tensor:
+            return value  # traced into a graph (or a tensor-parallel DTensor): the plain value
+        return _as_gathered_copy(value, state.qualname)
 
     gathered.__name__ = f"gathered_{name}"
     return property(gathered, doc=f"The full '{name}', through zerofx's marker ops (may be a collective).")
