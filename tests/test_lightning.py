@@ -1,4 +1,5 @@
-"""zerofx under PyTorch Lightning (zerofx.lightning.ZeroFXStrategy), on torchrun-launched gloo ranks."""
+"""zerofx under PyTorch Lightning: the Trainer (ZeroFXStrategy) and Fabric (ZeroFXFabricStrategy),
+on torchrun-launched gloo ranks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""PyTorch Lightning with zerofx as its engine: ``ZeroFXStrategy`` (Trainer), ``ZeroFXFabricStrategy`` (Fabric).
+"""PyTorch Lightning with zerofx as its engine: ``ZeroFXStrategy`` (Trainer) and
+``ZeroFXFabricStrategy`` (Fabric).
 
     import lightning as L, zerofx
     from zerofx.lightning import ZeroFXStrategy
