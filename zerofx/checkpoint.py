@@ -197,8 +197,8 @@ def _load_optimizer_only(
         raise ZeroFXError(
             "zerofx.checkpoint.load(load_model=False) reads only an optimizer's state: pass the optimizer"
         )
-    _check_compatible(f"checkpoint {path}", model, get_model_state_dict(model), _model_tensors(path)[1])
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    _check_compatible(f"checkpoint {path}", model, get_model_state_dict(model), _model_entries(path, stored))
     if not any(key.startswith("optimizer.") for key in stored):
         raise ZeroFXError(f"checkpoint {path} holds no optimizer state (it was saved without an optimizer)")
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
@@ -276,15 +276,19 @@ _FORMATS = {
 
 def _model_tensors(path: Path) -> tuple[dcp.FileSystemReader, dict[str, TensorStorageMetadata]]:
     reader = dcp.FileSystemReader(str(path))
-    metadata = reader.read_metadata()
+    return reader, _model_entries(path, reader.read_metadata().state_dict_metadata)
+
+
+def _model_entries(path: Path, stored: dict[str, Any]) -> dict[str, TensorStorageMetadata]:
+    """The model's tensors among a checkpoint's stored entries, by state_dict key."""
     tensors = {
         key[len("model.") :]: item
-        for key, item in metadata.state_dict_metadata.items()
+        for key, item in stored.items()
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
     }
     if not tensors:
         raise ZeroFXError(f"checkpoint {path} holds no model tensors (was it written by zerofx.checkpoint.save?)")
-    return reader, tensors
+    return tensors
 
 
 def _plan_files(
