@@ -178,6 +178,61 @@ def scenarios(rank: int, world: int) -> dict:
         after = model.state_dict()["blocks.0.fc.weight"].full_tensor()
         return {"read_err": read_err, "refused": refused, "halved_err": (after - whole / 2).abs().max().item()}
 
+    def stale_whole_copies():
+        """Stages 1 and 2 read whole copies in forward: writes to the shards that no refresh
+        followed (the parameter, torch.distributed.checkpoint.load in place, an AveragedModel's
+        updates) stop the next forward; after refresh() it matches the reference."""
+        import tempfile
+
+        import torch.distributed.checkpoint as dcp
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        x, y = random_batch(GPT_CFG, 2, torch.Generator().manual_seed(3))
+
+        def forward(m):
+            try:
+                with torch.no_grad():
+                    return m(x, y).item()
+            except zerofx.ZeroFXError as e:
+                return str(e)
+
+        got = {}
+        for stage in (1, 2):
+            model, ref = _fresh_gpt()
+            zerofx.compile(model, mesh, stage=stage)
+            runtime = zerofx.sharding.runtime_of(model)
+            with torch.no_grad():
+                for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+                    p.mul_(0.5), q.mul_(0.5)
+            stale = forward(model)
+            runtime.refresh()
+            got[f"stage{stage}_param"] = (stale, forward(model), forward(ref))
+        # stage 1 (the shard a view of its rows of the whole copy): DCP in place, then an EMA copy
+        model, ref = _fresh_gpt()
+        zerofx.compile(model, mesh, stage=1)
+        runtime = zerofx.sharding.runtime_of(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        saved = forward(model)
+        folder = [tempfile.mkdtemp() if rank == 0 else None]
+        dist.broadcast_object_list(folder, src=0)
+        dcp.save(model.state_dict(), checkpoint_id=folder[0])
+        model(x, y).backward(), opt.step(), opt.zero_grad()
+        dcp.load(model.state_dict(), checkpoint_id=folder[0])
+        stale = forward(model)
+        runtime.refresh()
+        got["dcp"] = (stale, forward(model), saved)
+        # the model is the reference again (the step is undone): both train from here
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+        ema, ref_ema = (AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9)) for m in (model, ref))
+        for update in ("copy", "foreach"):  # AveragedModel's first update copies, later ones _foreach_lerp_
+            for m, o in ((model, opt), (ref, ref_opt)):
+                m(x, y).backward(), o.step(), o.zero_grad()
+            ema.update_parameters(model), ref_ema.update_parameters(ref)
+            stale = forward(ema)
+            zerofx.sharding.runtime_of(ema.module).refresh()
+            got[f"ema_{update}"] = (stale, forward(ema), forward(ref_ema))
+        return got
+
     attempt("explain", explain)
     attempt("two_step_pairing", two_step_pairing)
     attempt("eager_sharded", eager_sharded)
@@ -186,6 +241,7 @@ def scenarios(rank: int, world: int) -> dict:
     attempt("clip_and_state_dict", clip_and_state_dict)
     attempt("whole_state_dict", whole_state_dict)
     attempt("gathered_copy_writes", gathered_copy_writes)
+    attempt("stale_whole_copies", stale_whole_copies)
     attempt("ranks_disagree", lambda: ranks_disagree(rank, world, mesh))
     return out
 

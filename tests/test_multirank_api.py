@@ -110,6 +110,21 @@ def test_in_place_writes_to_a_gathered_weight_are_refused_not_lost(results):
         assert r["halved_err"] == 0.0, r
 
 
+def test_writes_to_shards_that_no_refresh_followed_stop_the_next_forward(results):
+    """Stages 1 and 2: a write to a parameter's shard that no refresh followed (an in-place op
+    on the parameter, torch.distributed.checkpoint.load into model.state_dict(), an
+    AveragedModel's copy and _foreach_lerp_ updates) used to leave forward reading the old whole
+    copy, silently. The next forward now raises naming the parameters; after refresh() the
+    loss is the reference's (the model before the DCP-restored step, the EMA of a plain model).
+    The EMA copy is a deepcopy on every rank, which torch's deepcopy of a DTensor fails on
+    every rank but the first at stage 1."""
+    for r in _get(results, "stale_whole_copies"):
+        for label, (stale, refreshed, want) in r.items():
+            assert isinstance(stale, str) and "changed in place since zerofx last refreshed" in stale, (label, stale)
+            assert stale.startswith("wte.weight, "), (label, stale)
+            assert abs(refreshed - want) <= 1e-6 * abs(want), (label, refreshed, want)
+
+
 def test_ranks_that_shard_another_model_or_options_stop_with_the_difference(results):
     rank0, rank1 = _get(results, "ranks_disagree")
     first_difference = {

@@ -125,8 +125,22 @@ def _compile(
     if keep_graphs:
         runtime.compiled.graphs = {}
     dynamic = None if opts.codegen.dynamic == "auto" else opts.codegen.dynamic  # None: torch's automatic
-    model._compiled_call_impl = torch.compile(_enter(model._call_impl), backend=backend, dynamic=dynamic)
+    compiled = torch.compile(_enter(model._call_impl), backend=backend, dynamic=dynamic)
+    if any(s.full is not None for s in runtime.states):
+        compiled = _checking_whole_copies(compiled, runtime)
+    model._compiled_call_impl = compiled
     return model
+
+
+def _checking_whole_copies(compiled: Any, runtime: Any) -> Any:
+    """``compiled``, refusing to run on whole copies older than their shards (stages 1 and 2;
+    NOTE: stale whole copies, zerofx/runtime/params.py)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        runtime.check_whole_copies()
+        return compiled(*args, **kwargs)
+
+    return run
 
 
 def _same_mesh(given: DeviceMesh, runtime: Any, tp_dim: str | None) -> bool:
@@ -207,6 +221,7 @@ def gathered(model: nn.Module) -> Iterator[Gathered]:
     if runtime.gathered is not None:  # nested: the outer context already holds them
         yield Gathered(len(runtime.gathered), 0)
         return
+    runtime.check_whole_copies()
     whole: dict = {}
     extra = 0
     with torch.no_grad():

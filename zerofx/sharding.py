@@ -32,6 +32,7 @@ Reading ``module.weight`` may be a collective: every rank of the mesh must do it
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import weakref
@@ -250,12 +251,63 @@ def _load_whole_into_shards(self: nn.Module, state_dict: dict, prefix: str, *arg
     super(type(self), self)._load_from_state_dict(state_dict, prefix, *args)
 
 
+def _save_aliasing_shards(self: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> None:
+    """``nn.Module._save_to_state_dict`` for a module with zerofx parameters: at stages 1 and 2,
+    each state-dict value's local tensor is the parameter's own local shard, not a fresh alias of
+    it, so that writes into it (``torch.distributed.checkpoint.load`` copies into ``to_local()``)
+    bump the shard's version counter and the next forward sees that the whole copy is stale
+    (NOTE: stale whole copies, zerofx/runtime/params.py). Same storage, sizes and strides as the
+    alias DTensor's ``detach`` makes; writes through the value as a DTensor bump the parameter's
+    version counter, which ``detach`` shares."""
+    super(type(self), self)._save_to_state_dict(destination, prefix, keep_vars)
+    if keep_vars:
+        return
+    for name, state in self._zerofx_params.items():
+        value = destination.get(prefix + name)
+        if state.full is not None and isinstance(value, DTensor):
+            value._local_tensor = self._parameters[name]._local_tensor
+
+
+def _deepcopy_keeping_views(self: nn.Module, memo: dict) -> nn.Module:
+    """``copy.deepcopy`` of a module with zerofx parameters (``AveragedModel``, an EMA or
+    teacher copy). torch's own deepcopy of a DTensor whose local shard starts past its
+    storage's first element (at stages 1 and 2 without mixed precision, every rank's but the
+    first: the shard is a view of its rows of the whole copy) fails with "Attempted to call
+    copy_() on an invalid python storage" on those ranks only. Such parameters are copied here
+    through their local shard, in the same memo, so the copy's shard is a view of the copy's
+    whole copy as in the original; everything else is deep-copied as ``nn.Module`` does. All of
+    the model's such parameters are copied at the first of its modules deepcopy reaches, since
+    zerofx's states lead from any module to every parameter."""
+    states = next(iter(self._zerofx_params.values())).runtime.states  # every module's: they refer to each other
+    copied = []
+    for param in (state.param for state in states):
+        if id(param) in memo or not isinstance(param, DTensor) or not param._local_tensor.storage_offset():
+            continue
+        local = copy.deepcopy(param._local_tensor, memo)
+        spec = dict(shape=param.shape, stride=param.stride(), run_check=False)
+        new = nn.Parameter(
+            DTensor.from_local(local, param.device_mesh, param.placements, **spec), requires_grad=param.requires_grad
+        )
+        memo[id(param)] = new
+        copied.append((param, new))
+    for param, new in copied:  # after every parameter is in the memo: zerofx's states lead to all of them
+        if param.grad is not None:
+            new.grad = copy.deepcopy(param.grad, memo)
+        new.__dict__.update(copy.deepcopy(param.__dict__, memo))
+    clone = type(self).__new__(type(self))
+    memo[id(self)] = clone
+    clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+    return clone
+
+
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     key = (cls, names)
     if key not in _SHARDED_CLASSES:
         attrs: dict[str, Any] = {name: _gathered_property(name) for name in names}
         attrs["_apply"] = _apply_keeping_shards
         attrs["_load_from_state_dict"] = _load_whole_into_shards
+        attrs["_save_to_state_dict"] = _save_aliasing_shards
+        attrs["__deepcopy__"] = _deepcopy_keeping_views
         attrs["__module__"] = cls.__module__
         _SHARDED_CLASSES[key] = type(f"ZeroFX{cls.__name__}", (cls,), attrs)
     return _SHARDED_CLASSES[key]
@@ -476,6 +528,21 @@ def _expect_loading(model: nn.Module, runtime: ModelRuntime) -> None:
         mark_loaded(module, set(module.state_dict()) - set(incompatible.missing_keys))
 
     model.register_load_state_dict_post_hook(loaded)
+
+
+def _refresh_after_load(model: nn.Module, incompatible: Any) -> None:
+    """Stages 1 and 2: ``load_state_dict`` renews the whole copies (a module-level function, not
+    a closure over the runtime, so that a deepcopy of the model refreshes its own)."""
+    runtime_of(model).refresh()
+
+
+def _check_whole_copies(model: nn.Module, args: Any) -> None:
+    """Stages 1 and 2: an uncompiled forward (``zerofx.shard`` alone, or a deepcopy such as
+    ``AveragedModel``'s, which torch copies without its compiled call) refuses stale whole
+    copies as the compiled entry does (NOTE: stale whole copies, zerofx/runtime/params.py)."""
+    runtime = runtime_of(model)
+    if runtime.gathered is None:  # inside zerofx.gathered the whole copies are not what forward reads
+        runtime.check_whole_copies(uncompiled=True)
 
 
 def mark_loaded(model: nn.Module, names) -> None:
@@ -818,7 +885,8 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
         install_local_step()
     runtime.refresh()
     if any(s.full is not None for s in runtime.states):
-        model.register_load_state_dict_post_hook(lambda module, keys: runtime.refresh())
+        model.register_load_state_dict_post_hook(_refresh_after_load)
+        model.register_forward_pre_hook(_check_whole_copies)
     if opts.param_dtype is not None:
         model.register_forward_pre_hook(_cast_inputs_hook(opts.param_dtype), with_kwargs=True)
     return model

@@ -94,6 +94,7 @@ def refresh(states: list) -> None:
                 s.full.view(group.size, n).copy_(part)
             else:  # padding rows sit after the last real row: drop them on the way
                 s.full.copy_(part.reshape(-1, *s.full.shape[1:])[: s.full_rows])
+            s.mark_synced()  # after the copy: without mixed precision the shard is a view of ``full``
             offset += n
 
 

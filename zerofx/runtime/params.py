@@ -27,6 +27,35 @@ dtype that forward reads without communication; an optimizer step post-hook all-
 updated shards into it (the second Ψ of ZeRO-1/2's 2Ψ traffic). Without mixed precision the
 shard *is* a view of its rows of ``full``, so the copy costs nothing extra.
 
+# NOTE: stale whole copies
+``full`` is refreshed after every optimizer step and ``load_state_dict``. Anything else that
+writes a shard in place (``p.mul_(...)`` on a parameter from ``model.named_parameters()``,
+``torch.distributed.checkpoint.load`` into ``model.state_dict()``'s tensors, weight clipping)
+would leave forward reading the old values, each rank's forward a different mix of them.
+
+Every refresh records the shard's version counters (``mark_synced``). The compiled model's
+entry (``zerofx.compile``'s), a forward pre-hook for uncompiled forwards, and
+``zerofx.gathered`` compare them (``check_whole_copies``, a few attribute reads per parameter)
+and raise, naming the parameters. ``state_dict()`` hands out DTensors over the shard itself
+(zerofx/sharding.py, ``_save_aliasing_shards``) so that DCP's writes into them count.
+
+DTensor's ``_foreach_*_`` in-place ops bump no version counter at all (torch 2.13), and
+``AveragedModel``'s EMA / SWA update is one. Its copy runs uncompiled (torch deep-copies a
+module without its compiled call), so an uncompiled forward also compares each shard's
+``torch.hash_tensor`` with the one taken at the last refresh (from its first uncompiled forward
+on: one pass over this rank's shards, no communication). A compiled forward keeps to the
+counters: hashing every step would cost the training loop a pass over the shards, which the
+optimizer writes and its step refreshes.
+
+Not covered: the two-step pairing (``zerofx.shard``, then ``torch.compile(model,
+backend="zerofx")``) has no entry of zerofx's to check at, since dynamo traces the pre-hook and
+the check is skipped while tracing; eager ``module.weight`` reads, which torch's state-dict
+utilities make between an in-place load and the ``load_state_dict`` that refreshes.
+
+The checks never refresh by themselves: a refresh is a collective, and a rank that saw a change
+its peers did not make (a write to one rank's local shard) would issue an all-gather the others
+never match.
+
 # NOTE: the accumulation boundary
 ``local_grad`` keeps gradients out of the graph's collectives: autograd accumulates each
 micro-batch's whole, unreduced gradient in ``sink.grad`` (the reduce dtype). At the end of the
@@ -96,6 +125,26 @@ class ParamState:
     secondary_group: GroupInfo | None = None
     # ZeRO over a TP model: the parameter's tensor-parallel layout (its "full" value is TP-local)
     tp: TensorParallel | None = None
+    # stages 1 and 2: the version counters of the parameter and of its local shard when ``full``
+    # was last refreshed from them (NOTE: stale whole copies)
+    synced_version: tuple[int, int] = (-1, -1)
+    synced_hash: int | None = None  # the shard's torch.hash_tensor then, once uncompiled forwards check it
+
+    def mark_synced(self) -> None:
+        """Record that ``full`` holds the shard's current values."""
+        self.synced_version = self.versions()
+        if self.runtime.hash_checked:
+            self.synced_hash = self.shard_hash()
+
+    def shard_hash(self) -> int:
+        local = self.param._local_tensor
+        return torch.hash_tensor(local).item() if local.numel() else 0
+
+    def versions(self) -> tuple[int, int]:
+        """The parameter's and its local shard's version counters: DTensor's in-place ops (also
+        through a ``detach()``ed alias, as ``state_dict()`` returns) bump the first only, writes
+        to ``to_local()`` the second only."""
+        return self.param._version, self.param._local_tensor._version
 
     @property
     def shard_rows(self) -> int:
@@ -210,6 +259,7 @@ class ModelRuntime:
     gathered: dict | None = None  # ParamState -> whole parameter, inside zerofx.gathered(model)
     unloaded: set = field(default_factory=set)  # built on meta: names not loaded yet (zerofx/sharding.py)
     unloaded_hook: Any = None  # the forward pre-hook that refuses to run while ``unloaded``
+    hash_checked: bool = False  # uncompiled forwards compare shard hashes (NOTE: stale whole copies)
 
     def on_local_grad(self, sink: torch.Tensor) -> None:
         """Post-accumulate-grad hook of every sink: schedule the boundary reduce."""
@@ -228,6 +278,30 @@ class ModelRuntime:
     def refresh(self) -> None:
         """Bring every whole copy up to date with its shard (stages 1 and 2; a collective)."""
         eager_buckets.refresh(self.states)
+
+    def check_whole_copies(self, uncompiled: bool = False) -> None:
+        """Refuse to read whole copies older than their shards (NOTE: stale whole copies).
+        ``uncompiled``: before an uncompiled forward, which also compares the shards' contents."""
+        if torch.compiler.is_compiling():
+            return  # traced inside the caller's own torch.compile region: checked by no one
+        states = [s for s in self.states if s.full is not None]
+        stale = [s.qualname for s in states if s.versions() != s.synced_version]
+        if uncompiled and not self.hash_checked:
+            self.hash_checked = True  # from now on refreshes record hashes; this is the first baseline
+            for s in states:
+                s.synced_hash = s.shard_hash()
+        elif uncompiled and not stale:
+            stale = [s.qualname for s in states if s.shard_hash() != s.synced_hash]
+        if stale:
+            names = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+            raise ZeroFXError(
+                f"{names}: changed in place since zerofx last refreshed the whole copies that stage {self.stage} "
+                "reads in forward (an in-place op on the parameter or on its state_dict() tensor, "
+                "torch.distributed.checkpoint.load into model.state_dict(), AveragedModel.update_parameters), "
+                "so forward would read the old values. Call zerofx.sharding.runtime_of(model).refresh() on every "
+                "rank after such a change (model.load_state_dict, zerofx.checkpoint.load and optimizer steps "
+                "refresh by themselves)"
+            )
 
 
 _REFRESH_HOOK = None
