@@ -233,6 +233,19 @@ def scenarios(rank: int, world: int) -> dict:
             got[f"ema_{update}"] = (stale, forward(ema), forward(ref_ema))
         return got
 
+    def share_memory():
+        """model.share_memory() on shards (torch 2.13 crashes on a DTensor's): the local shards
+        move to shared memory, and the model still trains as the reference does."""
+        model, ref = _fresh_gpt()
+        zerofx.compile(model, mesh)
+        x, y = random_batch(GPT_CFG, 2 * world, torch.Generator().manual_seed(5))
+        mine = slice(2 * rank, 2 * rank + 2)
+        model(x[mine], y[mine]).backward()  # after a compiled step, as a user would
+        model.zero_grad()
+        model.share_memory()
+        shared = all(p.to_local().is_shared() for p in model.parameters())
+        return {"shared": shared, "loss": mean_over_ranks(model(x[mine], y[mine])), "want": ref(x, y).item()}
+
     attempt("explain", explain)
     attempt("two_step_pairing", two_step_pairing)
     attempt("eager_sharded", eager_sharded)
@@ -242,6 +255,7 @@ def scenarios(rank: int, world: int) -> dict:
     attempt("whole_state_dict", whole_state_dict)
     attempt("gathered_copy_writes", gathered_copy_writes)
     attempt("stale_whole_copies", stale_whole_copies)
+    attempt("share_memory", share_memory)
     attempt("ranks_disagree", lambda: ranks_disagree(rank, world, mesh))
     return out
 

@@ -125,6 +125,12 @@ def test_writes_to_shards_that_no_refresh_followed_stop_the_next_forward(results
             assert abs(refreshed - want) <= 1e-6 * abs(want), (label, refreshed, want)
 
 
+def test_share_memory_moves_the_shards_and_the_model_still_trains(results):
+    for r in _get(results, "share_memory"):
+        assert r["shared"], r
+        assert abs(r["loss"] - r["want"]) <= 1e-6 * abs(r["want"]), r
+
+
 def test_ranks_that_shard_another_model_or_options_stop_with_the_difference(results):
     rank0, rank1 = _get(results, "ranks_disagree")
     first_difference = {

@@ -204,13 +204,17 @@ def _apply_keeping_shards(self: nn.Module, fn: Any, recurse: bool = True) -> nn.
     ours = self._zerofx_params
     for name, state in ours.items():
         param = self._parameters[name]
+        local = param._local_tensor
         with torch.no_grad():
-            out = fn(param)
-        kept = out is param or (
-            isinstance(out, DTensor)
-            and out.dtype == param.dtype
-            and out.device == param.device
-            and out._local_tensor.data_ptr() == param._local_tensor.data_ptr()
+            # on the local shard, not the DTensor: DTensor has no storage of its own, and
+            # ``share_memory_`` on one crashes the process (torch 2.13); an in-place conversion
+            # like that one then applies to the shard itself
+            out = fn(local)
+        kept = out is local or (
+            isinstance(out, torch.Tensor)
+            and out.dtype == local.dtype
+            and out.device == local.device
+            and out.data_ptr() == local.data_ptr()
         )
         if not kept:
             raise ZeroFXError(
