@@ -231,7 +231,13 @@ def scenarios(rank: int, world: int) -> dict:
             stale = forward(ema)
             zerofx.sharding.runtime_of(ema.module).refresh()
             got[f"ema_{update}"] = (stale, forward(ema), forward(ref_ema))
-        return got
+        # a deepcopy trains (uncompiled) as the reference's copy does: its gradient sinks reduce
+        twin, ref_twin = copy.deepcopy(model), copy.deepcopy(ref)
+        twin_opt, ref_twin_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (twin, ref_twin))
+        for m, o in ((twin, twin_opt), (ref_twin, ref_twin_opt)):
+            for _ in range(2):
+                m(x, y).backward(), o.step(), o.zero_grad()
+        return {"stale": got, "twin": (forward(twin), forward(ref_twin), forward(model))}
 
     def share_memory():
         """model.share_memory() on shards (torch 2.13 crashes on a DTensor's): the local shards

@@ -279,6 +279,39 @@ def test_an_optimizer_built_before_shard_is_refused_at_its_first_step():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_pickling_a_sharded_model_says_what_to_save_and_deepcopy_works_on_rank_one(param_dtype):
+    """torch.save(model) of a sharded model is an error saying to save its state (it failed with
+    a PicklingError on the run-time class, or on the bf16 input-cast hook). copy.deepcopy works
+    on rank 1 at stage 1, where the shard is a view past the start of the whole copy and
+    torch's deepcopy of such a DTensor fails: the copy's shard is again a view of the copy's
+    whole copy, with the same values. torch's fake process group stands in for rank 1 of 2."""
+    import io
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from zerofx.runtime.params import runtime_of
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        model = zerofx.shard(MLP(), init_device_mesh("cpu", (2,)), stage=1, param_dtype=param_dtype)
+        with pytest.raises(ZeroFXError, match=r"cannot be pickled .* zerofx\.checkpoint\.save"):
+            torch.save(model, io.BytesIO())
+        with torch.no_grad():  # the fake group's all-gathers leave the whole copies unset: give the shards values
+            for p in model.parameters():
+                p.to_local().copy_(torch.randn(p.to_local().shape))
+        twin = copy.deepcopy(model)
+        for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+            assert q is not p and torch.equal(q.to_local(), p.to_local()), name
+        for s, t in zip(runtime_of(model).states, runtime_of(twin).states):
+            assert t.param is dict(twin.named_parameters())[s.qualname], s.qualname
+            if param_dtype is None and s.param.to_local().storage_offset():
+                assert t.param.to_local().untyped_storage().data_ptr() == t.full.untyped_storage().data_ptr()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_sharded_model_moves_to_its_own_device_and_compiles_again_as_a_no_op():
     """After a compiled step (dynamo's guards now hold weak references to the parameters),
     model.to(its device) / .cpu() / .float() keep every shard, where torch would try to swap

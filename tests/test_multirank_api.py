@@ -117,9 +117,12 @@ def test_writes_to_shards_that_no_refresh_followed_stop_the_next_forward(results
     copy, silently. The next forward now raises naming the parameters; after refresh() the
     loss is the reference's (the model before the DCP-restored step, the EMA of a plain model).
     The EMA copy is a deepcopy on every rank, which torch's deepcopy of a DTensor fails on
-    every rank but the first at stage 1."""
+    every rank but the first at stage 1; a deepcopy also trains as the reference's does (torch
+    copies no tensor hooks, and the copy's gradients stayed pending: its loss never moved)."""
     for r in _get(results, "stale_whole_copies"):
-        for label, (stale, refreshed, want) in r.items():
+        trained, want, untrained = r["twin"]
+        assert abs(trained - want) <= 1e-6 * abs(want) and abs(trained - untrained) > 1e-3, r["twin"]
+        for label, (stale, refreshed, want) in r["stale"].items():
             assert isinstance(stale, str) and "changed in place since zerofx last refreshed" in stale, (label, stale)
             assert stale.startswith("wte.weight, "), (label, stale)
             assert abs(refreshed - want) <= 1e-6 * abs(want), (label, refreshed, want)

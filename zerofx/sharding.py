@@ -272,22 +272,45 @@ def _save_aliasing_shards(self: nn.Module, destination: dict, prefix: str, keep_
             value._local_tensor = self._parameters[name]._local_tensor
 
 
+def _copy_local(local: torch.Tensor, memo: dict) -> torch.Tensor:
+    """A copy of a local shard over the copy of its storage (torch's storage deepcopy memoizes
+    storages, so a shard and the whole copy it is a view of stay aliased), without its
+    attributes: the local optimizer step leaves zerofx's state on it, which leads to parameters
+    not copied yet."""
+    if id(local) in memo:
+        return memo[id(local)]
+    storage = copy.deepcopy(local.untyped_storage(), memo)
+    twin = torch.empty(0, dtype=local.dtype, device=local.device)
+    twin.set_(storage, local.storage_offset(), local.size(), local.stride())
+    memo[id(local)] = twin
+    return twin
+
+
 def _deepcopy_keeping_views(self: nn.Module, memo: dict) -> nn.Module:
     """``copy.deepcopy`` of a module with zerofx parameters (``AveragedModel``, an EMA or
-    teacher copy). torch's own deepcopy of a DTensor whose local shard starts past its
-    storage's first element (at stages 1 and 2 without mixed precision, every rank's but the
-    first: the shard is a view of its rows of the whole copy) fails with "Attempted to call
-    copy_() on an invalid python storage" on those ranks only. Such parameters are copied here
-    through their local shard, in the same memo, so the copy's shard is a view of the copy's
-    whole copy as in the original; everything else is deep-copied as ``nn.Module`` does. All of
-    the model's such parameters are copied at the first of its modules deepcopy reaches, since
-    zerofx's states lead from any module to every parameter."""
+    teacher copy). torch's own gets two things wrong here:
+
+    - it copies a tensor's attributes before it records the tensor's copy in the memo, and
+      zerofx's state on a parameter leads back to the parameter: the first parameter reached
+      was copied twice, the module holding one copy and zerofx's state (where its gradient
+      lands) the other;
+    - it cannot copy a DTensor whose local shard starts past its storage's first element (at
+      stages 1 and 2 without mixed precision, every rank's but the first: the shard is a view
+      of its rows of the whole copy), failing with "Attempted to call copy_() on an invalid
+      python storage" on those ranks only.
+
+    So every zerofx parameter of the model (its states lead from any module to all of them) is
+    copied here first, through its local shard and in the same memo, which keeps the copy's
+    shard a view of the copy's whole copy as in the original; then their attributes, then the
+    module as ``nn.Module`` would be. torch copies no tensor hooks, so the copy's gradient sinks
+    get theirs again (NOTE: the accumulation boundary, zerofx/runtime/params.py), and its
+    whole copies count as refreshed if the original's were (NOTE: stale whole copies)."""
     states = next(iter(self._zerofx_params.values())).runtime.states  # every module's: they refer to each other
     copied = []
     for param in (state.param for state in states):
-        if id(param) in memo or not isinstance(param, DTensor) or not param._local_tensor.storage_offset():
+        if id(param) in memo or not isinstance(param, DTensor):
             continue
-        local = copy.deepcopy(param._local_tensor, memo)
+        local = _copy_local(param._local_tensor, memo)
         spec = dict(shape=param.shape, stride=param.stride(), run_check=False)
         new = nn.Parameter(
             DTensor.from_local(local, param.device_mesh, param.placements, **spec), requires_grad=param.requires_grad
@@ -298,10 +321,35 @@ def _deepcopy_keeping_views(self: nn.Module, memo: dict) -> nn.Module:
         if param.grad is not None:
             new.grad = copy.deepcopy(param.grad, memo)
         new.__dict__.update(copy.deepcopy(param.__dict__, memo))
+        new._local_tensor.__dict__.update(copy.deepcopy(param._local_tensor.__dict__, memo))
+    for state in states if copied else ():
+        twin = memo.get(id(state))
+        if twin is None:
+            continue
+        if twin.sink is not None and not getattr(twin.sink, "_post_accumulate_grad_hooks", None):
+            # torch copies no tensor hooks: without this the copy's gradients would stay pending
+            twin.sink.register_post_accumulate_grad_hook(twin.runtime.on_local_grad)
+        if twin.full is not None:  # new tensors, new version counters: in step if the original was
+            twin.synced_version = twin.versions() if state.versions() == state.synced_version else (-1, -1)
     clone = type(self).__new__(type(self))
     memo[id(self)] = clone
     clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
     return clone
+
+
+def _refuse_pickling(self: nn.Module, protocol: int) -> Any:
+    """``__reduce_ex__`` of a module with zerofx parameters: pickling one (``torch.save(model)``,
+    ``copy.copy``, handing it to another process) is an error saying what to save instead. Its
+    parameters are shards over this job's process groups, meaningless in any other process, and
+    the swapped class is made at run time, so pickle could only fail with a lookup error.
+    ``copy.deepcopy`` has a method of its own and works."""
+    raise ZeroFXError(
+        f"{type(self).__name__}: a zerofx-sharded module cannot be pickled (torch.save(model), copy.copy, "
+        "sending it to another process): its parameters are this rank's shards over the job's process "
+        "groups. Save its state instead: zerofx.checkpoint.save(path, model, optimizer) (or "
+        "torch.distributed.checkpoint on model.state_dict()), and zerofx.checkpoint.export for whole "
+        "tensors; copy.deepcopy(model) makes a copy in this process"
+    )
 
 
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
@@ -312,6 +360,7 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
         attrs["_load_from_state_dict"] = _load_whole_into_shards
         attrs["_save_to_state_dict"] = _save_aliasing_shards
         attrs["__deepcopy__"] = _deepcopy_keeping_views
+        attrs["__reduce_ex__"] = _refuse_pickling
         attrs["__module__"] = cls.__module__
         _SHARDED_CLASSES[key] = type(f"ZeroFX{cls.__name__}", (cls,), attrs)
     return _SHARDED_CLASSES[key]
@@ -509,24 +558,24 @@ def _built_on_meta(model: nn.Module) -> bool:
     return bool(meta)
 
 
-def _not_loaded_hook(runtime: ModelRuntime):
-    def check(module, args, kwargs):
-        if runtime.unloaded:
-            missing = sorted(runtime.unloaded)
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ZeroFXError(
-                f"the model was built on the meta device and {len(missing)} of its tensors were never loaded "
-                f"({shown}): load its weights first (zerofx.checkpoint.load_hf, zerofx.checkpoint.load or "
-                "model.load_state_dict); "
-                "set buffers no checkpoint holds yourself, then zerofx.sharding.mark_loaded(model, names)"
-            )
-
-    return check
+def _refuse_unloaded(model: nn.Module, args: Any, kwargs: Any) -> None:
+    """Forward pre-hook of a model built on meta: refuse to run while tensors are not loaded (a
+    module-level function reading the model's own runtime, so that copies check their own)."""
+    runtime = runtime_of(model)
+    if runtime.unloaded:
+        missing = sorted(runtime.unloaded)
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ZeroFXError(
+            f"the model was built on the meta device and {len(missing)} of its tensors were never loaded "
+            f"({shown}): load its weights first (zerofx.checkpoint.load_hf, zerofx.checkpoint.load or "
+            "model.load_state_dict); "
+            "set buffers no checkpoint holds yourself, then zerofx.sharding.mark_loaded(model, names)"
+        )
 
 
 def _expect_loading(model: nn.Module, runtime: ModelRuntime) -> None:
     runtime.unloaded = set(model.state_dict()) | {n for n, _ in model.named_buffers()}
-    runtime.unloaded_hook = model.register_forward_pre_hook(_not_loaded_hook(runtime), with_kwargs=True)
+    runtime.unloaded_hook = model.register_forward_pre_hook(_refuse_unloaded, with_kwargs=True)
 
     def loaded(module: nn.Module, incompatible: Any) -> None:  # model.load_state_dict loads too
         mark_loaded(module, set(module.state_dict()) - set(incompatible.missing_keys))
@@ -810,14 +859,14 @@ def _check_crossing(name: str, tp_mesh: DeviceMesh, mesh: DeviceMesh) -> None:
         )
 
 
-def _cast_inputs_hook(dtype: torch.dtype):
+def _cast_floating_inputs(dtype: torch.dtype, module: nn.Module, args: Any, kwargs: Any) -> tuple:
+    """Forward pre-hook (bound to ``dtype`` with functools.partial, which pickles and copies):
+    floating-point inputs in the compute dtype."""
+
     def cast(t):
         return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
-    def hook(module, args, kwargs):
-        return tree_map(cast, args), tree_map(cast, kwargs)
-
-    return hook
+    return tree_map(cast, args), tree_map(cast, kwargs)
 
 
 def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | None = None, **kwargs) -> nn.Module:
@@ -892,5 +941,5 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
         model.register_load_state_dict_post_hook(_refresh_after_load)
         model.register_forward_pre_hook(_check_whole_copies)
     if opts.param_dtype is not None:
-        model.register_forward_pre_hook(_cast_inputs_hook(opts.param_dtype), with_kwargs=True)
+        model.register_forward_pre_hook(functools.partial(_cast_floating_inputs, opts.param_dtype), with_kwargs=True)
     return model
