@@ -285,17 +285,19 @@ def test_pickling_a_sharded_model_says_what_to_save_and_deepcopy_works_on_rank_o
     a PicklingError on the run-time class, or on the bf16 input-cast hook). copy.deepcopy works
     on rank 1 at stage 1, where the shard is a view past the start of the whole copy and
     torch's deepcopy of such a DTensor fails: the copy's shard is again a view of the copy's
-    whole copy, with the same values. torch's fake process group stands in for rank 1 of 2."""
+    whole copy, with the same values, and zerofx.compile compiles the copy (torch drops the
+    compiled call). torch's fake process group stands in for rank 1 of 2."""
     import io
 
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from zerofx.runtime.params import runtime_of
+    from zerofx.sharding import mesh_of
 
     assert not dist.is_initialized()
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:
-        model = zerofx.shard(MLP(), init_device_mesh("cpu", (2,)), stage=1, param_dtype=param_dtype)
+        model = zerofx.compile(MLP(), init_device_mesh("cpu", (2,)), stage=1, param_dtype=param_dtype)
         with pytest.raises(ZeroFXError, match=r"cannot be pickled .* zerofx\.checkpoint\.save"):
             torch.save(model, io.BytesIO())
         with torch.no_grad():  # the fake group's all-gathers leave the whole copies unset: give the shards values
@@ -308,6 +310,11 @@ def test_pickling_a_sharded_model_says_what_to_save_and_deepcopy_works_on_rank_o
             assert t.param is dict(twin.named_parameters())[s.qualname], s.qualname
             if param_dtype is None and s.param.to_local().storage_offset():
                 assert t.param.to_local().untyped_storage().data_ptr() == t.full.untyped_storage().data_ptr()
+        # torch copies a module without its compiled call: compiling the copy compiles it (its
+        # copied compile state made that a no-op)
+        assert twin.__dict__.get("_compiled_call_impl") is None
+        zerofx.compile(twin, mesh_of(twin), stage=1, param_dtype=param_dtype)
+        assert twin.__dict__.get("_compiled_call_impl") is not None
     finally:
         dist.destroy_process_group()
 

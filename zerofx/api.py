@@ -104,7 +104,8 @@ def _compile(
                 f"sharded with ({getattr(sharded_with, differ[0])!r}); shard and compile with the same"
             )
         compiled = runtime.compiled
-        if cost is None and not keep_graphs and compiled is not None and compiled.options == opts:
+        has_call = model.__dict__.get("_compiled_call_impl") is not None  # a deepcopy has the state, not the call
+        if cost is None and not keep_graphs and compiled is not None and compiled.options == opts and has_call:
             runtime.training = training
             return model  # compiled with these options already: a second call (Lightning's configure_model per stage) is a no-op
     else:
