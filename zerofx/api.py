@@ -127,13 +127,13 @@ def _compile(
         runtime.compiled.graphs = {}
     dynamic = None if opts.codegen.dynamic == "auto" else opts.codegen.dynamic  # None: torch's automatic
     compiled = torch.compile(_enter(model._call_impl), backend=backend, dynamic=dynamic)
-    if any(s.full is not None for s in runtime.states):
-        compiled = _checking_whole_copies(compiled, runtime)
+    if runtime.whole_copies:
+        compiled = _refusing_stale_copies(compiled, runtime)
     model._compiled_call_impl = compiled
     return model
 
 
-def _checking_whole_copies(compiled: Any, runtime: Any) -> Any:
+def _refusing_stale_copies(compiled: Any, runtime: Any) -> Any:
     """``compiled``, refusing to run on whole copies older than their shards (stages 1 and 2;
     NOTE: stale whole copies, zerofx/runtime/params.py)."""
 

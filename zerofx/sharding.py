@@ -937,7 +937,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     if opts.local_optimizer_step:
         install_local_step()
     runtime.refresh()
-    if any(s.full is not None for s in runtime.states):
+    if runtime.whole_copies:
         model.register_load_state_dict_post_hook(_refresh_after_load)
         model.register_forward_pre_hook(_check_whole_copies)
     if opts.param_dtype is not None:

@@ -202,9 +202,8 @@ def place_model_state(model: torch.nn.Module, options) -> str:
     for p in params:
         _param_store[p] = (tier, store, window)
     runtime = runtime_of(model)
-    for state in runtime.states:
-        if state.full is not None:
-            state.mark_synced()  # adopting a shard re-points it (set_), which counts as a write
+    for state in runtime.whole_copies:
+        state.mark_synced()  # adopting a shard re-points it (set_), which counts as a write
     runtime.state_tier = tier
     where = (
         f"{len(store.files)} memory-mapped files under {store.directory} ({store.nbytes} B)"

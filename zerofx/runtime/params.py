@@ -275,6 +275,11 @@ class ModelRuntime:
         eager_buckets.reduce_pending(self.states)
         self.pending = False
 
+    @property
+    def whole_copies(self) -> list[ParamState]:
+        """The states with a whole copy ``full`` (stages 1 and 2)."""
+        return [s for s in self.states if s.full is not None]
+
     def refresh(self) -> None:
         """Bring every whole copy up to date with its shard (stages 1 and 2; a collective)."""
         eager_buckets.refresh(self.states)
@@ -284,7 +289,7 @@ class ModelRuntime:
         ``uncompiled``: before an uncompiled forward, which also compares the shards' contents."""
         if torch.compiler.is_compiling():
             return  # traced inside the caller's own torch.compile region: checked by no one
-        states = [s for s in self.states if s.full is not None]
+        states = self.whole_copies
         stale = [s.qualname for s in states if s.versions() != s.synced_version]
         if uncompiled and not self.hash_checked:
             self.hash_checked = True  # from now on refreshes record hashes; this is the first baseline
