@@ -180,8 +180,9 @@ def scenarios(rank: int, world: int) -> dict:
 
     def stale_whole_copies():
         """Stages 1 and 2 read whole copies in forward: writes to the shards that no refresh
-        followed (the parameter, torch.distributed.checkpoint.load in place, an AveragedModel's
-        updates) stop the next forward; after refresh() it matches the reference."""
+        followed (the parameter, through zerofx.compile or the two-step pairing;
+        torch.distributed.checkpoint.load in place, an AveragedModel's updates) stop the next
+        forward; after refresh() it matches the reference."""
         import tempfile
 
         import torch.distributed.checkpoint as dcp
@@ -197,16 +198,20 @@ def scenarios(rank: int, world: int) -> dict:
                 return str(e)
 
         got = {}
-        for stage in (1, 2):
+        for stage, pairing in ((1, "compile"), (2, "compile"), (2, "two_step")):
             model, ref = _fresh_gpt()
-            zerofx.compile(model, mesh, stage=stage)
+            if pairing == "compile":
+                compiled = zerofx.compile(model, mesh, stage=stage)
+            else:  # zerofx.shard, then torch.compile(backend="zerofx"): the check is the backend's
+                compiled = torch.compile(zerofx.shard(model, mesh, stage=stage), backend="zerofx")
+                forward(compiled)  # compiled before the write, as in a training loop
             runtime = zerofx.sharding.runtime_of(model)
             with torch.no_grad():
                 for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
                     p.mul_(0.5), q.mul_(0.5)
-            stale = forward(model)
+            stale = forward(compiled)
             runtime.refresh()
-            got[f"stage{stage}_param"] = (stale, forward(model), forward(ref))
+            got[f"stage{stage}_{pairing}"] = (stale, forward(compiled), forward(ref))
         # stage 1 (the shard a view of its rows of the whole copy): DCP in place, then an EMA copy
         model, ref = _fresh_gpt()
         zerofx.compile(model, mesh, stage=1)

@@ -112,7 +112,8 @@ def test_in_place_writes_to_a_gathered_weight_are_refused_not_lost(results):
 
 def test_writes_to_shards_that_no_refresh_followed_stop_the_next_forward(results):
     """Stages 1 and 2: a write to a parameter's shard that no refresh followed (an in-place op
-    on the parameter, torch.distributed.checkpoint.load into model.state_dict(), an
+    on the parameter, under zerofx.compile or the two-step pairing zerofx.shard +
+    torch.compile(backend="zerofx"), torch.distributed.checkpoint.load into model.state_dict(), an
     AveragedModel's copy and _foreach_lerp_ updates) used to leave forward reading the old whole
     copy, silently. The next forward now raises naming the parameters; after refresh() the
     loss is the reference's (the model before the DCP-restored step, the EMA of a plain model).
@@ -126,6 +127,7 @@ def test_writes_to_shards_that_no_refresh_followed_stop_the_next_forward(results
             assert isinstance(stale, str) and "changed in place since zerofx last refreshed" in stale, (label, stale)
             assert stale.startswith("wte.weight, "), (label, stale)
             assert abs(refreshed - want) <= 1e-6 * abs(want), (label, refreshed, want)
+        assert set(r["stale"]) >= {"stage1_compile", "stage2_compile", "stage2_two_step"}, sorted(r["stale"])
 
 
 def test_share_memory_moves_the_shards_and_the_model_still_trains(results):

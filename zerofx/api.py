@@ -127,21 +127,8 @@ def _compile(
         runtime.compiled.graphs = {}
     dynamic = None if opts.codegen.dynamic == "auto" else opts.codegen.dynamic  # None: torch's automatic
     compiled = torch.compile(_enter(model._call_impl), backend=backend, dynamic=dynamic)
-    if runtime.whole_copies:
-        compiled = _refusing_stale_copies(compiled, runtime)
     model._compiled_call_impl = compiled
     return model
-
-
-def _refusing_stale_copies(compiled: Any, runtime: Any) -> Any:
-    """``compiled``, refusing to run on whole copies older than their shards (stages 1 and 2;
-    NOTE: stale whole copies, zerofx/runtime/params.py)."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        runtime.check_whole_copies()
-        return compiled(*args, **kwargs)
-
-    return run
 
 
 def _same_mesh(given: DeviceMesh, runtime: Any, tp_dim: str | None) -> bool:

@@ -28,6 +28,7 @@ import itertools
 import logging
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -254,11 +255,36 @@ def make_backend(
         compiled = compile_with_aot(gm, example_inputs)
         # after it succeeded: dynamo may restart a frame's analysis and discard what it compiled
         state.size_symbols[frame.graph_id] = symbols
-        return compiled
+        return _refusing_stale_copies(compiled, example_inputs)
 
     backend.zerofx_options = options  # type: ignore[attr-defined]
     backend.zerofx_state = state  # type: ignore[attr-defined]
     return backend
+
+
+def _refusing_stale_copies(compiled: Callable, example_inputs: list[Any]) -> Callable:
+    """``compiled`` (one frame), refusing to run while a stage-1/2 model whose parameters it
+    reads has whole copies older than their shards (NOTE: stale whole copies,
+    zerofx/runtime/params.py). Here rather than at ``zerofx.compile``'s entry, so that the
+    two-step pairing (``zerofx.shard``, then ``torch.compile(model, backend="zerofx")``) is
+    checked too. The runtimes are held weakly: dynamo's cache outlives the model."""
+    runtimes = {}
+    for x in example_inputs:
+        state = getattr(x, "_zerofx_state", None) if isinstance(x, torch.Tensor) else None
+        if state is not None and state.full is not None:
+            runtimes[id(state.runtime)] = weakref.ref(state.runtime)
+    if not runtimes:
+        return compiled
+    refs = list(runtimes.values())
+
+    def run(*args: Any, **kwargs: Any) -> Any:  # dynamo calls a frame's compiled graph with its inputs
+        for ref in refs:
+            runtime = ref()
+            if runtime is not None:
+                runtime.check_whole_copies()
+        return compiled(*args, **kwargs)
+
+    return run
 
 
 def _size_symbols(example_inputs: list[Any]) -> tuple[str, ...]:

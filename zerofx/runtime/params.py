@@ -33,9 +33,11 @@ writes a shard in place (``p.mul_(...)`` on a parameter from ``model.named_param
 ``torch.distributed.checkpoint.load`` into ``model.state_dict()``'s tensors, weight clipping)
 would leave forward reading the old values, each rank's forward a different mix of them.
 
-Every refresh records the shard's version counters (``mark_synced``). The compiled model's
-entry (``zerofx.compile``'s), a forward pre-hook for uncompiled forwards, and
-``zerofx.gathered`` compare them (``check_whole_copies``, a few attribute reads per parameter)
+Every refresh records the shard's version counters (``mark_synced``). Every compiled frame
+that reads a whole copy (the backend wraps it: zerofx/backend.py, ``_refusing_stale_copies``;
+so ``zerofx.compile`` and the two-step pairing ``zerofx.shard`` + ``torch.compile(model,
+backend="zerofx")`` alike), a forward pre-hook for uncompiled forwards (dynamo traces it, and
+the check is skipped while tracing), and ``zerofx.gathered`` compare them (``check_whole_copies``, a few attribute reads per parameter)
 and raise, naming the parameters. ``state_dict()`` hands out DTensors over the shard itself
 (zerofx/sharding.py, ``_save_aliasing_shards``) so that DCP's writes into them count.
 
@@ -47,10 +49,8 @@ on: one pass over this rank's shards, no communication). A compiled forward keep
 counters: hashing every step would cost the training loop a pass over the shards, which the
 optimizer writes and its step refreshes.
 
-Not covered: the two-step pairing (``zerofx.shard``, then ``torch.compile(model,
-backend="zerofx")``) has no entry of zerofx's to check at, since dynamo traces the pre-hook and
-the check is skipped while tracing; eager ``module.weight`` reads, which torch's state-dict
-utilities make between an in-place load and the ``load_state_dict`` that refreshes.
+Not covered: eager ``module.weight`` reads, which torch's state-dict utilities make between an
+in-place load and the ``load_state_dict`` that refreshes.
 
 The checks never refresh by themselves: a refresh is a collective, and a rank that saw a change
 its peers did not make (a write to one rank's local shard) would issue an all-gather the others
