@@ -257,6 +257,45 @@ def scenarios(rank: int, world: int) -> dict:
         shared = all(p.to_local().is_shared() for p in model.parameters())
         return {"shared": shared, "loss": mean_over_ranks(model(x[mine], y[mine])), "want": ref(x, y).item()}
 
+    def unfrozen_later():
+        """A parameter frozen when the model is sharded and unfrozen after a step (a fine-tuning
+        schedule) through its module attribute, at stage 1 and inside a no_sync window at stage
+        3: the worst difference from the plain model's parameters after three steps, and whether
+        the unfrozen one moved."""
+        from tests.models import MLP
+
+        got = {}
+        for stage, accumulate in ((1, 1), (3, 2)):
+            torch.manual_seed(0)
+            ref = MLP()
+            ref.layers[0].weight.requires_grad_(False)
+            model = zerofx.compile(copy.deepcopy(ref), mesh, stage=stage)
+            opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+            weight = dict(model.named_parameters())["layers.0.weight"]  # the DTensor of shards
+            start = weight.to_local().clone()
+            gen = torch.Generator().manual_seed(1)
+            for step in range(3):
+                if step == 1:  # through the module attribute, as users write it: a gathered copy's flag
+                    if stage == 1:
+                        model.layers[0].weight.requires_grad_(True)
+                    else:
+                        model.layers[0].weight.requires_grad = True
+                    ref.layers[0].weight.requires_grad_(True)
+                for k in range(accumulate):
+                    x, y = torch.randn(4 * world, 16, generator=gen), torch.randn(4 * world, 8, generator=gen)
+                    mine = slice(4 * rank, 4 * rank + 4)
+                    with zerofx.no_sync(model) if k < accumulate - 1 else contextlib.nullcontext():
+                        (model(x[mine], y[mine]) / accumulate).backward()
+                    (ref(x, y) / accumulate).backward()
+                for opt in opts:
+                    opt.step(), opt.zero_grad()
+            worst = max(
+                (p.to_local() - reference_shard(q.detach(), rank, world)).abs().max().item()
+                for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
+            )
+            got[f"stage{stage}"] = (worst, not torch.equal(weight.to_local(), start))
+        return got
+
     attempt("explain", explain)
     attempt("two_step_pairing", two_step_pairing)
     attempt("eager_sharded", eager_sharded)
@@ -267,6 +306,7 @@ def scenarios(rank: int, world: int) -> dict:
     attempt("gathered_copy_writes", gathered_copy_writes)
     attempt("stale_whole_copies", stale_whole_copies)
     attempt("share_memory", share_memory)
+    attempt("unfrozen_later", unfrozen_later)
     attempt("ranks_disagree", lambda: ranks_disagree(rank, world, mesh))
     return out
 

@@ -130,6 +130,18 @@ def test_writes_to_shards_that_no_refresh_followed_stop_the_next_forward(results
         assert set(r["stale"]) >= {"stage1_compile", "stage2_compile", "stage2_two_step"}, sorted(r["stale"])
 
 
+def test_parameters_frozen_when_sharded_train_once_unfrozen(results):
+    """Parameters frozen when sharded had no gradient sink, so once unfrozen, at stage 1 (which
+    accumulates local gradients in sinks) and in a no_sync window at any stage, their gradient
+    was dropped silently and they never moved. And ``module.weight.requires_grad_(True)`` (or
+    ``= True``) set the flag of the copy gathered for that read, not the parameter's. Now they
+    train as the plain model's do."""
+    for r in _get(results, "unfrozen_later"):
+        assert set(r) == {"stage1", "stage3"}, r
+        for stage, (worst, moved) in r.items():
+            assert moved and worst <= 1e-5, (stage, worst, moved)
+
+
 def test_share_memory_moves_the_shards_and_the_model_still_trains(results):
     for r in _get(results, "share_memory"):
         assert r["shared"], r

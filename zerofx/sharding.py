@@ -120,6 +120,9 @@ _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 # the parameter itself (``dict(model.named_parameters())[name]``, a DTensor of shards, whose
 # in-place ops change every rank's rows; stages 1 and 2 then renew their whole copies with
 # ``runtime_of(model).refresh()``). Compiled graphs (dynamo traces the read) get the plain value.
+# Freezing and unfreezing through the attribute (``module.weight.requires_grad_(False)``,
+# ``module.weight.requires_grad = True``) set the parameter's flag: on the copy alone they would
+# be lost as silently (a copy's ``.detach()`` / ``.data`` is a new tensor, with a flag of its own).
 
 _NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "detach_"})
 _INPLACE_DUNDERS = frozenset(
@@ -146,6 +149,7 @@ class GatheredCopy(torch.Tensor):
     """A parameter's whole value gathered for one eager read (NOTE: writes to a gathered copy)."""
 
     _zerofx_name: str = "?"
+    _zerofx_param: nn.Parameter | None = None
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -158,6 +162,13 @@ class GatheredCopy(torch.Tensor):
                 (name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES) or name in _INPLACE_DUNDERS
             )
         ) or isinstance(kwargs.get("out"), GatheredCopy)
+        param = getattr(target, "_zerofx_param", None) if isinstance(target, GatheredCopy) else None
+        if param is not None and (
+            name == "requires_grad_" or (name == "__set__" and getattr(func, "__self__", None) is _REQUIRES_GRAD)
+        ):  # freezing or unfreezing ``module.weight``: meant for the parameter, not for this read's copy
+            flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+            param.requires_grad_(flag)
+            return target if name == "requires_grad_" else None
         if writes:
             copy = target if isinstance(target, GatheredCopy) else kwargs["out"]
             raise ZeroFXError(
@@ -174,9 +185,16 @@ class GatheredCopy(torch.Tensor):
         return out
 
 
-def _as_gathered_copy(value: torch.Tensor, qualname: str) -> torch.Tensor:
+_REQUIRES_GRAD = torch.Tensor.requires_grad
+
+
+def _as_gathered_copy(value: torch.Tensor, qualname: str, param: nn.Parameter | None = None) -> torch.Tensor:
+    """``value`` as a GatheredCopy of ``qualname``. ``param``: the parameter itself, for a
+    module attribute's read (``module.weight.requires_grad_(False)`` freezes it); None for what
+    is derived from one (``.detach()``, ``.data``: new tensors whose flags are their own)."""
     copy = value.as_subclass(GatheredCopy)
     copy._zerofx_name = qualname
+    copy._zerofx_param = param
     return copy
 
 
@@ -186,7 +204,7 @@ def _gathered_property(name: str) -> property:
         value = state.forward_value(self._parameters[name])
         if torch.compiler.is_compiling() or type(value) is not torch.Tensor:
             return value  # traced into a graph (or a tensor-parallel DTensor): the plain value
-        return _as_gathered_copy(value, state.qualname)
+        return _as_gathered_copy(value, state.qualname, self._parameters[name])
 
     gathered.__name__ = f"gathered_{name}"
     return property(gathered, doc=f"The full '{name}', through zerofx's marker ops (may be a collective).")
@@ -465,11 +483,11 @@ def _make_state(
     # gradients are reduced (and accumulated) in reduce_dtype, by default the master dtype; the
     # markers only carry it when it differs from the dtype the gradient is computed in
     reduce = opts.reduce_dtype or master
-    sink = None
-    if param.requires_grad:
-        sink = torch.empty_strided(param.shape, (0,) * param.dim(), dtype=reduce, device=device)
-        sink.zero_().requires_grad_()
-        sink.register_post_accumulate_grad_hook(runtime.on_local_grad)
+    # every parameter gets a sink, a frozen one too: unfrozen later (a fine-tuning schedule), it
+    # accumulates local gradients as the others do (a stride-0 view of one element: no memory)
+    sink = torch.empty_strided(param.shape, (0,) * param.dim(), dtype=reduce, device=device)
+    sink.zero_().requires_grad_()
+    sink.register_post_accumulate_grad_hook(runtime.on_local_grad)
     state = ParamState(
         qualname,
         new_param,

@@ -120,8 +120,8 @@ def _sharded_with_sinks(states: list, pending_only: bool) -> list:
     return [
         s
         for s in states
-        if s.sink is not None and (s.sink.grad is not None or not pending_only) and not s.whole
-        and s.replicate_group is None
+        if s.sink is not None and (s.sink.grad is not None or (not pending_only and s.param.requires_grad))
+        and not s.whole and s.replicate_group is None
     ]  # fmt: skip
 
 
