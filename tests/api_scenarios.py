@@ -261,7 +261,7 @@ def scenarios(rank: int, world: int) -> dict:
         """A parameter frozen when the model is sharded and unfrozen after a step (a fine-tuning
         schedule) through its module attribute, at stage 1 and inside a no_sync window at stage
         3: the worst difference from the plain model's parameters after three steps, and whether
-        the unfrozen one moved."""
+        the unfrozen one moved. Then a module added after sharding: what the next step raised."""
         from tests.models import MLP
 
         got = {}
@@ -294,6 +294,13 @@ def scenarios(rank: int, world: int) -> dict:
                 for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
             )
             got[f"stage{stage}"] = (worst, not torch.equal(weight.to_local(), start))
+        # a module added after sharding (an adapter): its gradients would stay this rank's own
+        model.layers.append(torch.nn.Linear(8, 8))
+        try:
+            model(x[mine], y[mine]).backward()
+            got["added"] = None
+        except Exception as e:  # dynamo wraps what a backend raises
+            got["added"] = str(e)
         return got
 
     attempt("explain", explain)

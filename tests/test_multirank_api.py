@@ -135,11 +135,15 @@ def test_parameters_frozen_when_sharded_train_once_unfrozen(results):
     accumulates local gradients in sinks) and in a no_sync window at any stage, their gradient
     was dropped silently and they never moved. And ``module.weight.requires_grad_(True)`` (or
     ``= True``) set the flag of the copy gathered for that read, not the parameter's. Now they
-    train as the plain model's do."""
+    train as the plain model's do. A module added after sharding is refused at its first step."""
     for r in _get(results, "unfrozen_later"):
+        added = r.pop("added")
         assert set(r) == {"stage1", "stage3"}, r
         for stage, (worst, moved) in r.items():
             assert moved and worst <= 1e-5, (stage, worst, moved)
+        # a module added after sharding trained each rank's own copy, silently; now it is refused
+        assert added is not None and "layers.3.weight, layers.3.bias: trainable parameter(s)" in added, added
+        assert "added after it was sharded" in added, added
 
 
 def test_share_memory_moves_the_shards_and_the_model_still_trains(results):

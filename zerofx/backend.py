@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import re
 import threading
 import warnings
 import weakref
@@ -241,6 +242,7 @@ def make_backend(
     state = CompileState(options, cost or CostModel())
 
     def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+        _refuse_parameters_added_after_sharding(gm, example_inputs)
         frame = _FrameCompiler(state, recorder if recorder is not None else recorder_for(options))
         symbols = _size_symbols(example_inputs)
         if symbols:
@@ -285,6 +287,43 @@ def _refusing_stale_copies(compiled: Callable, example_inputs: list[Any]) -> Cal
         return compiled(*args, **kwargs)
 
     return run
+
+
+def _refuse_parameters_added_after_sharding(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
+    """Refuse a frame of a sharded model that trains parameters zerofx has never seen (a module
+    added after ``zerofx.shard`` / ``zerofx.compile``: LoRA adapters, a new head). Nothing
+    would synchronize their gradients, so each rank would train its own copy and the ranks
+    drift apart without a word. Checked once per compiled frame (adding a module makes dynamo
+    recompile), so a training step pays nothing."""
+    sharded = [x._zerofx_state for x in example_inputs if getattr(x, "_zerofx_state", None) is not None]
+    if not sharded or all(s.shard_group.size == 1 and s.replicate_group is None for s in sharded):
+        return
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    unknown = [
+        _source_name(node)
+        for node, x in zip(placeholders, example_inputs)
+        if isinstance(x, torch.nn.Parameter) and x.requires_grad and getattr(x, "_zerofx_state", None) is None
+    ]
+    if unknown:
+        names = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        raise ZeroFXError(
+            f"{names}: trainable parameter(s) of a model zerofx sharded, added after it was sharded "
+            "(zerofx.shard / zerofx.compile), so nothing would average their gradients across ranks and every "
+            "rank would train its own copy. Add every module before zerofx.compile (e.g. peft's adapters), or "
+            "freeze these parameters (requires_grad_(False))"
+        )
+
+
+def _source_name(node: fx.Node) -> str:
+    """Where dynamo read a graph input from (``L['self']._modules['adapter']._parameters['weight']``
+    reads as ``adapter.weight``), else the placeholder's name."""
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    if source is None:
+        return node.name
+    parts = re.findall(r"\._(?:modules|parameters)\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)", source.name)
+    path = [a or b for a, b in parts if not (b or "").startswith("__")]  # not the bound method's __self__
+    return ".".join(path) if path else source.name
 
 
 def _size_symbols(example_inputs: list[Any]) -> tuple[str, ...]:
