@@ -40,7 +40,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from zerofx.codegen.executor import make_executor
 from zerofx.dump import Recorder
-from zerofx.errors import ZeroFXError
+from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.collectives import ALL_GATHER, COLLECTIVE_OPS, backend_of
 from zerofx.ir.meta import ACTIVATION_PLAN, BORROWED_INPUTS
 from zerofx.measure.instrument import instrument
@@ -305,7 +305,7 @@ def _refuse_parameters_added_after_sharding(gm: fx.GraphModule, example_inputs: 
         if isinstance(x, torch.nn.Parameter) and x.requires_grad and getattr(x, "_zerofx_state", None) is None
     ]
     if unknown:
-        names = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        names = some_names(unknown)
         raise ZeroFXError(
             f"{names}: trainable parameter(s) of a model zerofx sharded, added after it was sharded "
             "(zerofx.shard / zerofx.compile), so nothing would average their gradients across ranks and every "

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from zerofx.errors import ZeroFXError
+from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.layout import pack_consecutive
 from zerofx.ir.offload_ops import bytes_view
 from zerofx.runtime.params import runtime_of
@@ -473,7 +473,7 @@ def _check_compatible(
         elif tuple(item.size) != tuple(value.shape):
             problems.append(f"{key} has shape {tuple(item.size)} there, {tuple(value.shape)} in the model")
     if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        shown = some_names(problems, 5, "; ")
         raise ZeroFXError(f"{what} does not fit this {type(model).__name__}: {shown} (the model was not changed)")
 
 

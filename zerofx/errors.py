@@ -3,3 +3,10 @@
 
 class ZeroFXError(RuntimeError):
     """Raised for input zerofx cannot work with; the message says what to change."""
+
+
+def some_names(names: list[str], shown: int = 3, sep: str = ", ") -> str:
+    """The first ``shown`` of ``names`` for an error message, then how many more there are."""
+    more = len(names) - shown
+    tail = f" and {more} more" if sep == ", " else f"{sep}and {more} more"  # "a, b and 2 more"; "a; b; and 2 more"
+    return sep.join(names[:shown]) + (tail if more > 0 else "")

@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils._pytree import tree_map
 
 from zerofx.agreement import check_ranks_agree
-from zerofx.errors import ZeroFXError
+from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.collectives import name_mesh_dims
 from zerofx.ir.layout import local_rows, row_offset
 from zerofx.options import Options
@@ -582,7 +582,7 @@ def _refuse_unloaded(model: nn.Module, args: Any, kwargs: Any) -> None:
     runtime = runtime_of(model)
     if runtime.unloaded:
         missing = sorted(runtime.unloaded)
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        shown = some_names(missing, 5)
         raise ZeroFXError(
             f"the model was built on the meta device and {len(missing)} of its tensors were never loaded "
             f"({shown}): load its weights first (zerofx.checkpoint.load_hf, zerofx.checkpoint.load or "

@@ -77,7 +77,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from zerofx.errors import ZeroFXError
+from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.layout import local_rows, row_offset
 from zerofx.runtime import eager_buckets
 
@@ -298,7 +298,7 @@ class ModelRuntime:
         elif uncompiled and not stale:
             stale = [s.qualname for s in states if s.shard_hash() != s.synced_hash]
         if stale:
-            names = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+            names = some_names(stale)
             raise ZeroFXError(
                 f"{names}: changed in place since zerofx last refreshed the whole copies that stage {self.stage} "
                 "reads in forward (an in-place op on the parameter or on its state_dict() tensor, "
