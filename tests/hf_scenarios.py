@@ -191,6 +191,62 @@ def zerofx_trainer(out: str, stage: int) -> dict:
     return {"history": trainer_history(trainer)}
 
 
+def tiny_lora_llama(seed: int = 0):
+    """``tiny_llama`` with PEFT LoRA adapters on the attention's q and v projections (the base
+    frozen; the adapters' B matrices drawn too, so that step 1's gradients reach both)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_llama(seed)
+    torch.manual_seed(seed + 1)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
+    model = get_peft_model(base, config)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def unsharded_lora_trainer(out: str, world: int) -> dict:
+    """The reference for ``zerofx_lora_trainer``: the plain Trainer in one process, the global batch."""
+    from transformers import Trainer
+
+    trainer = Trainer(
+        model=tiny_lora_llama(), args=trainer_args(out, TRAINER_PER_RANK * world), train_dataset=TokenDataset()
+    )
+    trainer.train()
+    trainer.save_model(f"{out}/saved")
+    return {"history": trainer_history(trainer)}
+
+
+def zerofx_lora_trainer(out: str) -> dict:
+    """One torchrun-launched rank: ZeroFXTrainer on a PEFT LoRA model, save_model (the adapters,
+    as the plain Trainer writes them), then a fresh model (other adapter values) loading that
+    folder as a checkpoint, compared with the trained adapters."""
+    from zerofx.hf import ZeroFXTrainer
+
+    def adapters(model) -> dict[str, torch.Tensor]:
+        return {
+            k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for k, p in model.named_parameters()
+            if p.requires_grad
+        }
+
+    args = trainer_args(f"{out}/run", TRAINER_PER_RANK, ddp_backend="gloo")
+    trainer = ZeroFXTrainer(model=tiny_lora_llama(), args=args, train_dataset=TokenDataset())
+    trainer.train()
+    trainer.save_model(f"{out}/saved")
+    trained = adapters(trainer.model)
+    fresh = ZeroFXTrainer(model=tiny_lora_llama(seed=7), args=args, train_dataset=TokenDataset())
+    before = adapters(fresh.model)
+    fresh._load_from_checkpoint(f"{out}/saved")  # the Trainer's hook for resume / load_best_model_at_end
+    loaded = adapters(fresh.model)
+    return {
+        "history": trainer_history(trainer),
+        "moved_by_load": max((loaded[k] - before[k]).abs().max().item() for k in trained),
+        "loaded_vs_trained": max((loaded[k] - trained[k]).abs().max().item() for k in trained),
+    }
+
+
 RESUME_STEPS = 4  # saving every 2 steps: checkpoint-2 is resumed from, checkpoint-4 is the end
 
 

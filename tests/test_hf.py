@@ -224,6 +224,34 @@ def test_hf_trainer_trains_like_the_unsharded_trainer(tmp_path):
     assert not any(p.name.startswith(".") for p in (tmp_path / "zerofx").iterdir())  # staging removed
 
 
+def test_hf_trainer_trains_and_saves_a_peft_lora_model_as_the_plain_trainer_does(tmp_path):
+    """A PEFT LoRA model (the base frozen, adapters on q and v) in ZeroFXTrainer on 2 ranks,
+    against the plain Trainer in one process, as above. ZeroFXTrainer refused PEFT models
+    ("needs transformers >= 5": the check read the wrapper's class), and its save_model wrote
+    the whole model under PEFT's key names, which neither from_pretrained loads. It now writes
+    what the plain Trainer writes, the adapters (adapter_config.json, adapter_model.safetensors,
+    the same keys and values up to rounding), and loads them back as a checkpoint."""
+    from zerofx.launch import local_ranks
+
+    reference = hs.unsharded_lora_trainer(str(tmp_path / "ref"), 2)
+    per_rank = local_ranks(hs.zerofx_lora_trainer, 2, str(tmp_path / "zerofx"), name="hf-lora")
+    for rank, got in enumerate(per_rank):
+        assert len(got["history"]) == hs.TRAINER_STEPS, rank
+        for step, (g, w) in enumerate(zip(got["history"], reference["history"])):
+            for key in ("loss", "grad_norm"):
+                assert abs(g[key] - w[key]) <= 1e-6 * abs(w[key]), (rank, step, key, g[key], w[key])
+        assert got["moved_by_load"] > 1e-3 and got["loaded_vs_trained"] == 0.0, got
+    ours, theirs = tmp_path / "zerofx" / "saved", tmp_path / "ref" / "saved"
+    assert json.loads((ours / "adapter_config.json").read_text()) == json.loads(
+        (theirs / "adapter_config.json").read_text()
+    )
+    saved, want = load_file(ours / "adapter_model.safetensors"), load_file(theirs / "adapter_model.safetensors")
+    assert set(saved) == set(want) and len(want) == 8, sorted(saved)
+    for k, v in want.items():
+        torch.testing.assert_close(saved[k], v, rtol=0, atol=1e-5, msg=k)
+    assert not any(ours.glob("model*.safetensors"))
+
+
 def test_hf_trainer_resumes_from_its_checkpoints_exactly(tmp_path):
     """ZeroFXTrainer saving resumable checkpoints on 2 torchrun-launched ranks: a second launch
     resumed from checkpoint-2 logs steps 3 and 4 exactly as the uninterrupted run did and ends

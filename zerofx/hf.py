@@ -48,6 +48,12 @@ way. Resuming continues bit for bit as the uninterrupted run (tests/test_hf.py).
 optimizer state it cannot save; ``ZeroFXTrainer`` saves that state itself, so it passes that
 check and leaves ``save_only_model`` as the user set it.
 
+PEFT models (``peft.get_peft_model``, built before the Trainer) take the same path: the flag
+that selects it is also set on the transformers model inside the wrapper, which is where the
+Trainer's read of it lands. ``save_model`` writes their adapters as the plain Trainer does
+(``save_pretrained``: ``adapter_config.json``, ``adapter_model.safetensors``), and such a folder
+loads back as a checkpoint (``_load_from_checkpoint``).
+
 Not supported: ``--deepspeed`` / ``--fsdp`` in the same run (an error).
 
 A custom loop on ``accelerate.Accelerator`` takes a zerofx model through :func:`prepare` in
@@ -74,7 +80,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import Trainer, TrainingArguments
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -97,6 +104,28 @@ _LOOP_KEYS = {
     "gradient_clipping": "max_grad_norm",
     "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
 }
+
+
+ADAPTER_FILE = "adapter_model.safetensors"  # what PEFT's save_pretrained writes (safetensors)
+
+
+def _is_peft(model: Any) -> bool:
+    """Whether ``model`` is a PEFT model (peft is not imported unless the model is one)."""
+    return type(model).__module__.startswith("peft.") and hasattr(model, "peft_config")
+
+
+def _load_adapters(model: Any, path: Path) -> None:
+    """A PEFT model's adapter weights from ``path`` (whole tensors; every rank reads the file and
+    keeps its rows, through the sharded modules' ``load_state_dict``)."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    result = set_peft_model_state_dict(model, load_file(path))
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise ZeroFXError(
+            f"ZeroFXTrainer: {path} holds weights this model has no place for: {', '.join(unexpected[:3])}"
+        )
 
 
 def _check_loop_settings(training: dict[str, Any], args: TrainingArguments) -> None:
@@ -174,7 +203,7 @@ class ZeroFXTrainer(Trainer):
                 "ZeroFXTrainer shards with zerofx: drop TrainingArguments' deepspeed / fsdp settings "
                 "(pass the DeepSpeed config as zerofx_config= instead)"
             )
-        if not hasattr(type(model), "is_distributed_loading_by_transformers"):
+        if not hasattr(PreTrainedModel, "is_distributed_loading_by_transformers"):
             raise ZeroFXError(
                 "ZeroFXTrainer needs transformers >= 5 (its Trainer path for models that own their "
                 "placement and gradient reduction); pip install 'zerofx[hf]'"
@@ -195,8 +224,14 @@ class ZeroFXTrainer(Trainer):
             _check_loop_settings(runtime_of(model).training, args)
         elif zerofx_config is not None or zerofx_options:
             raise ZeroFXError("the model is already compiled by zerofx: drop zerofx_config / zerofx_options")
-        # transformers' path for models sharded at load time: no DDP wrap, no move
+        # transformers' path for models sharded at load time: no DDP wrap, no move. The Trainer
+        # reads the flag through the model it was given; a wrapper (peft's PeftModel) forwards
+        # that read to the transformers model inside it, so the flag goes there too.
         model._is_distributed_loading_by_transformers = True
+        if not isinstance(model, PreTrainedModel):
+            inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+            if inner is not None:
+                inner._is_distributed_loading_by_transformers = True
         # That path refuses optimizer checkpoints, which it could not save; the hooks below save
         # them through zerofx.checkpoint, so the check is passed and the setting put back.
         self._zerofx_state_saved: Path | None = None  # checkpoint-N whose zerofx_state save_model wrote
@@ -215,7 +250,8 @@ class ZeroFXTrainer(Trainer):
             return super().training_step(model, inputs, num_items_in_batch)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write ``output_dir`` as ``save_pretrained`` would (safetensors + config.json); a collective.
+        """Write ``output_dir`` as ``save_pretrained`` would (safetensors + config.json; a PEFT
+        model's adapters only, as the plain Trainer saves them); a collective.
 
         For a resumable ``checkpoint-N`` folder the sharded checkpoint written on the way is its
         ``zerofx_state`` (model and optimizer), so the parameters are written once for both."""
@@ -224,9 +260,11 @@ class ZeroFXTrainer(Trainer):
         if self._is_resumable_checkpoint(output_dir, _internal_call):
             written = zerofx.checkpoint.save(output_dir / STATE_DIR, self.model, self._inner_optimizer())
             self._zerofx_state_saved = output_dir
-        else:
+        elif not _is_peft(self.model):
             written = zerofx.checkpoint.save(staging / "ckpt", self.model)
-        if self.args.should_save:
+        if _is_peft(self.model):
+            self._save_adapters(output_dir)
+        elif self.args.should_save:
             try:
                 exported = zerofx.checkpoint.export(written, staging / "hf", to="hf")
                 output_dir.mkdir(parents=True, exist_ok=True)
@@ -240,6 +278,22 @@ class ZeroFXTrainer(Trainer):
                 shutil.rmtree(staging, ignore_errors=True)
         if dist.is_initialized():
             dist.barrier()
+
+    def _save_adapters(self, output_dir: Path) -> None:
+        """A PEFT model's ``save_model``: its adapters, as the plain Trainer saves them
+        (``adapter_model.safetensors``, ``adapter_config.json``). Its trainable parameters are
+        what PEFT saves; each is gathered whole (a collective, on every rank), and rank 0 hands
+        them to ``save_pretrained``, which picks and renames the adapter weights."""
+        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        whole = {}
+        for key, value in self.model.state_dict().items():
+            if key in trainable:
+                whole[key] = value.full_tensor() if isinstance(value, DTensor) else value
+        if self.args.should_save:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(output_dir, state_dict=whole)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
 
     def _is_resumable_checkpoint(self, output_dir: Path, internal: bool) -> bool:
         """Whether the Trainer is saving ``checkpoint-N`` with its optimizer (``_save_checkpoint``
@@ -274,12 +328,15 @@ class ZeroFXTrainer(Trainer):
         if (folder / STATE_DIR).is_dir():
             zerofx.checkpoint.load(folder / STATE_DIR, model)
             self._zerofx_model_loaded_from = folder
+        elif _is_peft(model) and (folder / ADAPTER_FILE).is_file():
+            _load_adapters(model, folder / ADAPTER_FILE)
         elif any(folder.glob("model*.safetensors")):
             zerofx.checkpoint.load_hf(folder, model)
         else:
+            wanted = ADAPTER_FILE if _is_peft(model) else "model*.safetensors"
             raise ZeroFXError(
                 f"ZeroFXTrainer: {folder} holds neither {STATE_DIR}/ (a resumable checkpoint) nor "
-                "model*.safetensors: not a checkpoint this Trainer wrote"
+                f"{wanted}: not a checkpoint this Trainer wrote"
             )
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
