@@ -87,7 +87,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import zerofx
 from zerofx.checkpoint import same_on_every_rank
-from zerofx.errors import ZeroFXError
+from zerofx.errors import ZeroFXError, some_names
 from zerofx.runtime.accumulation import no_sync
 from zerofx.runtime.params import runtime_of
 from zerofx.sharding import is_sharded
@@ -123,9 +123,7 @@ def _load_adapters(model: Any, path: Path) -> None:
     result = set_peft_model_state_dict(model, load_file(path))
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
-        raise ZeroFXError(
-            f"ZeroFXTrainer: {path} holds weights this model has no place for: {', '.join(unexpected[:3])}"
-        )
+        raise ZeroFXError(f"ZeroFXTrainer: {path} holds weights this model has no place for: {some_names(unexpected)}")
 
 
 def _check_loop_settings(training: dict[str, Any], args: TrainingArguments) -> None:

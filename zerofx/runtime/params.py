@@ -37,8 +37,8 @@ Every refresh records the shard's version counters (``mark_synced``). Every comp
 that reads a whole copy (the backend wraps it: zerofx/backend.py, ``_refusing_stale_copies``;
 so ``zerofx.compile`` and the two-step pairing ``zerofx.shard`` + ``torch.compile(model,
 backend="zerofx")`` alike), a forward pre-hook for uncompiled forwards (dynamo traces it, and
-the check is skipped while tracing), and ``zerofx.gathered`` compare them (``check_whole_copies``, a few attribute reads per parameter)
-and raise, naming the parameters. ``state_dict()`` hands out DTensors over the shard itself
+the check is skipped while tracing), and ``zerofx.gathered`` compare them
+(``check_whole_copies``, a few attribute reads per parameter) and raise, naming the parameters. ``state_dict()`` hands out DTensors over the shard itself
 (zerofx/sharding.py, ``_save_aliasing_shards``) so that DCP's writes into them count.
 
 DTensor's ``_foreach_*_`` in-place ops bump no version counter at all (torch 2.13), and
