@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import re
 import threading
 import warnings
 import weakref
@@ -56,6 +55,7 @@ from zerofx.passes.cost_model import (
     saved_values,
     tensor_bytes,
 )
+from zerofx.passes.modules import module_path
 from zerofx.passes.pipeline import PassContext, resolve_disabled, run_pipeline
 from zerofx.passes.regather import check_no_gathered_saved
 from zerofx.passes.secondary import split_secondary
@@ -315,15 +315,10 @@ def _refuse_parameters_added_after_sharding(gm: fx.GraphModule, example_inputs: 
 
 
 def _source_name(node: fx.Node) -> str:
-    """Where dynamo read a graph input from (``L['self']._modules['adapter']._parameters['weight']``
-    reads as ``adapter.weight``), else the placeholder's name."""
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
-    if source is None:
-        return node.name
-    parts = re.findall(r"\._(?:modules|parameters)\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)", source.name)
-    path = [a or b for a, b in parts if not (b or "").startswith("__")]  # not the bound method's __self__
-    return ".".join(path) if path else source.name
+    """Where dynamo read a graph input from, as a module path (``adapter.weight``), else the
+    placeholder's name."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    return module_path(source.name) if source is not None else node.name
 
 
 def _size_symbols(example_inputs: list[Any]) -> tuple[str, ...]:

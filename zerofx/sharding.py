@@ -344,7 +344,7 @@ def _deepcopy_keeping_views(self: nn.Module, memo: dict) -> nn.Module:
         twin = memo.get(id(state))
         if twin is None:
             continue
-        if twin.sink is not None and not getattr(twin.sink, "_post_accumulate_grad_hooks", None):
+        if not getattr(twin.sink, "_post_accumulate_grad_hooks", None):
             # torch copies no tensor hooks: without this the copy's gradients would stay pending
             twin.sink.register_post_accumulate_grad_hook(twin.runtime.on_local_grad)
         if twin.full is not None:  # new tensors, new version counters: in step if the original was

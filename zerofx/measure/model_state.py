@@ -53,7 +53,7 @@ def _model_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimize
     states = [getattr(p, "_zerofx_state", None) for p in params]
     param_tensors = params + [s.full for s in states if s is not None and s.full is not None]
     grad_tensors = [p.grad for p in params if p.grad is not None]
-    grad_tensors += [s.sink.grad for s in states if s is not None and s.sink is not None and s.sink.grad is not None]
+    grad_tensors += [s.sink.grad for s in states if s is not None and s.sink.grad is not None]
     opt_tensors = []
     if optimizer is not None:
         for state in optimizer.state.values():

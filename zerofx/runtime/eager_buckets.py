@@ -103,7 +103,7 @@ def refresh(states: list) -> None:
 def reduce_pending(states: list) -> None:
     """Land every pending local gradient in its parameter's gradient (a collective): dim-0
     sharded parameters in buckets, whole or 2-D-mesh ones one by one after them."""
-    pending = [s for s in states if s.sink is not None and s.sink.grad is not None]
+    pending = [s for s in states if s.sink.grad is not None]
     sharded = _sharded_with_sinks(states, pending_only=True)
     for bucket in _buckets(
         sharded,
@@ -120,7 +120,7 @@ def _sharded_with_sinks(states: list, pending_only: bool) -> list:
     return [
         s
         for s in states
-        if s.sink is not None and (s.sink.grad is not None or (not pending_only and s.param.requires_grad))
+        if (s.sink.grad is not None or (not pending_only and s.param.requires_grad))
         and not s.whole and s.replicate_group is None
     ]  # fmt: skip
 

@@ -38,8 +38,9 @@ that reads a whole copy (the backend wraps it: zerofx/backend.py, ``_refusing_st
 so ``zerofx.compile`` and the two-step pairing ``zerofx.shard`` + ``torch.compile(model,
 backend="zerofx")`` alike), a forward pre-hook for uncompiled forwards (dynamo traces it, and
 the check is skipped while tracing), and ``zerofx.gathered`` compare them
-(``check_whole_copies``, a few attribute reads per parameter) and raise, naming the parameters. ``state_dict()`` hands out DTensors over the shard itself
-(zerofx/sharding.py, ``_save_aliasing_shards``) so that DCP's writes into them count.
+(``check_whole_copies``, a few attribute reads per parameter) and raise, naming the
+parameters. ``state_dict()`` hands out DTensors over the shard itself (zerofx/sharding.py,
+``_save_aliasing_shards``) so that DCP's writes into them count.
 
 DTensor's ``_foreach_*_`` in-place ops bump no version counter at all (torch 2.13), and
 ``AveragedModel``'s EMA / SWA update is one. Its copy runs uncompiled (torch deep-copies a
@@ -117,10 +118,10 @@ class ParamState:
     replicate_group: GroupInfo | None  # outer dimension of a 2-D (hybrid) mesh
     full_rows: int
     runtime: ModelRuntime
+    sink: torch.Tensor  # full-shape stride-0 leaf (every parameter, frozen too); .grad holds pending local gradients
     compute_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     full: torch.Tensor | None = None  # stages 1 and 2: whole copy in the compute dtype
-    sink: torch.Tensor | None = None  # full-shape stride-0 leaf; .grad holds pending local gradients
     # hpZ (secondary_shard): the inner mesh dimension whose secondary shard the backward re-gathers
     secondary_group: GroupInfo | None = None
     # ZeRO over a TP model: the parameter's tensor-parallel layout (its "full" value is TP-local)
