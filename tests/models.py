@@ -48,6 +48,41 @@ class GraphBreakNet(nn.Module):
         return F.mse_loss(self.c(h), y)
 
 
+class RoutedExperts(nn.Module):
+    """A mixture of experts that runs only the experts some token is routed to, as eager MoE code
+    does (``if not hit.any(): continue``, a graph break): ranks whose tokens go to other experts
+    run other graphs. The route is an input, so a test decides which experts each rank uses."""
+
+    def __init__(self, d=8, experts=6):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(experts))
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x, route, y):
+        h = torch.relu(self.inp(x))
+        mixed = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            hit = route == e
+            if not hit.any():
+                continue
+            mixed = mixed + torch.where(hit[:, None], expert(h), 0.0)
+        return F.mse_loss(self.out(mixed).squeeze(-1), y)
+
+
+def routed_experts(experts=6):
+    """``zerofx.testing.verify``'s factory for ``RoutedExperts``: each step routes the global
+    batch's samples to consecutive experts from a random first one, so two ranks of two samples
+    each use disjoint experts, and which ones changes from step to step."""
+
+    def batch(n, gen):
+        first = torch.randint(experts, (1,), generator=gen)
+        route = (torch.arange(n) + first) % experts
+        return torch.randn(n, 8, generator=gen), route, torch.randn(n, generator=gen)
+
+    return RoutedExperts(experts=experts), batch
+
+
 class FrozenBufferNet(nn.Module):
     """A frozen embedding and layer, a constant buffer, a non-persistent buffer, and a buffer
     mutated in forward (a step counter)."""

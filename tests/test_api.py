@@ -180,6 +180,8 @@ def test_incompatible_or_bad_zero_options_name_the_option():
         zerofx.Options(loss_scale_window=0)
     with pytest.raises(ZeroFXError, match=r"option local_optimizer_step='yes': give True or False"):
         zerofx.Options(local_optimizer_step="yes")
+    with pytest.raises(ZeroFXError, match=r"option check_lockstep=1: give True or False"):
+        zerofx.Options(check_lockstep=1)
     ok = zerofx.Options(param_dtype="fp16", loss_scale="dynamic", reduce_dtype="float32")
     assert ok.param_dtype is torch.float16 and ok.reduce_dtype is torch.float32
     assert zerofx.Options(param_dtype=torch.float32).param_dtype is None  # fp32 compute is no mixed precision

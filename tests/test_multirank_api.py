@@ -146,6 +146,29 @@ def test_parameters_frozen_when_sharded_train_once_unfrozen(results):
         assert "added after it was sharded" in added, added
 
 
+def test_ranks_that_route_to_other_experts_stop_at_stage_3_and_train_at_stage_1(results):
+    """An MoE that skips the experts no token of the rank was routed to makes each rank run
+    other graphs. At stage 3 their gathers paired one expert's rows with another's, and gloo
+    aborted the process on the first size that differed (NCCL would wait forever). Now every
+    rank raises before the graph's collectives, naming what each rank was about to read. Stage 1
+    gathers nothing in its graphs; its boundary reduce covered only the parameters this rank
+    had gradients for, so it aborted the same way. Now every rank reduces every parameter some
+    rank used, and the run matches the unsharded reference bit for bit."""
+    per_rank = _get(results, "routed_experts")
+    for r in per_rank:
+        raised = r["stage3"]
+        assert raised is not None and "about to run different compiled graphs" in raised, raised
+        # each rank's first expert: the batch routes rank 0 to experts 1 and 2, rank 1 to 3 and 4,
+        # each run by one compiled Linear.forward (dynamo gives a frame's parameters as inputs)
+        assert "rank(s) [0]: the forward graph of" in raised, raised
+        assert "(1 all_gather), reading experts.1.weight; rank(s) [1]: the forward graph of" in raised, raised
+        assert "(1 all_gather), reading experts.3.weight. This usually means" in raised, raised
+        report = r["stage1"]
+        assert not report["problem"] and len(report["steps"]) == 3, report
+        assert report["ok"] and report["first_divergence"] is None, report
+    assert per_rank[0]["stage3"] == per_rank[1]["stage3"]
+
+
 def test_share_memory_moves_the_shards_and_the_model_still_trains(results):
     for r in _get(results, "share_memory"):
         assert r["shared"], r

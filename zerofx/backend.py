@@ -24,11 +24,13 @@ entry point; options may be given as ``torch.compile(..., options={...})``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import threading
 import warnings
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,9 +42,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from zerofx.codegen.executor import make_executor
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError, some_names
-from zerofx.ir.collectives import ALL_GATHER, COLLECTIVE_OPS, backend_of
+from zerofx.ir.collectives import ALL_GATHER, COLLECTIVE_OPS, backend_of, mesh_dim_of
 from zerofx.ir.meta import ACTIVATION_PLAN, BORROWED_INPUTS
-from zerofx.measure.instrument import instrument
+from zerofx.measure.instrument import graph_collectives, instrument
 from zerofx.options import Options
 from zerofx.passes.checkpoint import format_bytes, partition_by_plan, wants_plan
 from zerofx.passes.cost_model import (
@@ -59,6 +61,7 @@ from zerofx.passes.modules import module_path
 from zerofx.passes.pipeline import PassContext, resolve_disabled, run_pipeline
 from zerofx.passes.regather import check_no_gathered_saved
 from zerofx.passes.secondary import split_secondary
+from zerofx.runtime.lockstep import Lockstep
 from zerofx.runtime.offload_store import resolve_offload_dir
 
 log = logging.getLogger(__name__)
@@ -117,6 +120,8 @@ class _FrameCompiler:
         self.execute = make_executor(self.options.codegen.executor)
         self.num_fwd_outputs: int | None = None
         self.borrowed_inputs: frozenset[str] = frozenset()  # the partition's (BORROWED_INPUTS)
+        self.lockstep: Lockstep | None = None  # the per-graph check's group (zerofx/runtime/lockstep.py)
+        self.forward_collectives: list[tuple] = []  # those of its forward (or inference) graph
 
     def _context(self, kind: str) -> PassContext:
         return PassContext(self.graph_id, kind, self.options, num_fwd_outputs=self.num_fwd_outputs, cost=self.cost)
@@ -144,7 +149,14 @@ class _FrameCompiler:
                 kind,
                 f"estimated peak {estimate.peak_bytes} B at {estimate.peak_node}; outputs {estimate.output_bytes} B",
             )
-        return instrument(self.execute(gm, example_inputs, ctx, self.recorder), gm, ctx)
+        run = instrument(self.execute(gm, example_inputs, ctx, self.recorder), gm, ctx)
+        if self.lockstep is None:
+            return run
+        collectives = _collective_signature(gm)
+        if kind != "backward":  # checked where the frame runs, with the parameters it is given
+            self.forward_collectives = collectives
+            return run
+        return _backward_in_lockstep(run, collectives, self) if collectives else run
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
         self.num_fwd_outputs = num_fwd_outputs
@@ -244,6 +256,9 @@ def make_backend(
     def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
         _refuse_parameters_added_after_sharding(gm, example_inputs)
         frame = _FrameCompiler(state, recorder if recorder is not None else recorder_for(options))
+        sharded = [x._zerofx_state for x in example_inputs if getattr(x, "_zerofx_state", None) is not None]
+        if sharded and options.check_lockstep:
+            frame.lockstep = sharded[0].runtime.lockstep
         symbols = _size_symbols(example_inputs)
         if symbols:
             _note_symbolic_frame(frame, symbols)
@@ -257,36 +272,96 @@ def make_backend(
         compiled = compile_with_aot(gm, example_inputs)
         # after it succeeded: dynamo may restart a frame's analysis and discard what it compiled
         state.size_symbols[frame.graph_id] = symbols
-        return _refusing_stale_copies(compiled, example_inputs)
+        return _frame_runner(compiled, example_inputs, frame)
 
     backend.zerofx_options = options  # type: ignore[attr-defined]
     backend.zerofx_state = state  # type: ignore[attr-defined]
     return backend
 
 
-def _refusing_stale_copies(compiled: Callable, example_inputs: list[Any]) -> Callable:
-    """``compiled`` (one frame), refusing to run while a stage-1/2 model whose parameters it
-    reads has whole copies older than their shards (NOTE: stale whole copies,
-    zerofx/runtime/params.py). Here rather than at ``zerofx.compile``'s entry, so that the
-    two-step pairing (``zerofx.shard``, then ``torch.compile(model, backend="zerofx")``) is
-    checked too. The runtimes are held weakly: dynamo's cache outlives the model."""
+def _collective_signature(gm: fx.GraphModule) -> list[tuple]:
+    """What must be the same on every rank about ``gm``'s collectives, in graph order: kind,
+    bytes per rank (a size that is a symbol: "?"), mesh dimension (not the group's name, which
+    differs between the data-parallel groups of a TP mesh) and wire dtype."""
+    return [
+        (what, nbytes if isinstance(nbytes, int) else "?", mesh_dim_of(group), wire)
+        for what, nbytes, group, wire, _ in graph_collectives(gm)
+    ]
+
+
+def _digest(*parts: Any) -> int:
+    """The same 8 bytes on every rank for the same parts (Python's hash is salted per process)."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little", signed=True)
+
+
+def _issues(collectives: list[tuple]) -> str:
+    return ", ".join(f"{n} {what}" for what, n in Counter(what for what, *_ in collectives).items())
+
+
+def _backward_in_lockstep(run: Callable, collectives: list[tuple], frame: _FrameCompiler) -> Callable:
+    """``run`` (a backward graph), first checking that every rank is about to issue the same
+    collectives (zerofx/runtime/lockstep.py). The parameters are not part of it: a backward runs
+    for a forward whose parameters were checked when it ran."""
+    lockstep, digest = frame.lockstep, _digest("backward", collectives)
+    text = f"the backward graph of {frame.graph_id} ({_issues(collectives)})"
+
+    def checked(args: list) -> object:
+        lockstep.check(digest, lambda: text)
+        return run(args)
+
+    checked._boxed_call = True  # type: ignore[attr-defined]
+    return checked
+
+
+def _frame_runner(compiled: Callable, example_inputs: list[Any], frame: _FrameCompiler) -> Callable:
+    """``compiled`` (one frame), first refusing to run
+
+    - while a stage-1/2 model whose parameters it reads has whole copies older than their
+      shards (NOTE: stale whole copies, zerofx/runtime/params.py). Here rather than at
+      ``zerofx.compile``'s entry, so that the two-step pairing (``zerofx.shard``, then
+      ``torch.compile(model, backend="zerofx")``) is checked too. The runtimes are held weakly:
+      dynamo's cache outlives the model;
+    - unless every rank is about to run a forward with the same collectives over the same
+      parameters (zerofx/runtime/lockstep.py). The parameters are the ones this call is given:
+      dynamo passes them as inputs, so one compiled frame runs every module of its shape (the
+      ``Linear.forward`` of every expert when the caller's frame is not compiled).
+    """
     runtimes = {}
     for x in example_inputs:
         state = getattr(x, "_zerofx_state", None) if isinstance(x, torch.Tensor) else None
         if state is not None and state.full is not None:
             runtimes[id(state.runtime)] = weakref.ref(state.runtime)
-    if not runtimes:
-        return compiled
     refs = list(runtimes.values())
+    collectives, lockstep = frame.forward_collectives, frame.lockstep
+    if not refs and not collectives:
+        return compiled
+    positions = [i for i, x in enumerate(example_inputs) if getattr(x, "_zerofx_state", None) is not None]
+    digests: dict[tuple[str, ...], int] = {}  # the parameters' names -> the digest to compare
 
     def run(*args: Any, **kwargs: Any) -> Any:  # dynamo calls a frame's compiled graph with its inputs
         for ref in refs:
             runtime = ref()
             if runtime is not None:
                 runtime.check_whole_copies()
+        if collectives:
+            reads = tuple(_qualname(args[i]) for i in positions)
+            digest = digests.get(reads)
+            if digest is None:
+                digest = digests[reads] = _digest("forward", collectives, reads)
+            lockstep.check(digest, lambda: _describe_forward(frame.graph_id, collectives, reads))
         return compiled(*args, **kwargs)
 
     return run
+
+
+def _qualname(x: Any) -> str:
+    state = getattr(x, "_zerofx_state", None)
+    return state.qualname if state is not None else "?"
+
+
+def _describe_forward(graph_id: str, collectives: list[tuple], reads: tuple[str, ...]) -> str:
+    reading = f"reading {some_names(list(reads))}" if reads else "reading no sharded parameter"
+    return f"the forward graph of {graph_id} ({_issues(collectives)}), {reading}"
 
 
 def _refuse_parameters_added_after_sharding(gm: fx.GraphModule, example_inputs: list[Any]) -> None:

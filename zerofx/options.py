@@ -268,6 +268,7 @@ class DebugPolicy:
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("ZEROFX_DUMP") or None)
     disable_passes: tuple[str, ...] = ()
     verify: bool = True
+    check_lockstep: bool = True
 
     def __post_init__(self) -> None:
         names = (self.disable_passes,) if isinstance(self.disable_passes, str) else tuple(self.disable_passes)
@@ -278,6 +279,8 @@ class DebugPolicy:
             raise ZeroFXError(f"option dump_dir must be a path, got {type(self.dump_dir).__name__}")
         if not isinstance(self.verify, bool):
             raise ZeroFXError(f"option verify={self.verify!r}: give True or False")
+        if not isinstance(self.check_lockstep, bool):
+            raise ZeroFXError(f"option check_lockstep={self.check_lockstep!r}: give True or False")
 
 
 @dataclass(frozen=True)
@@ -377,6 +380,12 @@ class Options:
             exception, on gloo only: without ``transport`` the graphs keep torch's out-of-place
             all-gather, which corrupts the heap with two in flight (a torch bug; zerofx warns).
         verify: lint the graph and check zerofx's invariants after every pass.
+        check_lockstep: before each compiled graph that issues collectives, the ranks compare
+            an 8-byte digest of those collectives and of the parameters the graph reads (one
+            small all-gather per graph run); ranks about to run different graphs (data-dependent
+            control flow, such as experts skipped on some ranks) raise a ``ZeroFXError`` naming
+            what each would run, instead of aborting in gloo, waiting in NCCL, or pairing one
+            parameter's rows with another's (zerofx/runtime/lockstep.py). False: skip it.
         executor: what runs the final graphs. ``"aten"`` (default) runs them op by op.
             ``"triton"`` replaces fusible regions (pointwise chains, last-dim reductions such
             as softmax / LayerNorm / RMSNorm, with their neighbours) by generated Triton

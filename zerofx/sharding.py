@@ -52,6 +52,7 @@ from zerofx.ir.layout import local_rows, row_offset
 from zerofx.options import Options
 from zerofx.runtime.accumulation import no_sync
 from zerofx.runtime.local_step import install as install_local_step
+from zerofx.runtime.lockstep import make_lockstep
 from zerofx.runtime.loss_scaling import make_loss_scaler
 from zerofx.runtime.params import GroupInfo, ModelRuntime, ParamState, TensorParallel, runtime_of, track
 
@@ -915,6 +916,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     full_precision = _full_precision_params(model, opts)
     runtime = ModelRuntime(stage=opts.stage, mesh=mesh, options=opts, local_step=opts.local_optimizer_step)
     runtime.tp_mesh = tp_mesh
+    runtime.lockstep = make_lockstep([m for m in (mesh, tp_mesh) if m is not None])
     model._zerofx = runtime
     if not hasattr(model, "no_sync"):  # DDP's and FSDP1's spelling, which accelerate's accumulate() calls
         model.no_sync = functools.partial(no_sync, model)

@@ -274,9 +274,9 @@ class ShardedReference:
             dist.all_reduce(has)
             if int(has) == 0:
                 continue
-            if int(has) != self.world:
-                raise RuntimeError(f"{name}: some ranks have a gradient, others none")
-            grad = p.grad.detach()
+            # a parameter only some ranks used (an expert no token of this rank was routed to):
+            # zerofx averages the users' gradients with zeros (zerofx/runtime/lockstep.py)
+            grad = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
             if isinstance(grad, DTensor):  # a TP replica's: Partial over TP where the plan replicates
                 grad = grad.redistribute(placements=p.placements).to_local()
             local = grad.contiguous()

@@ -34,7 +34,7 @@ writes a shard in place (``p.mul_(...)`` on a parameter from ``model.named_param
 would leave forward reading the old values, each rank's forward a different mix of them.
 
 Every refresh records the shard's version counters (``mark_synced``). Every compiled frame
-that reads a whole copy (the backend wraps it: zerofx/backend.py, ``_refusing_stale_copies``;
+that reads a whole copy (the backend wraps it: zerofx/backend.py, ``_frame_runner``;
 so ``zerofx.compile`` and the two-step pairing ``zerofx.shard`` + ``torch.compile(model,
 backend="zerofx")`` alike), a forward pre-hook for uncompiled forwards (dynamo traces it, and
 the check is skipped while tracing), and ``zerofx.gathered`` compare them
@@ -261,6 +261,7 @@ class ModelRuntime:
     unloaded: set = field(default_factory=set)  # built on meta: names not loaded yet (zerofx/sharding.py)
     unloaded_hook: Any = None  # the forward pre-hook that refuses to run while ``unloaded``
     hash_checked: bool = False  # uncompiled forwards compare shard hashes (NOTE: stale whole copies)
+    lockstep: Any = None  # a group over every rank (zerofx/runtime/lockstep.py); None: one rank or a fake group
 
     def on_local_grad(self, sink: torch.Tensor) -> None:
         """Post-accumulate-grad hook of every sink: schedule the boundary reduce."""
@@ -273,6 +274,8 @@ class ModelRuntime:
         """Land every pending local gradient in its parameter's gradient (see NOTE: the
         accumulation boundary). A collective: every rank calls it at the same point."""
         self._callback_queued = False
+        if self.lockstep is not None:  # a parameter some rank did not use this time gets zeros there
+            self.lockstep.pend_everywhere(self.states)
         eager_buckets.reduce_pending(self.states)
         self.pending = False
 
