@@ -290,8 +290,8 @@ def _collective_signature(gm: fx.GraphModule) -> list[tuple]:
 
 
 def _digest(*parts: Any) -> int:
-    """The same 8 bytes on every rank for the same parts (Python's hash is salted per process)."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little", signed=True)
+    """The same 56 bits on every rank for the same parts (Python's hash is salted per process)."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:7], "little")
 
 
 def _issues(collectives: list[tuple]) -> str:

@@ -381,8 +381,8 @@ class Options:
             all-gather, which corrupts the heap with two in flight (a torch bug; zerofx warns).
         verify: lint the graph and check zerofx's invariants after every pass.
         check_lockstep: before each compiled graph that issues collectives, the ranks compare
-            an 8-byte digest of those collectives and of the parameters the graph reads (one
-            small all-gather per graph run); ranks about to run different graphs (data-dependent
+            a 56-bit digest of those collectives and of the parameters the graph reads (one
+            small all-reduce per graph run); ranks about to run different graphs (data-dependent
             control flow, such as experts skipped on some ranks) raise a ``ZeroFXError`` naming
             what each would run, instead of aborting in gloo, waiting in NCCL, or pairing one
             parameter's rows with another's (zerofx/runtime/lockstep.py). False: skip it.
