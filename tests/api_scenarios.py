@@ -323,7 +323,15 @@ def scenarios(rank: int, world: int) -> dict:
             raised = str(e)
         torch._dynamo.reset()
         report = verify(routed_experts, mesh, steps=3, stage=1)
-        return {"stage3": raised, "stage1": report.to_json()}
+        torch.manual_seed(0)
+        uncompiled, _ = routed_experts()
+        zerofx.shard(uncompiled, mesh)
+        try:
+            uncompiled(x[mine], route[mine], y[mine]).backward()
+            eager = None
+        except zerofx.ZeroFXError as e:
+            eager = str(e)
+        return {"stage3": raised, "stage1": report.to_json(), "uncompiled": eager}
 
     attempt("explain", explain)
     attempt("two_step_pairing", two_step_pairing)

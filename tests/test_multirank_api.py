@@ -153,7 +153,8 @@ def test_ranks_that_route_to_other_experts_stop_at_stage_3_and_train_at_stage_1(
     rank raises before the graph's collectives, naming what each rank was about to read. Stage 1
     gathers nothing in its graphs; its boundary reduce covered only the parameters this rank
     had gradients for, so it aborted the same way. Now every rank reduces every parameter some
-    rank used, and the run matches the unsharded reference bit for bit."""
+    rank used, and the run matches the unsharded reference bit for bit. An uncompiled model
+    (``zerofx.shard`` alone) is checked read by read."""
     per_rank = _get(results, "routed_experts")
     for r in per_rank:
         raised = r["stage3"]
@@ -166,6 +167,10 @@ def test_ranks_that_route_to_other_experts_stop_at_stage_3_and_train_at_stage_1(
         report = r["stage1"]
         assert not report["problem"] and len(report["steps"]) == 3, report
         assert report["ok"] and report["first_divergence"] is None, report
+        # uncompiled (zerofx.shard alone), each read gathers: checked read by read
+        eager = r["uncompiled"]
+        assert eager is not None and "rank(s) [0]: an uncompiled read of experts.1.weight; " in eager, eager
+        assert "rank(s) [1]: an uncompiled read of experts.3.weight. This usually means" in eager, eager
     assert per_rank[0]["stage3"] == per_rank[1]["stage3"]
 
 

@@ -24,7 +24,6 @@ entry point; options may be given as ``torch.compile(..., options={...})``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import logging
 import threading
@@ -61,7 +60,7 @@ from zerofx.passes.modules import module_path
 from zerofx.passes.pipeline import PassContext, resolve_disabled, run_pipeline
 from zerofx.passes.regather import check_no_gathered_saved
 from zerofx.passes.secondary import split_secondary
-from zerofx.runtime.lockstep import Lockstep
+from zerofx.runtime.lockstep import Lockstep, digest_of
 from zerofx.runtime.offload_store import resolve_offload_dir
 
 log = logging.getLogger(__name__)
@@ -289,11 +288,6 @@ def _collective_signature(gm: fx.GraphModule) -> list[tuple]:
     ]
 
 
-def _digest(*parts: Any) -> int:
-    """The same 56 bits on every rank for the same parts (Python's hash is salted per process)."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:7], "little")
-
-
 def _issues(collectives: list[tuple]) -> str:
     return ", ".join(f"{n} {what}" for what, n in Counter(what for what, *_ in collectives).items())
 
@@ -302,7 +296,7 @@ def _backward_in_lockstep(run: Callable, collectives: list[tuple], frame: _Frame
     """``run`` (a backward graph), first checking that every rank is about to issue the same
     collectives (zerofx/runtime/lockstep.py). The parameters are not part of it: a backward runs
     for a forward whose parameters were checked when it ran."""
-    lockstep, digest = frame.lockstep, _digest("backward", collectives)
+    lockstep, digest = frame.lockstep, digest_of("backward", collectives)
     text = f"the backward graph of {frame.graph_id} ({_issues(collectives)})"
 
     def checked(args: list) -> object:
@@ -347,7 +341,7 @@ def _frame_runner(compiled: Callable, example_inputs: list[Any], frame: _FrameCo
             reads = tuple(_qualname(args[i]) for i in positions)
             digest = digests.get(reads)
             if digest is None:
-                digest = digests[reads] = _digest("forward", collectives, reads)
+                digest = digests[reads] = digest_of("forward", collectives, reads)
             lockstep.check(digest, lambda: _describe_forward(frame.graph_id, collectives, reads))
         return compiled(*args, **kwargs)
 

@@ -202,6 +202,8 @@ def _as_gathered_copy(value: torch.Tensor, qualname: str, param: nn.Parameter | 
 def _gathered_property(name: str) -> property:
     def gathered(self: nn.Module) -> torch.Tensor:
         state = self._zerofx_params[name]
+        if not torch.compiler.is_compiling():
+            state.check_uncompiled_read()
         value = state.forward_value(self._parameters[name])
         if torch.compiler.is_compiling() or type(value) is not torch.Tensor:
             return value  # traced into a graph (or a tensor-parallel DTensor): the plain value

@@ -81,6 +81,7 @@ from torch.distributed.tensor import DTensor
 from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.layout import local_rows, row_offset
 from zerofx.runtime import eager_buckets
+from zerofx.runtime.lockstep import digest_of
 
 __all__ = ["GroupInfo", "ParamState", "ModelRuntime", "TensorParallel"]
 
@@ -130,6 +131,7 @@ class ParamState:
     # was last refreshed from them (NOTE: stale whole copies)
     synced_version: tuple[int, int] = (-1, -1)
     synced_hash: int | None = None  # the shard's torch.hash_tensor then, once uncompiled forwards check it
+    read_digest: int | None = None  # what an uncompiled read compares across ranks (check_uncompiled_read)
 
     def mark_synced(self) -> None:
         """Record that ``full`` holds the shard's current values."""
@@ -154,6 +156,18 @@ class ParamState:
     @property
     def first_row(self) -> int:
         return row_offset(self.full_rows, self.shard_group.size, self.shard_group.rank)
+
+    def check_uncompiled_read(self) -> None:
+        """Before an uncompiled read (``zerofx.shard`` without compile, an ``AveragedModel``'s
+        copy): every rank must read this parameter now, as every rank must run the same compiled
+        graph (zerofx/runtime/lockstep.py), or each rank's gather pairs with another parameter's.
+        Stage 1 reads whole copies and communicates at the accumulation boundary only."""
+        run = self.runtime
+        if run.lockstep is None or run.gathered is not None or run.stage == 1 or not run.options.check_lockstep:
+            return
+        if self.read_digest is None:
+            self.read_digest = digest_of("uncompiled read", self.qualname)
+        run.lockstep.check(self.read_digest, lambda: f"an uncompiled read of {self.qualname}")
 
     def forward_value(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The whole parameter for forward, through the markers of this stage and mode (for a
