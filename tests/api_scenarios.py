@@ -388,18 +388,31 @@ def fail_on_rank_one(rank: int, world: int) -> None:
     dist.barrier()
 
 
-def grid_rank_differs(rank: int, world: int) -> str | None:
+def grid_rank_differs(rank: int, world: int) -> tuple[str | None, str | None]:
     """On a 2x2 (replicate, shard) mesh rank 3's model is wider: what each rank raised. Rank 0
     shares no mesh group with rank 3, so it can only learn of the difference through the check's
-    second round (and would wait forever in its first collective if rank 3's group raised alone)."""
+    second round (and would wait forever in its first collective if rank 3's group raised alone).
+    Then the same models, but rank 3 routes its tokens to other experts than every other rank:
+    what each rank's first step raised (zerofx/runtime/lockstep.py, the same two rounds)."""
     import dataclasses
 
+    from tests.models import RoutedExperts
     from zerofx.errors import ZeroFXError
 
+    mesh = init_device_mesh("cpu", (2, 2))
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(GPT_CFG, d_model=48) if rank == 3 else GPT_CFG)
     try:
-        zerofx.compile(model, init_device_mesh("cpu", (2, 2)))
+        zerofx.compile(model, mesh)
+        differs = None
     except ZeroFXError as e:
-        return str(e)
-    return None
+        differs = str(e)
+    torch.manual_seed(0)
+    experts = zerofx.compile(RoutedExperts(experts=4), mesh)
+    route = torch.tensor([2, 3] if rank == 3 else [0, 1])
+    try:
+        experts(torch.randn(2, 8), route, torch.randn(2)).backward()
+        routed = None
+    except Exception as e:  # dynamo wraps what a graph raises
+        routed = str(e)
+    return differs, routed

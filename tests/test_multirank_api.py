@@ -158,7 +158,7 @@ def test_ranks_that_route_to_other_experts_stop_at_stage_3_and_train_at_stage_1(
     per_rank = _get(results, "routed_experts")
     for r in per_rank:
         raised = r["stage3"]
-        assert raised is not None and "about to run different compiled graphs" in raised, raised
+        assert raised is not None and "about to issue different collectives" in raised, raised
         # each rank's first expert: the batch routes rank 0 to experts 1 and 2, rank 1 to 3 and 4,
         # each run by one compiled Linear.forward (dynamo gives a frame's parameters as inputs)
         assert "rank(s) [0]: the forward graph of" in raised, raised
@@ -199,8 +199,14 @@ def test_ranks_that_shard_another_model_or_options_stop_with_the_difference(resu
 
 
 def test_a_rank_that_differs_on_a_2d_mesh_stops_every_rank():
-    errors = run_ranks(grid_rank_differs, 4, timeout=180)
+    errors, routed = zip(*run_ranks(grid_rank_differs, 4, timeout=180))
     assert all(e is not None for e in errors), errors
+    # rank 3 routes to other experts: its two groups see it, the others learn it in the second round
+    assert all(r is not None and "about to issue different collectives" in r for r in routed), routed
+    assert "ranks of another group differ" in routed[0], routed[0]
+    mine, replica, shard_peer = "reading experts.2.weight", "rank(s) [1]: ", "rank(s) [2]: "
+    assert replica in routed[3] and shard_peer in routed[3] and mine in routed[3], routed[3]
+    assert "reading experts.0.weight" in routed[1] and mine in routed[1], routed[1]
     assert "ranks of another group differ" in errors[0]  # rank 0 shares no group with rank 3
     assert "rank(s) [3] shard another model or options than rank 1" in errors[1]
     assert "this rank (3) differs from rank 1" in errors[3] and "shape (96, 48)" in errors[3], errors[3]

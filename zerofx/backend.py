@@ -326,7 +326,7 @@ def _frame_runner(compiled: Callable, example_inputs: list[Any], frame: _FrameCo
         if state is not None and state.full is not None:
             runtimes[id(state.runtime)] = weakref.ref(state.runtime)
     refs = list(runtimes.values())
-    collectives, lockstep = frame.forward_collectives, frame.lockstep
+    collectives, lockstep, graph_id = frame.forward_collectives, frame.lockstep, frame.graph_id
     if not refs and not collectives:
         return compiled
     positions = [i for i, x in enumerate(example_inputs) if getattr(x, "_zerofx_state", None) is not None]
@@ -342,7 +342,7 @@ def _frame_runner(compiled: Callable, example_inputs: list[Any], frame: _FrameCo
             digest = digests.get(reads)
             if digest is None:
                 digest = digests[reads] = digest_of("forward", collectives, reads)
-            lockstep.check(digest, lambda: _describe_forward(frame.graph_id, collectives, reads))
+            lockstep.check(digest, lambda: _describe_forward(graph_id, collectives, reads))
         return compiled(*args, **kwargs)
 
     return run

@@ -1,4 +1,4 @@
-"""Before each compiled graph that communicates: are all ranks about to issue the same collectives?
+"""Before each collective the ranks could issue out of order: are all ranks about to issue the same?
 
 ZeRO's collectives pair up across ranks by order alone. When ranks run different graphs, each
 rank's next collective meets another one on its peer: gloo aborts the process ("Received data
@@ -8,22 +8,27 @@ cause is Python control flow that depends on the data: a mixture-of-experts laye
 experts no token of this rank was routed to (dynamo breaks the graph at such a branch, so each
 rank runs the graphs of the experts it uses), or a branch on the rank itself.
 ``zerofx.agreement`` proves once, at ``zerofx.shard``, that every rank holds the same model;
-this check covers what the ranks run afterwards.
+this module covers what the ranks run afterwards:
 
-Each compiled graph that issues collectives carries a digest of them (their kinds, byte counts,
-process-group dimensions, and the parameters its frame reads, by name: two experts of one shape
-gather the same bytes). Before the graph runs, the ranks all-reduce their 56-bit digests (the
-largest, and the largest negated) over one group that spans every rank of the model's meshes.
-When they differ, every rank all-gathers
-its description of the graph it was about to run and raises a ``ZeroFXError`` naming what each
-rank was about to run, before any of those collectives is issued: no rank is left waiting.
-Ranks that agree on every graph run the same collectives, so nothing else is checked.
+- each compiled graph that issues collectives carries a digest of them (their kinds, byte
+  counts, process-group dimensions, and for a forward the parameters this call was given, by
+  name: two experts of one shape gather the same bytes). Before the graph runs, the ranks
+  all-reduce their 56-bit digests (the largest, and the largest negated) over the groups of the
+  model's meshes. When they differ, every rank all-gathers its
+  description of what it was about to run and raises a ``ZeroFXError`` naming what each rank
+  would run, before any of those collectives is issued: no rank is left waiting. An uncompiled
+  model gathers read by read, so each such read is checked the same way
+  (``ParamState.check_uncompiled_read``);
+- the accumulation boundary's reduce (stage 1, and after ``no_sync``) covers the parameters
+  with a pending gradient, which differ by rank when a rank did not use a parameter: it first
+  agrees on every parameter any rank has one for (``pend_everywhere``).
 
 Cost: one small blocking all-reduce per graph run (two per step for a model without graph
-breaks); ``Options(check_lockstep=False)`` turns it off. The group is the default one when it
-takes CPU tensors (gloo), else a gloo group over the same ranks, made once by ``make_lockstep``
-where ``zerofx.shard`` runs (every rank of the meshes calls it there), so the check never
-synchronizes with an accelerator stream.
+breaks), and one per accumulation boundary; ``Options(check_lockstep=False)`` turns the first
+off (the second is what makes such a model correct at stage 1). On a 2-D mesh a check is four
+all-reduces (each dimension compares, then whether any differed goes through each). The groups are the meshes' own where they take CPU tensors (gloo), else gloo groups
+over the same ranks, made once by ``make_lockstep`` where ``zerofx.shard`` runs (every rank of
+the meshes calls it there), so neither ever synchronizes with an accelerator stream.
 """
 
 from __future__ import annotations
@@ -47,33 +52,55 @@ def digest_of(*parts: Any) -> int:
 
 @dataclass(eq=False)
 class Lockstep:
-    """The group the per-graph check runs on (None: the default group) and its size."""
+    """The groups the checks run on: one per dimension (of more than one rank) of the meshes the
+    model was sharded over, each taking CPU tensors. Over a grid of groups, a maximum taken in
+    every dimension in turn reaches every rank (as ``zerofx.agreement``'s rounds do). Not one
+    group over every rank of the root mesh: ranks outside the model's own groups may run other
+    models (the stages of a pipeline, each sharded over its own data-parallel mesh)."""
 
-    group: Any
-    size: int
+    groups: list
+
+    def __deepcopy__(self, memo: dict) -> Lockstep:
+        return self  # process groups are the process's, shared by every copy of the model
+
+    def _max_everywhere(self, values: torch.Tensor) -> torch.Tensor:
+        for group in self.groups:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+        return values
 
     def check(self, digest: int, describe: Callable[[], str]) -> None:
-        """Raise on every rank unless every rank of the group passes the same ``digest`` (at most
-        56 bits, so that it negates). ``describe()`` says what this rank was about to run (only
-        called when they differ)."""
+        """Raise on every rank unless every rank passes the same ``digest`` (at most 56 bits, so
+        that it negates). ``describe()`` says what this rank was about to run (only called when
+        they differ)."""
         # the largest digest and the largest negated one: all equal when the largest is the
         # smallest (one all-reduce costs two thirds of an all-gather's time on gloo)
-        bounds = torch.tensor([digest, -digest], dtype=torch.int64)
-        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.group)
-        if int(bounds[0]) == -int(bounds[1]):
-            return
-        # every rank saw the same bounds, so every rank is here: one more exchange, then all raise
-        described: list[Any] = [None] * self.size
-        dist.all_gather_object(described, describe(), group=self.group)
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.size))
-        kinds: dict[str, list[int]] = {}
-        for rank, text in zip(ranks, described):
-            kinds.setdefault(text, []).append(rank)
-        lines = "; ".join(f"rank(s) {rs}: {text}" for text, rs in kinds.items())
+        if len(self.groups) == 1:
+            bounds = self._max_everywhere(torch.tensor([digest, -digest], dtype=torch.int64))
+            if int(bounds[0]) == -int(bounds[1]):
+                return
+        else:  # each dimension's groups compare, then whether any differed reaches every rank
+            differ = 0
+            for group in self.groups:
+                bounds = torch.tensor([digest, -digest], dtype=torch.int64)
+                dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+                differ |= int(bounds[0]) != -int(bounds[1])
+            if not int(self._max_everywhere(torch.tensor([differ], dtype=torch.uint8))):
+                return
+        # every rank knows they differ, so every rank is here: one more exchange, then all raise
+        lines = []
+        for group in self.groups:
+            described: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(described, describe(), group=group)
+            kinds: dict[str, list[int]] = {}
+            for rank, text in zip(dist.get_process_group_ranks(group), described):
+                kinds.setdefault(text, []).append(rank)
+            if len(kinds) > 1:
+                lines.append("; ".join(f"rank(s) {rs}: {text}" for text, rs in kinds.items()))
         raise ZeroFXError(
-            "the ranks are about to run different compiled graphs, whose collectives would not pair up (gloo "
-            f"aborts, NCCL waits forever, or each rank silently takes another parameter's rows): {lines}. "
-            "This usually means Python control flow that depends on the data or on the rank, such as a "
+            "the ranks are about to issue different collectives, which would not pair up (gloo aborts, NCCL "
+            "waits forever, or each rank silently takes another parameter's rows): "
+            + (" / ".join(lines) if lines else "ranks of another group differ (their errors say how)")
+            + ". This usually means Python control flow that depends on the data or on the rank, such as a "
             "mixture-of-experts layer that skips the experts no token of this rank was routed to. Every rank "
             "must read the same parameters in the same order: run every expert (an empty batch costs little), "
             "or use a batched experts implementation (transformers: experts_implementation='grouped_mm'); "
@@ -87,28 +114,24 @@ class Lockstep:
         rank has one for, so that every rank reduces the same parameters. A parameter a rank did
         not use this time (an expert no token was routed to) then averages its users'
         gradients with zeros, as DDP's ``find_unused_parameters`` does."""
-        here = torch.tensor([s.sink.grad is not None for s in states], dtype=torch.uint8)
-        dist.all_reduce(here, op=dist.ReduceOp.MAX, group=self.group)
+        here = self._max_everywhere(torch.tensor([s.sink.grad is not None for s in states], dtype=torch.uint8))
         for s, anywhere in zip(states, here.tolist()):
             if anywhere and s.sink.grad is None:
                 s.sink.grad = torch.zeros(s.sink.shape, dtype=s.sink.dtype, device=s.sink.device)
 
 
 def make_lockstep(meshes: list) -> Lockstep | None:
-    """The check's group for a model sharded over ``meshes``; None when there is nothing to
-    check (one rank, or a fake process group). Every rank of the meshes calls this together."""
-    if not (dist.is_available() and dist.is_initialized()):
+    """The checks' groups for a model sharded over ``meshes`` (the data-parallel mesh, and the
+    tensor-parallel one if any); None when there is nothing to check (one rank, or a fake process
+    group). Every rank of the meshes calls this together."""
+    dims = [mesh.get_group(d) for mesh in meshes for d in range(mesh.ndim) if mesh.size(d) > 1]
+    if not dims or any(dist.get_backend(g) == "fake" for g in dims):
         return None
-    ranks: set[int] = set()
-    for mesh in meshes:
-        root = mesh._get_root_mesh()  # a TP or DP submesh: every rank of the mesh it was cut from
-        ranks.update(int(r) for r in root.mesh.flatten().tolist())
-    if len(ranks) < 2 or any(
-        dist.get_backend(mesh.get_group(d)) == "fake" for mesh in meshes for d in range(mesh.ndim)
-    ):
-        return None
-    world = dist.get_world_size()
-    if ranks == set(range(world)) and "gloo" in str(dist.get_backend()):
-        return Lockstep(None, world)
-    members = sorted(ranks)
-    return Lockstep(dist.new_group(members, backend="gloo", use_local_synchronization=True), len(members))
+    groups = []
+    for group in dims:
+        if "gloo" in str(dist.get_backend(group)):  # takes CPU tensors
+            groups.append(group)
+        else:  # NCCL: a gloo group over the same ranks, so that no check waits on a stream
+            ranks = dist.get_process_group_ranks(group)
+            groups.append(dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
+    return Lockstep(groups)
