@@ -333,6 +333,27 @@ def scenarios(rank: int, world: int) -> dict:
             eager = str(e)
         return {"stage3": raised, "stage1": report.to_json(), "uncompiled": eager}
 
+    def lockstep_twin():
+        """A mesh whose groups cannot take CPU tensors (NCCL's, played here by gloo's answering
+        "nccl"): the checks get gloo groups of their own over the same ranks, which compare."""
+        import zerofx.runtime.lockstep as lockstep
+
+        real = dist.get_backend
+        lockstep.dist.get_backend = lambda group=None: "nccl"
+        try:
+            lock = lockstep.make_lockstep([mesh])
+        finally:
+            lockstep.dist.get_backend = real
+        (twin,) = lock.groups
+        lock.check(7, lambda: "the same digest")
+        try:
+            lock.check(rank, lambda: f"digest {rank}")
+            raised = None
+        except zerofx.ZeroFXError as e:
+            raised = str(e)
+        twin_of = twin is not mesh.get_group(0) and dist.get_process_group_ranks(twin) == list(range(world))
+        return {"twin": twin_of, "backend": str(dist.get_backend(twin)), "raised": raised}
+
     attempt("explain", explain)
     attempt("two_step_pairing", two_step_pairing)
     attempt("eager_sharded", eager_sharded)
@@ -345,6 +366,7 @@ def scenarios(rank: int, world: int) -> dict:
     attempt("share_memory", share_memory)
     attempt("unfrozen_later", unfrozen_later)
     attempt("routed_experts", routed_experts)
+    attempt("lockstep_twin", lockstep_twin)
     attempt("ranks_disagree", lambda: ranks_disagree(rank, world, mesh))
     return out
 

@@ -174,6 +174,12 @@ def test_ranks_that_route_to_other_experts_stop_at_stage_3_and_train_at_stage_1(
     assert per_rank[0]["stage3"] == per_rank[1]["stage3"]
 
 
+def test_lockstep_checks_of_a_mesh_on_nccl_run_on_gloo_groups_of_the_same_ranks(results):
+    for r in _get(results, "lockstep_twin"):
+        assert r["twin"] and r["backend"] == "gloo", r
+        assert r["raised"] is not None and "rank(s) [0]: digest 0; rank(s) [1]: digest 1" in r["raised"], r
+
+
 def test_share_memory_moves_the_shards_and_the_model_still_trains(results):
     for r in _get(results, "share_memory"):
         assert r["shared"], r
