@@ -311,17 +311,18 @@ def scenarios(rank: int, world: int) -> dict:
         from tests.models import routed_experts
         from zerofx.testing import verify
 
-        torch.manual_seed(0)
-        model, batch = routed_experts()
-        zerofx.compile(model, mesh)
-        x, route, y = batch(2 * world, torch.Generator().manual_seed(1))
+        x, route, y = routed_experts()[1](2 * world, torch.Generator().manual_seed(1))
         mine = slice(2 * rank, 2 * rank + 2)
-        try:
-            model(x[mine], route[mine], y[mine]).backward()
-            raised = None
-        except Exception as e:  # dynamo wraps what a graph raises
-            raised = str(e)
-        torch._dynamo.reset()
+        raised = {}
+        for stage in (3, 2):  # stage 2's forward reads whole copies; its backward reduce-scatters
+            torch.manual_seed(0)
+            model = zerofx.compile(routed_experts()[0], mesh, stage=stage)
+            try:
+                model(x[mine], route[mine], y[mine]).backward()
+                raised[stage] = None
+            except Exception as e:  # dynamo wraps what a graph raises
+                raised[stage] = str(e)
+            torch._dynamo.reset()
         report = verify(routed_experts, mesh, steps=3, stage=1)
         torch.manual_seed(0)
         uncompiled, _ = routed_experts()
@@ -331,7 +332,22 @@ def scenarios(rank: int, world: int) -> dict:
             eager = None
         except zerofx.ZeroFXError as e:
             eager = str(e)
-        return {"stage3": raised, "stage1": report.to_json(), "uncompiled": eager}
+        # a read that communicates nothing (stage 2's whole copy, no gradient) on one rank only,
+        # as logging does: it must not wait for the other ranks
+        whole = zerofx.shard(routed_experts()[0], mesh, stage=2)
+        if rank == 0:
+            with torch.no_grad():
+                eager_norm = float(whole.inp.weight.norm())
+        else:
+            eager_norm = None
+        dist.barrier()
+        return {
+            "stage3": raised[3],
+            "stage2": raised[2],
+            "stage1": report.to_json(),
+            "uncompiled": eager,
+            "rank0_read": eager_norm,
+        }
 
     def lockstep_twin():
         """A mesh whose groups cannot take CPU tensors (NCCL's, played here by gloo's answering

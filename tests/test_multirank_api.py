@@ -164,6 +164,11 @@ def test_ranks_that_route_to_other_experts_stop_at_stage_3_and_train_at_stage_1(
         assert "rank(s) [0]: the forward graph of" in raised, raised
         assert "(1 all_gather), reading experts.1.weight; rank(s) [1]: the forward graph of" in raised, raised
         assert "(1 all_gather), reading experts.3.weight. This usually means" in raised, raised
+        # stage 2 gathers nothing in forward, and its backward's reduce-scatters name no parameter
+        at_stage2 = r["stage2"]
+        assert at_stage2 is not None and "(no collective), reading experts.1.weight; rank(s) [1]" in at_stage2, (
+            at_stage2
+        )
         report = r["stage1"]
         assert not report["problem"] and len(report["steps"]) == 3, report
         assert report["ok"] and report["first_divergence"] is None, report
@@ -172,6 +177,7 @@ def test_ranks_that_route_to_other_experts_stop_at_stage_3_and_train_at_stage_1(
         assert eager is not None and "rank(s) [0]: an uncompiled read of experts.1.weight; " in eager, eager
         assert "rank(s) [1]: an uncompiled read of experts.3.weight. This usually means" in eager, eager
     assert per_rank[0]["stage3"] == per_rank[1]["stage3"]
+    assert per_rank[0]["rank0_read"] > 0  # a stage-2 read on rank 0 only did not wait for rank 1
 
 
 def test_lockstep_checks_of_a_mesh_on_nccl_run_on_gloo_groups_of_the_same_ranks(results):

@@ -41,7 +41,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from zerofx.codegen.executor import make_executor
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError, some_names
-from zerofx.ir.collectives import ALL_GATHER, COLLECTIVE_OPS, backend_of, mesh_dim_of
+from zerofx.ir.collectives import ALL_GATHER, COLLECTIVE_OPS, backend_of, mesh_dim_or_size
 from zerofx.ir.meta import ACTIVATION_PLAN, BORROWED_INPUTS
 from zerofx.measure.instrument import graph_collectives, instrument
 from zerofx.options import Options
@@ -256,8 +256,10 @@ def make_backend(
         _refuse_parameters_added_after_sharding(gm, example_inputs)
         frame = _FrameCompiler(state, recorder if recorder is not None else recorder_for(options))
         sharded = [x._zerofx_state for x in example_inputs if getattr(x, "_zerofx_state", None) is not None]
-        if sharded and options.check_lockstep:
-            frame.lockstep = sharded[0].runtime.lockstep
+        runtime = sharded[0].runtime if sharded else None
+        if runtime is not None and runtime.lockstep is not None and runtime.lockstep.groups is not None:
+            if options.check_lockstep:  # off where either the shard's or the backend's options say so
+                frame.lockstep = runtime.lockstep
         symbols = _size_symbols(example_inputs)
         if symbols:
             _note_symbolic_frame(frame, symbols)
@@ -279,17 +281,16 @@ def make_backend(
 
 
 def _collective_signature(gm: fx.GraphModule) -> list[tuple]:
-    """What must be the same on every rank about ``gm``'s collectives, in graph order: kind,
-    bytes per rank (a size that is a symbol: "?"), mesh dimension (not the group's name, which
-    differs between the data-parallel groups of a TP mesh) and wire dtype."""
-    return [
-        (what, nbytes if isinstance(nbytes, int) else "?", mesh_dim_of(group), wire)
-        for what, nbytes, group, wire, _ in graph_collectives(gm)
-    ]
+    """What must be the same on every rank about ``gm``'s collectives, in graph order: kind, mesh
+    dimension (or group size: not the group's name, which differs between the data-parallel
+    groups of a TP mesh) and wire dtype. Not the bytes: a tensor-parallel plan's collectives
+    move activations, whose sizes may differ between data-parallel ranks (a sequence length per
+    batch), and zerofx's own follow from the parameters, which the forward's digest names."""
+    return [(what, mesh_dim_or_size(group), wire) for what, _, group, wire, _ in graph_collectives(gm)]
 
 
 def _issues(collectives: list[tuple]) -> str:
-    return ", ".join(f"{n} {what}" for what, n in Counter(what for what, *_ in collectives).items())
+    return ", ".join(f"{n} {what}" for what, n in Counter(what for what, *_ in collectives).items()) or "no collective"
 
 
 def _backward_in_lockstep(run: Callable, collectives: list[tuple], frame: _FrameCompiler) -> Callable:
@@ -327,9 +328,14 @@ def _frame_runner(compiled: Callable, example_inputs: list[Any], frame: _FrameCo
             runtimes[id(state.runtime)] = weakref.ref(state.runtime)
     refs = list(runtimes.values())
     collectives, lockstep, graph_id = frame.forward_collectives, frame.lockstep, frame.graph_id
-    if not refs and not collectives:
-        return compiled
     positions = [i for i, x in enumerate(example_inputs) if getattr(x, "_zerofx_state", None) is not None]
+    # checked when the forward communicates, or its backward may: stage 2 reads whole copies in
+    # forward and reduce-scatters in backward, whose digest cannot name the parameters
+    checked = lockstep is not None and (
+        bool(collectives) or any(example_inputs[i]._zerofx_state.runtime.stage != 1 for i in positions)
+    )
+    if not refs and not checked:
+        return compiled
     digests: dict[tuple[str, ...], int] = {}  # the parameters' names -> the digest to compare
 
     def run(*args: Any, **kwargs: Any) -> Any:  # dynamo calls a frame's compiled graph with its inputs
@@ -337,7 +343,7 @@ def _frame_runner(compiled: Callable, example_inputs: list[Any], frame: _FrameCo
             runtime = ref()
             if runtime is not None:
                 runtime.check_whole_copies()
-        if collectives:
+        if checked:
             reads = tuple(_qualname(args[i]) for i in positions)
             digest = digests.get(reads)
             if digest is None:

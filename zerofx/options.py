@@ -380,12 +380,14 @@ class Options:
             exception, on gloo only: without ``transport`` the graphs keep torch's out-of-place
             all-gather, which corrupts the heap with two in flight (a torch bug; zerofx warns).
         verify: lint the graph and check zerofx's invariants after every pass.
-        check_lockstep: before each compiled graph that issues collectives, the ranks compare
-            a 56-bit digest of those collectives and of the parameters the graph reads (one
-            small all-reduce per graph run); ranks about to run different graphs (data-dependent
-            control flow, such as experts skipped on some ranks) raise a ``ZeroFXError`` naming
-            what each would run, instead of aborting in gloo, waiting in NCCL, or pairing one
-            parameter's rows with another's (zerofx/runtime/lockstep.py). False: skip it.
+        check_lockstep: before each compiled graph that communicates (or whose backward may),
+            the ranks compare a 56-bit digest of its collectives' kinds and mesh dimensions and
+            of the parameters it was given (one small blocking all-reduce per graph run, four on
+            a 2-D mesh; on an uncompiled model, one per parameter read that communicates); ranks
+            about to run different graphs (data-dependent control flow, such as experts skipped
+            on some ranks) raise a ``ZeroFXError`` naming what each would run, instead of
+            aborting in gloo, waiting in NCCL, or pairing one parameter's rows with another's
+            (zerofx/runtime/lockstep.py). False (at ``zerofx.shard`` or the backend): skip it.
         executor: what runs the final graphs. ``"aten"`` (default) runs them op by op.
             ``"triton"`` replaces fusible regions (pointwise chains, last-dim reductions such
             as softmax / LayerNorm / RMSNorm, with their neighbours) by generated Triton

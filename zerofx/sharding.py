@@ -918,7 +918,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     full_precision = _full_precision_params(model, opts)
     runtime = ModelRuntime(stage=opts.stage, mesh=mesh, options=opts, local_step=opts.local_optimizer_step)
     runtime.tp_mesh = tp_mesh
-    runtime.lockstep = make_lockstep([m for m in (mesh, tp_mesh) if m is not None])
+    runtime.lockstep = make_lockstep([m for m in (mesh, tp_mesh) if m is not None], checks=opts.check_lockstep)
     model._zerofx = runtime
     if not hasattr(model, "no_sync"):  # DDP's and FSDP1's spelling, which accelerate's accumulate() calls
         model.no_sync = functools.partial(no_sync, model)

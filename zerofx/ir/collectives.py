@@ -185,6 +185,16 @@ def mesh_dim_of(group_name: str) -> str:
     return _MESH_DIMS.get(group_name, f"group {group_name}")
 
 
+def mesh_dim_or_size(group_name: str) -> str:
+    """The mesh dimension a process group was registered as, else its size (``"4 ranks"``): the
+    same on every rank of a dimension, unlike the names of its groups."""
+    if group_name in _MESH_DIMS:
+        return _MESH_DIMS[group_name]
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return f"{_resolve_process_group(group_name).size()} ranks"
+
+
 def backend_of(group_name: str) -> str:
     """The backend ("gloo", "nccl", ...) of the process group registered as ``group_name``; inside
     ``simulated_backend(name)``, a fake process group answers ``name``."""

@@ -10,25 +10,31 @@ rank runs the graphs of the experts it uses), or a branch on the rank itself.
 ``zerofx.agreement`` proves once, at ``zerofx.shard``, that every rank holds the same model;
 this module covers what the ranks run afterwards:
 
-- each compiled graph that issues collectives carries a digest of them (their kinds, byte
-  counts, process-group dimensions, and for a forward the parameters this call was given, by
-  name: two experts of one shape gather the same bytes). Before the graph runs, the ranks
-  all-reduce their 56-bit digests (the largest, and the largest negated) over the groups of the
-  model's meshes. When they differ, every rank all-gathers its
-  description of what it was about to run and raises a ``ZeroFXError`` naming what each rank
-  would run, before any of those collectives is issued: no rank is left waiting. An uncompiled
-  model gathers read by read, so each such read is checked the same way
-  (``ParamState.check_uncompiled_read``);
+- each compiled graph that communicates, or whose backward may (stage 2 reads whole copies in
+  forward and reduce-scatters in backward), carries a digest: the kinds of its collectives,
+  their mesh dimensions and wire dtypes (not their bytes, which a tensor-parallel plan's
+  activations may vary between data-parallel ranks), and for a forward the parameters this call
+  was given, by name (two experts of one shape gather the same bytes). Before the graph runs,
+  the ranks all-reduce their 56-bit digests (the largest, and the largest negated) over the
+  groups of the model's meshes. When they differ, every rank all-gathers its description of
+  what it was about to run and raises a ``ZeroFXError`` naming what each rank would run,
+  before any of those collectives is issued: no rank is left waiting. An uncompiled model
+  gathers read by read, so each read that communicates is checked the same way
+  (``ParamState.check_uncompiled_read``; a read that does not, such as logging a stage-2
+  weight's norm on one rank, is not);
 - the accumulation boundary's reduce (stage 1, and after ``no_sync``) covers the parameters
   with a pending gradient, which differ by rank when a rank did not use a parameter: it first
-  agrees on every parameter any rank has one for (``pend_everywhere``).
+  agrees, over the meshes' own groups, on every parameter any rank has one for
+  (``pend_everywhere``).
 
-Cost: one small blocking all-reduce per graph run (two per step for a model without graph
-breaks), and one per accumulation boundary; ``Options(check_lockstep=False)`` turns the first
-off (the second is what makes such a model correct at stage 1). On a 2-D mesh a check is four
-all-reduces (each dimension compares, then whether any differed goes through each). The groups are the meshes' own where they take CPU tensors (gloo), else gloo groups
-over the same ranks, made once by ``make_lockstep`` where ``zerofx.shard`` runs (every rank of
-the meshes calls it there), so neither ever synchronizes with an accelerator stream.
+Cost: one small blocking all-reduce per checked graph run (two per step for a model without
+graph breaks; four per check on a 2-D mesh: each dimension compares, then whether any differed
+goes through each), one per uncompiled read that communicates, and one per accumulation
+boundary. ``Options(check_lockstep=False)`` turns the checks off (not the boundary's agreement:
+it is what makes such a model correct at stage 1). The checks run on the meshes' own groups
+where they take CPU tensors (gloo), else on gloo groups over the same ranks, made by
+``make_lockstep`` where ``zerofx.shard`` runs (every rank of the meshes calls it there) and only
+when the checks are on, so they never synchronize with an accelerator stream.
 """
 
 from __future__ import annotations
@@ -58,13 +64,15 @@ class Lockstep:
     group over every rank of the root mesh: ranks outside the model's own groups may run other
     models (the stages of a pipeline, each sharded over its own data-parallel mesh)."""
 
-    groups: list
+    mesh_groups: list  # the meshes' own groups (any backend): the boundary's agreement
+    device: torch.device  # the meshes' device, for tensors on ``mesh_groups``
+    groups: list | None  # the same ranks, taking CPU tensors: the checks (None: check_lockstep=False)
 
     def __deepcopy__(self, memo: dict) -> Lockstep:
         return self  # process groups are the process's, shared by every copy of the model
 
-    def _max_everywhere(self, values: torch.Tensor) -> torch.Tensor:
-        for group in self.groups:
+    def _max_everywhere(self, values: torch.Tensor, groups: list | None = None) -> torch.Tensor:
+        for group in self.groups if groups is None else groups:
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
         return values
 
@@ -74,6 +82,7 @@ class Lockstep:
         they differ)."""
         # the largest digest and the largest negated one: all equal when the largest is the
         # smallest (one all-reduce costs two thirds of an all-gather's time on gloo)
+        assert self.groups is not None, "lockstep checks were turned off (check_lockstep=False)"
         if len(self.groups) == 1:
             bounds = self._max_everywhere(torch.tensor([digest, -digest], dtype=torch.int64))
             if int(bounds[0]) == -int(bounds[1]):
@@ -114,24 +123,28 @@ class Lockstep:
         rank has one for, so that every rank reduces the same parameters. A parameter a rank did
         not use this time (an expert no token was routed to) then averages its users'
         gradients with zeros, as DDP's ``find_unused_parameters`` does."""
-        here = self._max_everywhere(torch.tensor([s.sink.grad is not None for s in states], dtype=torch.uint8))
+        here = torch.tensor([s.sink.grad is not None for s in states], dtype=torch.uint8, device=self.device)
+        here = self._max_everywhere(here, self.mesh_groups)
         for s, anywhere in zip(states, here.tolist()):
             if anywhere and s.sink.grad is None:
                 s.sink.grad = torch.zeros(s.sink.shape, dtype=s.sink.dtype, device=s.sink.device)
 
 
-def make_lockstep(meshes: list) -> Lockstep | None:
-    """The checks' groups for a model sharded over ``meshes`` (the data-parallel mesh, and the
-    tensor-parallel one if any); None when there is nothing to check (one rank, or a fake process
-    group). Every rank of the meshes calls this together."""
+def make_lockstep(meshes: list, checks: bool = True) -> Lockstep | None:
+    """The groups for a model sharded over ``meshes`` (the data-parallel mesh, and the
+    tensor-parallel one if any); None when there is nothing to agree on (one rank, or a fake
+    process group). ``checks``: also the groups the lockstep checks run on (gloo twins of NCCL
+    groups, made only then). Every rank of the meshes calls this together."""
     dims = [mesh.get_group(d) for mesh in meshes for d in range(mesh.ndim) if mesh.size(d) > 1]
     if not dims or any(dist.get_backend(g) == "fake" for g in dims):
         return None
-    groups = []
-    for group in dims:
-        if "gloo" in str(dist.get_backend(group)):  # takes CPU tensors
-            groups.append(group)
-        else:  # NCCL: a gloo group over the same ranks, so that no check waits on a stream
-            ranks = dist.get_process_group_ranks(group)
-            groups.append(dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
-    return Lockstep(groups)
+    groups = None
+    if checks:
+        groups = []
+        for group in dims:
+            if "gloo" in str(dist.get_backend(group)):  # takes CPU tensors
+                groups.append(group)
+            else:  # NCCL: a gloo group over the same ranks, so that no check waits on a stream
+                ranks = dist.get_process_group_ranks(group)
+                groups.append(dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
+    return Lockstep(dims, torch.device(meshes[0].device_type), groups)

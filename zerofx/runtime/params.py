@@ -161,13 +161,24 @@ class ParamState:
         """Before an uncompiled read (``zerofx.shard`` without compile, an ``AveragedModel``'s
         copy): every rank must read this parameter now, as every rank must run the same compiled
         graph (zerofx/runtime/lockstep.py), or each rank's gather pairs with another parameter's.
-        Stage 1 reads whole copies and communicates at the accumulation boundary only."""
+        Only reads that communicate are checked (``_communicates``)."""
         run = self.runtime
-        if run.lockstep is None or run.gathered is not None or run.stage == 1 or not run.options.check_lockstep:
+        if run.lockstep is None or run.lockstep.groups is None or run.gathered is not None:
+            return
+        if not self._communicates(self.param):  # a read on some ranks only (logging a norm) must not wait
             return
         if self.read_digest is None:
             self.read_digest = digest_of("uncompiled read", self.qualname)
         run.lockstep.check(self.read_digest, lambda: f"an uncompiled read of {self.qualname}")
+
+    def _communicates(self, param: torch.nn.Parameter) -> bool:
+        """Whether a read now issues a collective, in forward (stage 3's gather) or in the
+        backward of a value that needs a gradient (what ``_data_parallel_value`` chooses)."""
+        if self.full is None and not self.whole:
+            return True  # unshard: a gather in forward
+        run = self.runtime
+        local = param.requires_grad and (run.stage == 1 or not run.sync or run.pending)  # local_grad: none
+        return not local and param.requires_grad and torch.is_grad_enabled()  # read_full / sync_grad: backward
 
     def forward_value(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The whole parameter for forward, through the markers of this stage and mode (for a
