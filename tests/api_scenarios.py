@@ -335,11 +335,13 @@ def scenarios(rank: int, world: int) -> dict:
         # a read that communicates nothing (stage 2's whole copy, no gradient) on one rank only,
         # as logging does: it must not wait for the other ranks
         whole = zerofx.shard(routed_experts()[0], mesh, stage=2)
-        if rank == 0:
+        evaluated = zerofx.compile(GPT(GPT_CFG), mesh, stage=2)
+        eval_x, eval_y = random_batch(GPT_CFG, 2, torch.Generator().manual_seed(0))
+        eager_norm = compiled_eval = None
+        if rank == 0:  # and a compiled stage-2 evaluation on rank 0 alone (an inference graph)
             with torch.no_grad():
                 eager_norm = float(whole.inp.weight.norm())
-        else:
-            eager_norm = None
+                compiled_eval = float(evaluated(eval_x, eval_y))
         dist.barrier()
         return {
             "stage3": raised[3],
@@ -347,6 +349,7 @@ def scenarios(rank: int, world: int) -> dict:
             "stage1": report.to_json(),
             "uncompiled": eager,
             "rank0_read": eager_norm,
+            "rank0_eval": compiled_eval,
         }
 
     def lockstep_twin():

@@ -178,6 +178,7 @@ def test_ranks_that_route_to_other_experts_stop_at_stage_3_and_train_at_stage_1(
         assert "rank(s) [1]: an uncompiled read of experts.3.weight. This usually means" in eager, eager
     assert per_rank[0]["stage3"] == per_rank[1]["stage3"]
     assert per_rank[0]["rank0_read"] > 0  # a stage-2 read on rank 0 only did not wait for rank 1
+    assert per_rank[0]["rank0_eval"] > 0  # nor did a compiled stage-2 evaluation (no collective)
 
 
 def test_lockstep_checks_of_a_mesh_on_nccl_run_on_gloo_groups_of_the_same_ranks(results):

@@ -121,6 +121,7 @@ class _FrameCompiler:
         self.borrowed_inputs: frozenset[str] = frozenset()  # the partition's (BORROWED_INPUTS)
         self.lockstep: Lockstep | None = None  # the per-graph check's group (zerofx/runtime/lockstep.py)
         self.forward_collectives: list[tuple] = []  # those of its forward (or inference) graph
+        self.trains = False  # compiled with a backward (not an inference graph)
 
     def _context(self, kind: str) -> PassContext:
         return PassContext(self.graph_id, kind, self.options, num_fwd_outputs=self.num_fwd_outputs, cost=self.cost)
@@ -153,7 +154,7 @@ class _FrameCompiler:
             return run
         collectives = _collective_signature(gm)
         if kind != "backward":  # checked where the frame runs, with the parameters it is given
-            self.forward_collectives = collectives
+            self.forward_collectives, self.trains = collectives, kind == "forward"
             return run
         return _backward_in_lockstep(run, collectives, self) if collectives else run
 
@@ -330,9 +331,11 @@ def _frame_runner(compiled: Callable, example_inputs: list[Any], frame: _FrameCo
     collectives, lockstep, graph_id = frame.forward_collectives, frame.lockstep, frame.graph_id
     positions = [i for i, x in enumerate(example_inputs) if getattr(x, "_zerofx_state", None) is not None]
     # checked when the forward communicates, or its backward may: stage 2 reads whole copies in
-    # forward and reduce-scatters in backward, whose digest cannot name the parameters
+    # forward and reduce-scatters in backward, whose digest cannot name the parameters. Not an
+    # inference graph that communicates nothing (stage 2 evaluated on rank 0 alone must not wait)
     checked = lockstep is not None and (
-        bool(collectives) or any(example_inputs[i]._zerofx_state.runtime.stage != 1 for i in positions)
+        bool(collectives)
+        or (frame.trains and any(example_inputs[i]._zerofx_state.runtime.stage != 1 for i in positions))
     )
     if not refs and not checked:
         return compiled
