@@ -256,11 +256,10 @@ def make_backend(
     def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
         _refuse_parameters_added_after_sharding(gm, example_inputs)
         frame = _FrameCompiler(state, recorder if recorder is not None else recorder_for(options))
-        sharded = [x._zerofx_state for x in example_inputs if getattr(x, "_zerofx_state", None) is not None]
-        runtime = sharded[0].runtime if sharded else None
-        if runtime is not None and runtime.lockstep is not None and runtime.lockstep.groups is not None:
-            if options.check_lockstep:  # off where either the shard's or the backend's options say so
-                frame.lockstep = runtime.lockstep
+        sharded = next((x._zerofx_state for x in example_inputs if getattr(x, "_zerofx_state", None)), None)
+        lockstep = sharded.runtime.lockstep if sharded is not None else None
+        if options.check_lockstep and lockstep is not None and lockstep.groups is not None:
+            frame.lockstep = lockstep  # groups is None where the shard's options turned the checks off
         symbols = _size_symbols(example_inputs)
         if symbols:
             _note_symbolic_frame(frame, symbols)

@@ -72,6 +72,7 @@ rank must have produced gradients for the same parameters.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,7 +132,6 @@ class ParamState:
     # was last refreshed from them (NOTE: stale whole copies)
     synced_version: tuple[int, int] = (-1, -1)
     synced_hash: int | None = None  # the shard's torch.hash_tensor then, once uncompiled forwards check it
-    read_digest: int | None = None  # what an uncompiled read compares across ranks (check_uncompiled_read)
 
     def mark_synced(self) -> None:
         """Record that ``full`` holds the shard's current values."""
@@ -165,20 +165,27 @@ class ParamState:
         run = self.runtime
         if run.lockstep is None or run.lockstep.groups is None or run.gathered is not None:
             return
-        if not self._communicates(self.param):  # a read on some ranks only (logging a norm) must not wait
+        if not self._communicates():  # a read on some ranks only (logging a norm) must not wait
             return
-        if self.read_digest is None:
-            self.read_digest = digest_of("uncompiled read", self.qualname)
         run.lockstep.check(self.read_digest, lambda: f"an uncompiled read of {self.qualname}")
 
-    def _communicates(self, param: torch.nn.Parameter) -> bool:
+    @functools.cached_property
+    def read_digest(self) -> int:
+        """What an uncompiled read compares across ranks (``check_uncompiled_read``)."""
+        return digest_of("uncompiled read", self.qualname)
+
+    def _reads_locally(self, param: torch.nn.Parameter) -> bool:
+        """Whether a read takes the ``local_grad`` route (stage 1, no_sync, pending gradients)."""
+        run = self.runtime
+        return param.requires_grad and (run.stage == 1 or not run.sync or run.pending)
+
+    def _communicates(self) -> bool:
         """Whether a read now issues a collective, in forward (stage 3's gather) or in the
         backward of a value that needs a gradient (what ``_data_parallel_value`` chooses)."""
         if self.full is None and not self.whole:
             return True  # unshard: a gather in forward
-        run = self.runtime
-        local = param.requires_grad and (run.stage == 1 or not run.sync or run.pending)  # local_grad: none
-        return not local and param.requires_grad and torch.is_grad_enabled()  # read_full / sync_grad: backward
+        local = self._reads_locally(self.param)  # local_grad of a whole value: none
+        return not local and self.param.requires_grad and torch.is_grad_enabled()  # read_full / sync_grad
 
     def forward_value(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The whole parameter for forward, through the markers of this stage and mode (for a
@@ -200,9 +207,9 @@ class ParamState:
             return self.runtime.gathered[self]
         ops = torch.ops.zerofx
         local = param.to_local()
-        run, rdt, cdt = self.runtime, self.reduce_dtype, self.compute_dtype
+        rdt, cdt = self.reduce_dtype, self.compute_dtype
         sg, rg = self.shard_group, self.replicate_group
-        if param.requires_grad and (run.stage == 1 or not run.sync or run.pending):
+        if self._reads_locally(param):
             if self.full is not None:
                 value = self.full
             elif self.whole:
