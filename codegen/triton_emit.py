@@ -194,6 +194,8 @@ class _Writer:
         off = self.offset(cls, shape, broadcast_strides(val, shape))
         name = self._fresh("x")
         _, mask = self._index_var(cls)
+        if off == "rows" and mask == "mask":  # a per-row tensor inside a full-row op: an (R, 1) load
+            mask = "row_mask"
         if off is None:
             expr = f"tl.load({ptr})"
             self.scalar.add(name)
@@ -289,6 +291,8 @@ class _Writer:
             value = f"tl.broadcast_to({value}, {tile})"
         if val.dtype in (torch.float16, torch.bfloat16):
             value = f"{value}.to({TL_DTYPES[val.dtype]})"
+        if off == "rows" and mask == "mask":  # a full tile into a stride-0 row (an expand): same value per row
+            off = "rows + 0 * cols"
         target = f"{ptr} + {off}" if off is not None else f"{ptr} + 0 * {self._index_var(cls)[0]}"
         self.lines.append(f"tl.store({target}, {value}, mask={mask})  # {node.name}")
 

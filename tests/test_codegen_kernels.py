@@ -151,6 +151,26 @@ def test_rms_norm_forward_and_backward_through_autograd():
         torch.testing.assert_close(o, r, **REDUCTION)
 
 
+def test_per_row_tensors_are_read_and_written_inside_full_row_kernels():
+    """F.normalize's backward as AOTAutograd recomputes it: whole rows divided by the per-row
+    norm read directly (an (R, 1) load under the full tile), and the clamped norm expanded along
+    the row returned for a later kernel (a stride-0 output: one element per row stored)."""
+    x, norm, m = torch.randn(5, 40), torch.rand(5, 1) + 0.5, torch.randn(5, 5)
+
+    def fn(x, norm, m):
+        expand = norm.clamp_min(1e-12).expand(5, 40)
+        y = x / expand
+        grad = m @ y + m.t() @ y
+        inner = (-grad * (y / expand)).sum(1, keepdim=True)
+        scaled = (x / norm.detach()).masked_fill(norm.detach() == 0, 0.0)
+        return grad / expand + torch.where(norm >= 1e-12, inner, 0.0) * scaled
+
+    ref, got, kernels = run_both(fn, x, norm, m, min_kernels=2)
+    assert any(k.kernel.kind == "row" for k in kernels)
+    for r, o in zip(ref, got):
+        torch.testing.assert_close(o, r, **REDUCTION)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, BF16), (torch.float16, FP16)])
 def test_low_precision_layer_norm_and_pointwise(dtype, tol):
     x = torch.randn(6, 50, dtype=dtype)
