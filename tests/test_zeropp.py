@@ -169,7 +169,12 @@ def test_hpz_backward_gathers_inside_the_inner_dimension_only(runs):
 
 def test_hpz_trains_bit_for_bit_like_zero3_over_every_rank(runs):
     for result in runs(4):
-        for plain, hpz in (("flat_mlp", "hpz_mlp"), ("flat_gpt", "hpz_gpt"), ("flat_mlp", "hpz_mlp_off")):
+        for plain, hpz in (
+            ("flat_mlp", "hpz_mlp"),
+            ("flat_gpt", "hpz_gpt"),
+            ("flat_mlp", "hpz_mlp_off"),
+            ("flat_mlp", "hpz_mlp_unnamed"),
+        ):
             assert result[hpz]["losses"] == result[plain]["losses"]
             assert result[hpz]["params"] == result[plain]["params"]
         assert result["hpz_gpt"]["secondary_bytes"] > 0

@@ -195,4 +195,8 @@ def run(rank: int, world: int) -> dict:
         torch._dynamo.reset()
         on = zerofx.sharding._flat_mesh(mesh) if name in FLAT else mesh
         results[name] = train(on, case, options, steps)
+    if world == 4:  # the README's spelling: a 2-D mesh whose dimensions have no names
+        torch._dynamo.reset()
+        unnamed = init_device_mesh("cpu", (2, 2))
+        results["hpz_mlp_unnamed"] = train(unnamed, "mlp", dict(BYTES, secondary_shard=True), 3)
     return results

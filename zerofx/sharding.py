@@ -676,9 +676,18 @@ def _flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily():  # the mesh's rank tensor is real, also under zerofx.plan's fake mode
-            _FLAT_MESHES[id(mesh)] = (mesh, mesh._flatten())
+            _FLAT_MESHES[id(mesh)] = (mesh, mesh._flatten() if mesh.mesh_dim_names else _flatten_unnamed(mesh))
             name_mesh_dims(_FLAT_MESHES[id(mesh)][1], ("whole mesh",))
     return _FLAT_MESHES[id(mesh)][1]
+
+
+def _flatten_unnamed(mesh: DeviceMesh) -> DeviceMesh:
+    """A 1-D mesh over every rank of ``mesh``, whose dimensions have no names (torch's
+    ``DeviceMesh._flatten`` names the result after them and refuses a mesh without): a new group
+    that only the mesh's own ranks create, as only they shard this model."""
+    ranks = mesh.mesh.flatten().tolist()
+    group = dist.new_group(ranks, use_local_synchronization=True)
+    return DeviceMesh.from_group(group, mesh.device_type, mesh=ranks)
 
 
 # NOTE: ZeRO with tensor parallelism
