@@ -31,6 +31,34 @@ def tiny_llama(seed: int = 0, hidden: int = 32):
     return LlamaForCausalLM(config)
 
 
+class _ContrastiveLoss(torch.nn.Module):
+    def __init__(self, clip):
+        super().__init__()
+        self.clip = clip
+
+    def forward(self, input_ids, pixel_values):
+        return self.clip(input_ids=input_ids, pixel_values=pixel_values, return_loss=True).loss
+
+
+def tiny_clip():
+    """``zerofx.testing.verify``'s factory for an HF ``CLIPModel`` from a config: two towers of
+    width 32 and its temperature, ``logit_scale``, a 0-dim parameter; the model returns CLIP's
+    contrastive loss over the batch."""
+    from transformers import CLIPConfig, CLIPModel
+
+    towers = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    config = CLIPConfig(
+        text_config=dict(towers, vocab_size=VOCAB, max_position_embeddings=16),
+        vision_config=dict(towers, image_size=16, patch_size=8, num_channels=3),
+        projection_dim=16,
+    )
+
+    def batch(n: int, gen: torch.Generator):
+        return torch.randint(0, VOCAB, (n, 8), generator=gen), torch.randn(n, 3, 16, 16, generator=gen)
+
+    return _ContrastiveLoss(CLIPModel(config)), batch
+
+
 def _mesh(world: int):
     from torch.distributed.device_mesh import init_device_mesh
 

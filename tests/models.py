@@ -107,7 +107,8 @@ class FrozenBufferNet(nn.Module):
 
 class UnevenNet(nn.Module):
     """Dim 0 of every parameter is indivisible by 2 and 4; with 4 ranks some shards are empty
-    (5 rows over 4 ranks: 2, 2, 1, 0) and one parameter has fewer rows than ranks."""
+    (5 rows over 4 ranks: 2, 2, 1, 0) and one parameter has fewer rows than ranks. A 0-dim
+    temperature (CLIP's ``logit_scale``) has no dim 0 at all: zerofx keeps it whole."""
 
     def __init__(self):
         super().__init__()
@@ -115,10 +116,11 @@ class UnevenNet(nn.Module):
         self.l2 = nn.Linear(7, 5)  # weight (5, 7), bias (5,)
         self.l3 = nn.Linear(5, 3)  # weight (3, 5), bias (3,)
         self.gain = nn.Parameter(torch.ones(3, 1, 3))  # 3-D, fewer rows than 4 ranks
+        self.log_temperature = nn.Parameter(torch.tensor(0.25))  # 0-dim
 
     def forward(self, x, y):
         h = F.gelu(self.l2(F.gelu(self.l1(x))))
-        out = self.l3(h) * self.gain.sum(dim=(1, 2)) / 3
+        out = self.l3(h) * self.gain.sum(dim=(1, 2)) / 3 * self.log_temperature.exp()
         return F.mse_loss(out, y)
 
 
@@ -146,6 +148,10 @@ def _tokens(vocab: int, length: int, out_dim: int):
 
     return make
 
+
+# parameters each case keeps whole on every rank (0-dim ones): the backend's all-reduce sums their
+# gradients in its own order, which over more than two ranks is not the reference's rank order
+WHOLE: dict[str, tuple[str, ...]] = {"uneven": ("log_temperature",)}
 
 CASES: dict[str, Case] = {
     "mlp": Case(MLP, _dense(16, 8, grad_input=True)),

@@ -193,6 +193,19 @@ def test_export_memory_stays_near_one_output_file(tmp_path):
     assert got["peak"] - got["base"] < 2 * shard, got  # 32 MiB: also half the model
 
 
+@pytest.mark.parametrize("stage", [3, 1])
+def test_clip_with_a_0_dim_temperature_trains_bit_for_bit(stage):
+    """HF CLIPModel keeps its temperature in a 0-dim parameter (``logit_scale``): no rows to
+    shard, so zerofx keeps it whole on every rank and all-reduces its gradient, at every stage;
+    training matches the unsharded model bit for bit, clipping included."""
+    from zerofx.testing import verify_ranks
+
+    reports = verify_ranks("tests.hf_scenarios:tiny_clip", 2, steps=2, max_grad_norm=0.5, stage=stage)
+    for r in reports:
+        assert r["ok"], (r["problem"], r["first_divergence"])
+        assert len(r["steps"]) == 2
+
+
 def test_gathered_needs_a_sharded_model():
     with pytest.raises(ZeroFXError, match="not sharded by zerofx"):
         with zerofx.gathered(nn.Linear(2, 2)):

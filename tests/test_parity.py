@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.models import CASES
+from tests.models import CASES, WHOLE
 from tests.multirank import run_ranks
 from tests.parity import loss_tolerances, train_all
 
@@ -47,8 +47,9 @@ def test_loss_and_shard_parity(runs, world_size, name):
         assert len(r["losses"]) == STEPS
         # bitwise: every loss, gradient and parameter shard, every buffer, every step
         assert not r["failures"], f"rank {rank}: " + "\n".join(r["failures"][:10])
-        # zerofx reduces every gradient itself, in rank order (gloo: the transport pass)
-        assert r["bounded"] == [], r["bounded"]
+        # zerofx reduces every sharded gradient itself, in rank order (gloo: the transport pass);
+        # a whole parameter's is all-reduced by gloo, in its own order from 3 ranks on
+        assert set(r["bounded"]) <= set(WHOLE.get(name, ()) if world_size > 2 else ()), r["bounded"]
         # the whole-batch reference, within the rounding its own re-split shows (tests/parity.py)
         for step, (got, want, tol) in enumerate(zip(r["losses"], r["ref_losses"], loss_tolerances(r))):
             assert abs(got - want) <= tol, f"rank {rank} step {step}: {got} vs {want} (allowed {tol:.3g})"

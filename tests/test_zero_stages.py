@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models import UnevenNet
+from tests.models import WHOLE, UnevenNet
 from tests.multirank import run_ranks
 from tests.zero_scenarios import scenarios_w2, scenarios_w4
 
@@ -67,10 +67,15 @@ PARITY = (
 )
 
 
+def _all_reduced(world_size: int, name: str) -> tuple[str, ...]:
+    """The parameters whose gradients a backend all-reduce sums in its own order (tests.models.WHOLE)."""
+    return WHOLE["uneven"] if world_size > 2 and "uneven" in name else ()
+
+
 @pytest.mark.parametrize("world_size,name", PARITY)
 def test_every_stage_trains_like_the_unsharded_reference(runs, world_size, name):
     """Losses, every local gradient shard and every parameter shard, every step, bit for bit."""
-    _assert_parity(_case(runs, world_size, name))
+    _assert_parity(_case(runs, world_size, name), bounded=_all_reduced(world_size, name))
 
 
 @pytest.mark.parametrize("world_size,stage", [(w, s) for w in (2, 4) for s in STAGES])
@@ -79,7 +84,7 @@ def test_accumulation_with_no_sync_and_clipping_match_one_big_batch(runs, world_
         # the global norm: checked in the failures against the reference's within the bound for
         # a sum of squares in any order; here only that clipping really scaled the gradients
         assert max(r["norms"]) > 0.05  # clipping really scaled the gradients
-    _assert_parity(_case(runs, world_size, f"accum_clip_stage{stage}"))
+    _assert_parity(_case(runs, world_size, f"accum_clip_stage{stage}"), bounded=_all_reduced(world_size, "uneven"))
 
 
 def test_accumulation_with_tied_weights_in_stage_3(runs):

@@ -29,9 +29,9 @@ PER_RANK = 2  # samples per rank per micro-batch
 
 def _accounting(ref: torch.nn.Module, shard_size: int, threshold: int) -> dict:
     """Ψ of the unsharded model in bytes (tied parameters once), split into the parameters kept
-    whole by the persistence threshold and the sharded ones (also padded to ``shard_size``)."""
+    whole (by the persistence threshold, or 0-dim) and the sharded ones (also padded to ``shard_size``)."""
     acc = numel_accounting(ref, shard_size)
-    whole = [p for p in ref.parameters() if p.numel() < threshold]
+    whole = [p for p in ref.parameters() if p.numel() < threshold or p.dim() == 0]
     acc["psi_whole"] = sum(p.numel() * p.element_size() for p in whole)
     return acc
 
@@ -196,7 +196,8 @@ def checkpoint_source(rank: int, world: int, mesh, folder: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first = run_steps(model, opt, range(3))
     zerofx.checkpoint.save(path, model, opt, extra={"step": 3})
-    saved = {k: v.full_tensor() if isinstance(v, DTensor) else v.clone() for k, v in model.state_dict().items()}
+    # cloned: a replicated DTensor's full_tensor() is its local tensor, which training goes on changing
+    saved = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in model.state_dict().items()}
     uninterrupted = run_steps(model, opt, range(3, 6))
     torch._dynamo.reset()
 

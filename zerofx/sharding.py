@@ -456,14 +456,17 @@ def _make_state(
     hybrid = mesh.ndim == 2
     shard_group = _group(mesh, 1 if hybrid else 0)
     replicate_group = _group(mesh, 0) if hybrid and mesh.size(0) > 1 else None
-    whole = opts.stage == 3 and param.numel() < opts.persistence_threshold
+    whole = param.dim() == 0 or (opts.stage == 3 and param.numel() < opts.persistence_threshold)
     placements = [Replicate() if whole else Shard(0)]
     if hybrid:
         placements = [Replicate(), *placements]
     device = torch.device(mesh.device_type) if param.is_meta else param.device
     if param.is_meta:  # only this rank's rows exist, uninitialized until loaded (NOTE: models built on meta)
-        rows = param.shape[0] if whole else local_rows(param.shape[0], shard_group.size, shard_group.rank)
-        local = torch.empty((rows, *param.shape[1:]), dtype=param.dtype, device=device)
+        if whole:
+            local = torch.empty(param.shape, dtype=param.dtype, device=device)
+        else:
+            rows = local_rows(param.shape[0], shard_group.size, shard_group.rank)
+            local = torch.empty((rows, *param.shape[1:]), dtype=param.dtype, device=device)
         dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
     else:
         dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=0)
@@ -497,7 +500,7 @@ def _make_state(
         whole,
         shard_group,
         replicate_group,
-        param.shape[0],
+        param.shape[0] if param.dim() else 1,
         runtime,
         compute_dtype=compute,
         reduce_dtype=None if reduce == (compute or master) else reduce,
@@ -947,8 +950,6 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
         for name in names:
             param = module._parameters[name]
             qualname = f"{module_name}.{name}" if module_name else name
-            if param.dim() == 0:
-                raise ZeroFXError(f"{qualname} is a 0-dim parameter; zerofx shards along dim 0 (give it shape (1,))")
             if id(param) not in states:
                 full_precision_param = id(param) in full_precision
                 states[id(param)] = _make_state(qualname, param, mesh, opts, runtime, full_precision_param, tp_mesh)
