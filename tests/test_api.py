@@ -255,6 +255,27 @@ def test_torch_compile_backend_on_an_unsharded_model_in_a_multi_rank_job_warns()
         torch._dynamo.reset()
 
 
+def test_sharding_a_model_whose_parts_are_sharded_already_is_an_error_naming_the_part():
+    """FSDP2's idiom (shard each block, then the root) and compiling a block of a sharded model
+    both meet parameters zerofx has laid out already; either is refused before anything changes,
+    naming the part. torch's fake process group stands in for a 2-rank job (no collective runs)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        model = MLP()
+        zerofx.shard(model.layers[0], mesh)
+        with pytest.raises(ZeroFXError, match=r"layers\.0 is already sharded by zerofx.*root only"):
+            zerofx.compile(model, mesh)
+        assert not zerofx.sharding.is_sharded(model)
+        whole = zerofx.shard(MLP(), mesh)
+        with pytest.raises(ZeroFXError, match=r"^weight belongs to a model zerofx has sharded already \(as its "):
+            zerofx.shard(whole.layers[2], mesh)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_optimizer_built_before_shard_is_refused_at_its_first_step():
     """shard puts new parameter objects into the model; an optimizer over the old ones would step
     parameters that never get a gradient (the model would not train, silently). Its first step,

@@ -892,6 +892,27 @@ def _check_crossing(name: str, tp_mesh: DeviceMesh, mesh: DeviceMesh) -> None:
         )
 
 
+def _refuse_sharded_parts(model: nn.Module) -> None:
+    """Refuse a model that holds zerofx-sharded parameters already: FSDP2's idiom of sharding
+    each block and then the root (``fully_shard`` per block), or a block of a model zerofx has
+    sharded. zerofx lays out a whole model in one call and buckets per block by itself, and a
+    parameter sharded twice would be read through two layouts."""
+    inner = next((name for name, m in model.named_modules() if name and is_sharded(m)), None)
+    if inner is not None:
+        raise ZeroFXError(
+            f"{inner} is already sharded by zerofx (zerofx.compile / zerofx.shard on that submodule): zerofx "
+            "shards a whole model in one call and groups each block's collectives by itself, so FSDP2's "
+            "per-block fully_shard has no zerofx counterpart. Build the model again and call "
+            "zerofx.compile(model, mesh) on the root only"
+        )
+    taken = next(((name, p._zerofx_state) for name, p in model.named_parameters() if hasattr(p, "_zerofx_state")), None)
+    if taken is not None:
+        raise ZeroFXError(
+            f"{taken[0]} belongs to a model zerofx has sharded already (as its parameter {taken[1].qualname}): a part of a "
+            "sharded model trains through the model it belongs to; compile that model, not its parts"
+        )
+
+
 def _cast_floating_inputs(dtype: torch.dtype, module: nn.Module, args: Any, kwargs: Any) -> tuple:
     """Forward pre-hook (bound to ``dtype`` with functools.partial, which pickles and copies):
     floating-point inputs in the compute dtype."""
@@ -915,6 +936,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     opts = Options.from_kwargs(options, **kwargs)
     if is_sharded(model):
         raise ZeroFXError("model is already sharded by zerofx; call zerofx.shard once per model")
+    _refuse_sharded_parts(model)
     on_meta = _built_on_meta(model)
     mesh, tp_mesh = _tp_mesh_of(model, mesh, opts.tp_dim)
     if tp_mesh is not None and on_meta:
