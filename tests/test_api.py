@@ -276,6 +276,35 @@ def test_sharding_a_model_whose_parts_are_sharded_already_is_an_error_naming_the
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize(
+    "make",
+    [lambda ps: torch.optim.Rprop(ps, lr=1e-2), lambda ps: torch.optim.Adafactor(ps, lr=1e-2)],
+    ids=["rprop", "adafactor"],
+)
+def test_optimizers_dtensor_cannot_step_are_refused_at_their_first_step_saying_why(make):
+    """Rprop's masked index_put_ and Adafactor's factored moments fail inside DTensor on
+    sharded parameters; their first step is a zerofx error naming the optimizer and the reason,
+    and no parameter changes. torch's fake process group stands in for a 2-rank job (the check
+    is local: no collective runs)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = zerofx.shard(MLP(), init_device_mesh("cpu", (2,)))
+        opt = make(model.parameters())
+        before = [p.to_local().clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        name = type(opt).__name__
+        with pytest.raises(
+            ZeroFXError, match=rf"^torch\.optim\.{name} cannot step zerofx's sharded parameters: .*DTensor"
+        ):
+            opt.step()
+        assert all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_optimizer_built_before_shard_is_refused_at_its_first_step():
     """shard puts new parameter objects into the model; an optimizer over the old ones would step
     parameters that never get a gradient (the model would not train, silently). Its first step,

@@ -28,7 +28,8 @@ A step falls back to the DTensor path (numerically the same, only slower) when a
 not a DTensor with its parameter's placements and shape, when the optimizer also holds
 DTensors zerofx does not manage (foreach kernels cannot mix the two), when it is stepped in
 windows by ``zerofx.offload_optimizer``, or when the model was compiled with
-``local_optimizer_step=False``. Optimizers outside ``ELEMENTWISE`` always take the DTensor path.
+``local_optimizer_step=False``. Optimizers outside ``ELEMENTWISE`` always take the DTensor path;
+those in ``_REFUSED``, which fail inside DTensor, are an error at their first step.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
+from zerofx.errors import ZeroFXError
 from zerofx.runtime.params import optimizer_state
 
 __all__ = ["ELEMENTWISE", "install", "steps_locally"]
@@ -61,6 +63,20 @@ ELEMENTWISE: frozenset[type] = frozenset(
         torch.optim.Rprop,
     }
 )
+
+# Optimizers whose step cannot run on zerofx's DTensor parameters (torch 2.13), with why: refused
+# at their first step with that reason, instead of DTensor's "in-place operations that require
+# placement changes are not supported" from inside the optimizer
+_REFUSED: dict[type, str] = {
+    torch.optim.Rprop: (
+        "its step clears gradient entries through a boolean mask (index_put_), which DTensor cannot "
+        "apply to a shard in place, and an optimizer's first step runs through DTensor"
+    ),
+    torch.optim.Adafactor: (
+        "its factored second moment takes row and column means of each gradient, partial sums that "
+        "DTensor cannot raise to a power in place"
+    ),
+}
 
 _PRE_HOOK = None
 
@@ -89,6 +105,11 @@ def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     if optimizer_state(optimizer) is not None or torch.compiler.is_compiling():
         return  # decided at its first step already (or zerofx.offload_optimizer took it)
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    if type(optimizer) in _REFUSED and any(hasattr(p, "_zerofx_state") for p in params):
+        raise ZeroFXError(
+            f"torch.optim.{type(optimizer).__name__} cannot step zerofx's sharded parameters: "
+            f"{_REFUSED[type(optimizer)]}. Use an elementwise optimizer (AdamW, Adam, SGD, RMSprop, Adagrad, ...)"
+        )
     adopt = type(optimizer) in ELEMENTWISE and any(_managed(p) for p in params)
     state = optimizer_state(optimizer, create=True)
     state.local_step = adopt
