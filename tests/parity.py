@@ -47,20 +47,16 @@ def numel_accounting(ref: torch.nn.Module, world_size: int) -> dict[str, int]:
     """Everything the bounds need, computed from numel of the unsharded model."""
     out = dict(total=0, bound=0, psi=0, psi_trainable=0, psi_pad=0, psi_trainable_pad=0)
     for _, p in _unique_params(ref):
+        copies = 4 if p.requires_grad else 1  # param (+ grad + Adam's exp_avg, exp_avg_sq)
+        out["total"] += p.numel() * p.element_size() * copies
+        out["psi"] += p.numel() * p.element_size()
+        out["psi_trainable"] += p.numel() * p.element_size() if p.requires_grad else 0
         if p.dim() == 0:  # kept whole on every rank: never gathered or reduce-scattered
-            copies = 4 if p.requires_grad else 1
-            out["total"] += p.element_size() * copies
             out["bound"] += p.element_size() * copies
-            out["psi"] += p.element_size()
-            out["psi_trainable"] += p.element_size() if p.requires_grad else 0
             continue
         row = p.numel() // p.shape[0]
         padded = -(-p.shape[0] // world_size) * world_size * row * p.element_size()
-        copies = 4 if p.requires_grad else 1  # param (+ grad + Adam's exp_avg, exp_avg_sq)
-        out["total"] += p.numel() * p.element_size() * copies
         out["bound"] += padded // world_size * copies
-        out["psi"] += p.numel() * p.element_size()
-        out["psi_trainable"] += p.numel() * p.element_size() if p.requires_grad else 0
         out["psi_pad"] += padded
         out["psi_trainable_pad"] += padded if p.requires_grad else 0
     return out

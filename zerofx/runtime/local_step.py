@@ -60,7 +60,6 @@ ELEMENTWISE: frozenset[type] = frozenset(
         torch.optim.RAdam,
         torch.optim.RMSprop,
         torch.optim.Adadelta,
-        torch.optim.Rprop,
     }
 )
 
