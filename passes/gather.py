@@ -78,6 +78,14 @@ def _lower_unshard(gm: fx.GraphModule, marker: fx.Node) -> None:
         full = waited
         if rows * group_size != full_rows:
             full = insert_call(gm, aten.slice.Tensor, (waited, 0, 0, full_rows), role=role)
+    # the module the parameter was read in: graph inputs carry none, and the bucket and
+    # checkpoint passes group a gather by the block it serves (passes/modules.py, module_block)
+    stack = marker.meta.get("nn_module_stack")
+    if stack:
+        node = full
+        while node is not shard:
+            node.meta.setdefault("nn_module_stack", stack)
+            node = node.args[0]
     marker.replace_all_uses_with(full)
     gm.graph.erase_node(marker)
 

@@ -256,7 +256,7 @@ def make_backend(
     def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
         _refuse_parameters_added_after_sharding(gm, example_inputs)
         frame = _FrameCompiler(state, recorder if recorder is not None else recorder_for(options))
-        sharded = next((x._zerofx_state for x in example_inputs if getattr(x, "_zerofx_state", None)), None)
+        sharded = next((s for s in map(_state_of, example_inputs) if s is not None), None)
         lockstep = sharded.runtime.lockstep if sharded is not None else None
         if options.check_lockstep and lockstep is not None and lockstep.groups is not None:
             frame.lockstep = lockstep  # groups is None where the shard's options turned the checks off
@@ -323,7 +323,7 @@ def _frame_runner(compiled: Callable, example_inputs: list[Any], frame: _FrameCo
     """
     runtimes = {}
     for x in example_inputs:
-        state = getattr(x, "_zerofx_state", None) if isinstance(x, torch.Tensor) else None
+        state = _state_of(x)
         if state is not None and state.full is not None:
             runtimes[id(state.runtime)] = weakref.ref(state.runtime)
     refs = list(runtimes.values())
@@ -356,6 +356,15 @@ def _frame_runner(compiled: Callable, example_inputs: list[Any], frame: _FrameCo
     return run
 
 
+def _state_of(x: Any) -> Any:
+    """The ParamState a graph input belongs to: a parameter's shard (``_zerofx_state``: the
+    DTensor, or the plain tensor over its shard), its whole copy or its gradient sink
+    (``_zerofx_part_of``, zerofx/sharding.py); None for anything else."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    return getattr(x, "_zerofx_state", None) or getattr(x, "_zerofx_part_of", None)
+
+
 def _qualname(x: Any) -> str:
     state = getattr(x, "_zerofx_state", None)
     return state.qualname if state is not None else "?"
@@ -372,14 +381,14 @@ def _refuse_parameters_added_after_sharding(gm: fx.GraphModule, example_inputs: 
     would synchronize their gradients, so each rank would train its own copy and the ranks
     drift apart without a word. Checked once per compiled frame (adding a module makes dynamo
     recompile), so a training step pays nothing."""
-    sharded = [x._zerofx_state for x in example_inputs if getattr(x, "_zerofx_state", None) is not None]
+    sharded = [s for s in map(_state_of, example_inputs) if s is not None]
     if not sharded or all(s.shard_group.size == 1 and s.replicate_group is None for s in sharded):
         return
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     unknown = [
         _source_name(node)
         for node, x in zip(placeholders, example_inputs)
-        if isinstance(x, torch.nn.Parameter) and x.requires_grad and getattr(x, "_zerofx_state", None) is None
+        if isinstance(x, torch.nn.Parameter) and x.requires_grad and _state_of(x) is None
     ]
     if unknown:
         names = some_names(unknown)

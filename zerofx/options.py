@@ -97,6 +97,7 @@ class LayoutPolicy:
     initial_loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
     local_optimizer_step: bool = True
+    plain_graph_inputs: bool = True
     secondary_shard: bool = False
     tp_dim: str | None = None
 
@@ -125,8 +126,9 @@ class LayoutPolicy:
                 f"option persistence_threshold={threshold} only applies to stage 3: stage {self.stage} keeps "
                 "every parameter whole already (drop persistence_threshold, or use stage=3)"
             )
-        if not isinstance(self.local_optimizer_step, bool):
-            raise ZeroFXError(f"option local_optimizer_step={self.local_optimizer_step!r}: give True or False")
+        for name in ("local_optimizer_step", "plain_graph_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ZeroFXError(f"option {name}={getattr(self, name)!r}: give True or False")
         param_dtype = _dtype("param_dtype", self.param_dtype)
         reduce_dtype = _dtype("reduce_dtype", self.reduce_dtype)
         object.__setattr__(self, "param_dtype", None if param_dtype is torch.float32 else param_dtype)
@@ -360,6 +362,13 @@ class Options:
             built over the model step each rank's local shards directly instead of going through
             DTensor's dispatch op by op, from their second step on (zerofx/runtime/local_step.py). Same
             arithmetic, same state dict; False keeps every step on the DTensor path.
+        plain_graph_inputs: hand the compiled graphs each parameter's local shard as a plain
+            tensor (gradients moved into the DTensor parameters' ``.grad`` by a hook) instead of
+            the DTensor parameters, which cost per-parameter guards, unwrapping and gradient
+            re-wrapping on every call (zerofx/runtime/params.py, NOTE: plain graph inputs). Same
+            numbers; the parameters themselves are then not in the autograd graph, so
+            ``torch.autograd.grad`` with respect to them needs False. Tensor-parallel parameters
+            always go in as DTensors.
         secondary_shard: ZeRO++'s hpZ, on a 2-D mesh ``(replicate, shard)`` read as (nodes,
             ranks per node): parameters are sharded over every rank (ZeRO-3 over the flattened
             mesh), each rank keeps its inner-dimension rows of every gathered parameter from

@@ -327,6 +327,9 @@ def _deepcopy_keeping_views(self: nn.Module, memo: dict) -> nn.Module:
     get theirs again (NOTE: the accumulation boundary, zerofx/runtime/params.py), and its
     whole copies count as refreshed if the original's were (NOTE: stale whole copies)."""
     states = next(iter(self._zerofx_params.values())).runtime.states  # every module's: they refer to each other
+    for state in states:  # a new leaf over the copy's shard is made below, with its hook
+        if state.leaf is not None:
+            memo.setdefault(id(state.leaf), None)
     copied = []
     for param in (state.param for state in states):
         if id(param) in memo or not isinstance(param, DTensor):
@@ -350,6 +353,8 @@ def _deepcopy_keeping_views(self: nn.Module, memo: dict) -> nn.Module:
         if not getattr(twin.sink, "_post_accumulate_grad_hooks", None):
             # torch copies no tensor hooks: without this the copy's gradients would stay pending
             twin.sink.register_post_accumulate_grad_hook(twin.runtime.on_local_grad)
+        if state.leaf is not None:
+            twin.make_leaf()
         if twin.full is not None:  # new tensors, new version counters: in step if the original was
             twin.synced_version = twin.versions() if state.versions() == state.synced_version else (-1, -1)
     clone = type(self).__new__(type(self))
@@ -510,6 +515,11 @@ def _make_state(
         tp=tp,
     )
     track(state)
+    for part in (sink, full):  # graph inputs too, where forward reads no shard (stage 1)
+        if part is not None:
+            part._zerofx_part_of = state
+    if opts.plain_graph_inputs and tp is None and new_param.is_floating_point():
+        state.make_leaf()
     return state
 
 

@@ -204,6 +204,9 @@ def place_model_state(model: torch.nn.Module, options) -> str:
     runtime = runtime_of(model)
     for state in runtime.whole_copies:
         state.mark_synced()  # adopting a shard re-points it (set_), which counts as a write
+    for state in runtime.states if store is not None else ():
+        if state.leaf is not None:
+            state.make_leaf()  # the graphs' input over the shard follows it into the file
     runtime.state_tier = tier
     where = (
         f"{len(store.files)} memory-mapped files under {store.directory} ({store.nbytes} B)"

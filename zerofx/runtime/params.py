@@ -68,6 +68,25 @@ accumulation cycle costs exactly one reduction per parameter. This is ZeRO-1 by 
 (DeepSpeed's stage 1 also reduces at the boundary) and gradient accumulation for every stage.
 The boundary reduce is issued in the same parameter order on every rank; as with DDP, every
 rank must have produced gradients for the same parameters.
+
+# NOTE: plain graph inputs
+The optimizer, DCP and clipping see DTensor parameters, but a graph needs only the local shard.
+Handed the DTensors, every compiled call pays per parameter: dynamo guards each DTensor's
+placements and mesh in Python, AOTAutograd unwraps each one and wraps each gradient back into
+a DTensor (``__tensor_unflatten__``), and the forward graph carries a view per parameter for
+the unwrapping (docs/measurements.md, "step time: what grows with the number of parameters").
+So ``forward_value`` reads ``leaf`` instead of ``param.to_local()``: a plain tensor over the
+same storage (``detach()``: it shares the version counter too), a leaf that requires grad. The
+graphs see plain tensors, their guards are tensor guards, and autograd accumulates the shard's
+gradient into ``leaf.grad`` in C++. A post-accumulate-grad hook then moves it into
+``param.grad``, a DTensor over the same buffer (no copy), or adds it to the gradient there; on
+the way it runs the parameter's own ``register_hook`` hooks on the DTensor gradient and, after,
+its post-accumulate-grad hooks, so hooks users put on parameters see what they would have.
+A parameter frozen after sharding reads ``leaf.detach()``. What differs: the parameter itself
+is no longer in the autograd graph (as at stage 1 and under ``no_sync``, and as with FSDP2's
+sharded parameters), so ``torch.autograd.grad(loss, model.parameters())`` raises. Not for
+tensor-parallel parameters, whose forward is DTensor code. ``plain_graph_inputs=False`` hands
+the graphs the DTensors.
 """
 
 from __future__ import annotations
@@ -132,6 +151,35 @@ class ParamState:
     # was last refreshed from them (NOTE: stale whole copies)
     synced_version: tuple[int, int] = (-1, -1)
     synced_hash: int | None = None  # the shard's torch.hash_tensor then, once uncompiled forwards check it
+    leaf: torch.Tensor | None = None  # the graph's plain input for the shard (NOTE: plain graph inputs)
+
+    def make_leaf(self) -> None:
+        """(Re)build ``leaf`` over the parameter's local shard as it is now: after sharding, and
+        wherever the shard's storage is re-pointed (disk offload's ``set_``, a deep copy)."""
+        leaf = self.param._local_tensor.detach().requires_grad_()
+        leaf._zerofx_state = self
+        leaf.register_post_accumulate_grad_hook(self._land_leaf_grad)
+        self.leaf = leaf
+
+    def _land_leaf_grad(self, leaf: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of ``leaf``: move its gradient into the parameter's, as
+        autograd would have accumulated it into the DTensor (NOTE: plain graph inputs)."""
+        local, leaf.grad = leaf.grad, None
+        if local is None:
+            return
+        param = self.param
+        grad = DTensor(local, param._spec, requires_grad=False)
+        if param._backward_hooks:  # Tensor.register_hook: they see the gradient before it accumulates
+            for hook in list(param._backward_hooks.values()):
+                out = hook(grad)
+                grad = grad if out is None else out
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad._local_tensor.add_(grad._local_tensor)
+        if param._post_accumulate_grad_hooks:
+            for hook in list(param._post_accumulate_grad_hooks.values()):
+                hook(param)
 
     def mark_synced(self) -> None:
         """Record that ``full`` holds the shard's current values."""
@@ -206,7 +254,8 @@ class ParamState:
                 )
             return self.runtime.gathered[self]
         ops = torch.ops.zerofx
-        local = param.to_local()
+        leaf = self.leaf  # NOTE: plain graph inputs
+        local = param.to_local() if leaf is None else leaf if param.requires_grad else leaf.detach()
         rdt, cdt = self.reduce_dtype, self.compute_dtype
         sg, rg = self.shard_group, self.replicate_group
         if self._reads_locally(param):
