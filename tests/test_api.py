@@ -276,6 +276,31 @@ def test_sharding_a_model_whose_parts_are_sharded_already_is_an_error_naming_the
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_a_parameter_replaced_after_sharding_is_an_error_naming_it(compiled):
+    """The graphs read a parameter through zerofx's own handle on its shard (NOTE: plain graph
+    inputs), so a parameter the module holds instead, set after sharding, would otherwise be
+    ignored without a word: the next forward raises, naming it, for a replacement DTensor with
+    the same layout too (dynamo's guards pass on that one but for its identity)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        model = zerofx.compile(MLP(), mesh) if compiled else zerofx.shard(MLP(), mesh)
+        x, y = torch.randn(4, 16, requires_grad=True), torch.randn(4, 8)
+        model(x, y).backward()
+        old = model.layers[0]._parameters["weight"]
+        model.layers[0].weight = nn.Parameter(old.detach().clone())
+        with pytest.raises(
+            ZeroFXError, match=r"^layers\.0\.weight: the module holds another tensor than the parameter"
+        ):
+            model(x, y)
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize(
     "make",
     [lambda ps: torch.optim.Rprop(ps, lr=1e-2), lambda ps: torch.optim.Adafactor(ps, lr=1e-2)],

@@ -253,6 +253,13 @@ class ParamState:
                     "Run the forward under torch.no_grad() / torch.inference_mode(), or outside the context to train"
                 )
             return self.runtime.gathered[self]
+        if param is not self.param:
+            raise ZeroFXError(
+                f"{self.qualname}: the module holds another tensor than the parameter zerofx sharded (replaced "
+                "after zerofx.shard / zerofx.compile, e.g. `module.weight = nn.Parameter(...)`), while the optimizer, "
+                "gradients and checkpoints follow the sharded one. Load new values with model.load_state_dict(...), "
+                "or replace the parameter before sharding"
+            )
         ops = torch.ops.zerofx
         leaf = self.leaf  # NOTE: plain graph inputs
         local = param.to_local() if leaf is None else leaf if param.requires_grad else leaf.detach()
