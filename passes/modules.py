@@ -10,8 +10,9 @@ from torch import fx
 
 def module_path(stack_entry: str) -> str:
     """``"L['fn'].__self__.blocks.0.attn"`` (dynamo's spelling) -> ``"blocks.0.attn"``; a
-    graph input's source (``L['self']._modules['fc']._parameters['weight']``) -> ``"fc.weight"``."""
-    s = re.sub(r"^L\['[^']*'\]", "", stack_entry)
+    graph input's source (``L['self']._modules['fc']._parameters['weight']``) -> ``"fc.weight"``;
+    a guard's name (``fn.__self__._modules['fc']...``, dynamo's local without ``L[...]``) too."""
+    s = re.sub(r"^(?:L\['[^']*'\]|\w+(?=\.__self__))", "", stack_entry)
     s = s.replace(".__self__", "")
     s = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", s)
     s = re.sub(r"\[(\d+)\]", r".\1", s)

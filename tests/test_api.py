@@ -301,6 +301,45 @@ def test_a_parameter_replaced_after_sharding_is_an_error_naming_it(compiled):
         dist.destroy_process_group()
 
 
+def test_the_guard_filter_drops_what_sharding_fixed_and_keeps_what_can_change():
+    """zerofx.compile's guard_filter_fn (zerofx/api.py): dynamo's per-parameter guards on a
+    ParamState's fixed layout and on a plain-input parameter's DTensor internals go; the mode
+    flags, requires_grad, the leaf, the whole copy and every guard on a parameter zerofx does
+    not read through a leaf (one added after sharding, here) stay."""
+    from types import SimpleNamespace
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from zerofx.api import _guard_filter
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = zerofx.shard(MLP(), init_device_mesh("cpu", (2,)))
+        model.extra = nn.Linear(2, 2)
+        state = "fn.__self__._modules['layers']._modules['1']._zerofx_params['weight']"
+        param = "fn.__self__._modules['layers']._modules['1']._parameters['weight']"
+        other = "L['fn'].__self__._modules['extra']._parameters['weight']"
+        names = {
+            f"{state}.full_rows": False,
+            f"{state}.shard_group.size": False,
+            f"{state}.compute_dtype": False,
+            f"{state}.__dict__": False,
+            f"{param}._local_tensor": False,
+            f"{param}._spec": False,
+            f"{state}.leaf": True,
+            f"{state}.full": True,
+            f"{state}.runtime.stage": True,
+            f"{state}.runtime.pending": True,
+            f"{param}.requires_grad": True,
+            f"{state}.param": True,
+            f"{other}._local_tensor": True,
+        }
+        keep = _guard_filter(model)([SimpleNamespace(name=n) for n in names])
+        assert dict(zip(names, keep)) == names
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize(
     "make",
     [lambda ps: torch.optim.Rprop(ps, lr=1e-2), lambda ps: torch.optim.Adafactor(ps, lr=1e-2)],

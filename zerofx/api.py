@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -16,6 +17,7 @@ from zerofx.backend import make_backend, recorder_for
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError
 from zerofx.options import LAYOUT_OPTIONS, Options
+from zerofx.passes.modules import module_path
 from zerofx.runtime.offload_store import place_model_state, resolve_offload_dir
 from zerofx.runtime.params import runtime_of
 from zerofx.sharding import is_sharded, mesh_of, shard
@@ -126,9 +128,52 @@ def _compile(
     if keep_graphs:
         runtime.compiled.graphs = {}
     dynamic = None if opts.codegen.dynamic == "auto" else opts.codegen.dynamic  # None: torch's automatic
-    compiled = torch.compile(_enter(model._call_impl), backend=backend, dynamic=dynamic)
+    compiled = torch.compile(
+        _enter(model._call_impl), backend=backend, dynamic=dynamic, options={"guard_filter_fn": _guard_filter(model)}
+    )
     model._compiled_call_impl = compiled
     return model
+
+
+# what zerofx.shard fixes for a parameter and nothing changes after (runtime/params.py ParamState):
+# dynamo guards each of them, for every parameter, at every call of a compiled frame
+_FIXED_STATE = re.compile(
+    r"\._zerofx_params\['[^']+'\]\.(?:__dict__|whole|full_rows|shard_group|replicate_group|secondary_group"
+    r"|compute_dtype|reduce_dtype|tp)\b"
+)
+# a parameter's DTensor internals, which a graph reading its plain leaf does not read
+_DTENSOR_INSIDES = re.compile(r"^(.*\._parameters\['[^']+'\])\.(?:_local_tensor|_spec)\b")
+
+
+def _guard_filter(model: nn.Module):
+    """dynamo's ``guard_filter_fn`` for ``model``: drop the guards, taken per parameter at every
+    call of a compiled frame, on what ``zerofx.shard`` fixed and nothing changes:
+
+    - each parameter's layout (its markers' arguments: group sizes and names, rows, dtypes) and
+      its ParamState's ``__dict__`` (no attribute shadows its methods);
+    - for a parameter the graphs read through its plain leaf (NOTE: plain graph inputs,
+      zerofx/runtime/params.py), the DTensor's spec and local tensor: the graph reads neither,
+      and the guard that the module still holds that very parameter stays.
+
+    The guards on what can change stay: the mode flags (stage, sync, pending), requires_grad,
+    the whole copy, the leaf's tensor, the parameter's identity."""
+    plain = {
+        name
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if getattr(getattr(p, "_zerofx_state", None), "leaf", None) is not None
+    }
+
+    def keep(entries: list) -> list[bool]:
+        kept = []
+        for entry in entries:
+            insides = _DTENSOR_INSIDES.search(entry.name)
+            dropped = _FIXED_STATE.search(entry.name) is not None or (
+                insides is not None and module_path(insides.group(1)) in plain
+            )
+            kept.append(not dropped)
+        return kept
+
+    return keep
 
 
 def _same_mesh(given: DeviceMesh, runtime: Any, tp_dim: str | None) -> bool:
