@@ -4,6 +4,8 @@ parameters (``False``), on 2 gloo ranks."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -100,6 +102,51 @@ def _compare(mesh, rank: int, stage: int, **kw) -> dict:
     }
 
 
+class _BrokenLinear(torch.nn.Linear):
+    """A Linear whose forward has a graph break: dynamo compiles ``forward`` as a frame of its
+    own, which then runs for every instance whose guards pass."""
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
+class _TwoHeads(torch.nn.Module):
+    """Heads of 5 and 6 rows: at 2 ranks rank 0 holds 3 rows of each (torch.chunk), so only the
+    guard on the row count tells the two frames apart there."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = _BrokenLinear(8, 5)
+        self.b = _BrokenLinear(8, 6)
+
+    def forward(self, x):
+        return self.a(x).square().mean() + self.b(x).square().mean()
+
+
+def _frame_shared_by_modules(mesh) -> dict:
+    """A frame compiled for one module and run for another of the same class but other rows: the
+    guards tell them apart (nothing is dropped that differs between parameters). Every rank
+    takes the same batch, so its loss and the averaged gradients are the unsharded model's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = _TwoHeads()
+    model = copy.deepcopy(reference)
+    zerofx.compile(model, mesh)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    want = reference(x)
+    want.backward()
+    got = model(x)
+    got.backward()
+    named = dict(model.named_parameters())
+    return {
+        "loss": (got.item(), want.item()),
+        "grads_err": max(
+            (named[n].grad.full_tensor() - p.grad).abs().max().item() for n, p in reference.named_parameters()
+        ),
+    }
+
+
 def scenarios(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     out: dict = {}
@@ -107,4 +154,5 @@ def scenarios(rank: int, world: int) -> dict:
         attempt(out, f"stage{stage}", lambda stage=stage: _compare(mesh, rank, stage))
     attempt(out, "hooks", lambda: _compare(mesh, rank, 3, hooks=True))
     attempt(out, "accumulation", lambda: _compare(mesh, rank, 3, micro=2))
+    attempt(out, "frame_shared_by_modules", lambda: _frame_shared_by_modules(mesh))
     return out

@@ -301,11 +301,52 @@ def test_a_parameter_replaced_after_sharding_is_an_error_naming_it(compiled):
         dist.destroy_process_group()
 
 
+def test_backward_with_create_graph_keeps_the_gradients_differentiable():
+    """A gradient penalty's ``backward(create_graph=True)`` (uncompiled: AOTAutograd has no
+    double backward): the gradient moved from the plain leaf into the DTensor parameter keeps its
+    graph, as autograd's own accumulation into the parameter did, and a second backward adds to
+    it out of place."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = zerofx.shard(MLP(), init_device_mesh("cpu", (2,)))
+        x, y = torch.randn(4, 16, requires_grad=True), torch.randn(4, 8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's note on the parameter/gradient reference cycle
+            model(x, y).backward(create_graph=True)
+            first = [p.grad for p in model.parameters()]
+            model(x, y).backward(create_graph=True)
+        assert all(p.grad.requires_grad and p.grad.grad_fn is not None for p in model.parameters())
+        assert all(p.grad is not g for p, g in zip(model.parameters(), first))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_optimizer_stepping_in_backward_is_refused_by_name():
+    """torch's ``_apply_optimizer_in_backward`` hooks the parameter's own AccumulateGrad node,
+    which the graphs never reach (they read the shard as a plain tensor): without the refusal
+    the optimizer would never step, silently."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = zerofx.shard(MLP(), init_device_mesh("cpu", (2,)))
+        _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+        x, y = torch.randn(4, 16, requires_grad=True), torch.randn(4, 8)
+        with pytest.raises(ZeroFXError, match=r"an optimizer stepping in backward .*plain_graph_inputs=False"):
+            model(x, y).backward()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_guard_filter_drops_what_sharding_fixed_and_keeps_what_can_change():
-    """zerofx.compile's guard_filter_fn (zerofx/api.py): dynamo's per-parameter guards on a
-    ParamState's fixed layout and on a plain-input parameter's DTensor internals go; the mode
-    flags, requires_grad, the leaf, the whole copy and every guard on a parameter zerofx does
-    not read through a leaf (one added after sharding, here) stay."""
+    """zerofx.compile's guard_filter_fn (zerofx/api.py): dynamo's per-parameter guards on the
+    groups every parameter shares and, in the model's own frame, on a plain-input parameter's
+    DTensor internals go; the mode flags, requires_grad, the leaf, the whole copy, what differs
+    between parameters (rows, whole, dtypes), a module frame's guards and every guard on a
+    parameter zerofx does not read through a leaf (one added after sharding, here) stay."""
     from types import SimpleNamespace
 
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -319,11 +360,15 @@ def test_the_guard_filter_drops_what_sharding_fixed_and_keeps_what_can_change():
         state = "fn.__self__._modules['layers']._modules['1']._zerofx_params['weight']"
         param = "fn.__self__._modules['layers']._modules['1']._parameters['weight']"
         other = "L['fn'].__self__._modules['extra']._parameters['weight']"
+        nested = "L['self']._parameters['weight']"  # a module's own frame, which may run for another
         names = {
-            f"{state}.full_rows": False,
             f"{state}.shard_group.size": False,
-            f"{state}.compute_dtype": False,
+            f"{state}.shard_group.name": False,
+            f"{state}.replicate_group": False,
             f"{state}.__dict__": False,
+            f"{state}.full_rows": True,
+            f"{state}.whole": True,
+            f"{state}.compute_dtype": True,
             f"{param}._local_tensor": False,
             f"{param}._spec": False,
             f"{state}.leaf": True,
@@ -333,6 +378,7 @@ def test_the_guard_filter_drops_what_sharding_fixed_and_keeps_what_can_change():
             f"{param}.requires_grad": True,
             f"{state}.param": True,
             f"{other}._local_tensor": True,
+            f"{nested}._local_tensor": True,
         }
         keep = _guard_filter(model)([SimpleNamespace(name=n) for n in names])
         assert dict(zip(names, keep)) == names

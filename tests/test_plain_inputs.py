@@ -36,3 +36,13 @@ def test_parameter_hooks_fire_as_on_dtensor_inputs(results):
     for r in scenario_results(results, "hooks"):
         off, on = r["hook_calls"]
         assert off == on == ["DTensor"] * 3
+
+
+def test_a_frame_shared_by_modules_of_other_rows_runs_each_with_its_own(results):
+    """zerofx.compile's guard filter drops per-parameter guards only on what every parameter
+    shares: a frame of one Linear class run for a 5-row and a 6-row head (the same 3 local rows
+    on rank 0) recompiles for the second, and both train as the unsharded model does."""
+    for r in scenario_results(results, "frame_shared_by_modules"):
+        got, want = r["loss"]
+        assert got == pytest.approx(want, rel=1e-6)
+        assert r["grads_err"] <= 1e-6

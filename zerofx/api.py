@@ -135,28 +135,30 @@ def _compile(
     return model
 
 
-# what zerofx.shard fixes for a parameter and nothing changes after (runtime/params.py ParamState):
-# dynamo guards each of them, for every parameter, at every call of a compiled frame
-_FIXED_STATE = re.compile(
-    r"\._zerofx_params\['[^']+'\]\.(?:__dict__|whole|full_rows|shard_group|replicate_group|secondary_group"
-    r"|compute_dtype|reduce_dtype|tp)\b"
-)
-# a parameter's DTensor internals, which a graph reading its plain leaf does not read
-_DTENSOR_INSIDES = re.compile(r"^(.*\._parameters\['[^']+'\])\.(?:_local_tensor|_spec)\b")
+# what zerofx.shard fixed for every parameter of a model alike (the groups it is sharded and
+# replicated over) and a ParamState's __dict__ (no attribute shadows its methods): dynamo guards
+# each, for every parameter, at every call of a compiled frame. Not what differs between
+# parameters (rows, whole, dtypes, tp): a frame may run for several modules of one class
+_FIXED_STATE = re.compile(r"\._zerofx_params\['[^']+'\]\.(?:__dict__|shard_group|replicate_group|secondary_group)\b")
+# a parameter's DTensor internals, which a graph reading its plain leaf does not read; only in the
+# model's own frame (named from zerofx.compile's entry, ``fn.__self__``), where a path names one
+# parameter
+_DTENSOR_INSIDES = re.compile(r"^((?:L\['fn'\]|fn)\.__self__\..*\._parameters\['[^']+'\])\.(?:_local_tensor|_spec)\b")
 
 
 def _guard_filter(model: nn.Module):
     """dynamo's ``guard_filter_fn`` for ``model``: drop the guards, taken per parameter at every
     call of a compiled frame, on what ``zerofx.shard`` fixed and nothing changes:
 
-    - each parameter's layout (its markers' arguments: group sizes and names, rows, dtypes) and
-      its ParamState's ``__dict__`` (no attribute shadows its methods);
-    - for a parameter the graphs read through its plain leaf (NOTE: plain graph inputs,
-      zerofx/runtime/params.py), the DTensor's spec and local tensor: the graph reads neither,
-      and the guard that the module still holds that very parameter stays.
+    - the groups every parameter is sharded and replicated over, the same for the whole model,
+      and each ParamState's ``__dict__`` (no attribute shadows its methods);
+    - in the model's own frame, for a parameter the graphs read through its plain leaf (NOTE:
+      plain graph inputs, zerofx/runtime/params.py), the DTensor's spec and local tensor: the
+      graph reads neither, and the guard that the module still holds that very parameter stays.
 
-    The guards on what can change stay: the mode flags (stage, sync, pending), requires_grad,
-    the whole copy, the leaf's tensor, the parameter's identity."""
+    The guards on what can change, or differs between two modules a frame may run for, stay:
+    the mode flags (stage, sync, pending), requires_grad, the leaf, the whole copy, rows, dtypes,
+    whether it is kept whole, the parameter's identity."""
     plain = {
         name
         for name, p in model.named_parameters(remove_duplicate=False)

@@ -346,7 +346,9 @@ def _deepcopy_keeping_views(self: nn.Module, memo: dict) -> nn.Module:
             new.grad = copy.deepcopy(param.grad, memo)
         new.__dict__.update(copy.deepcopy(param.__dict__, memo))
         new._local_tensor.__dict__.update(copy.deepcopy(param._local_tensor.__dict__, memo))
-    for state in states if copied else ():
+    # every twin, also when the parameters were copied before the model in the same deepcopy
+    # (torch's own deepcopy of a ParamState copies its leaf without the hook)
+    for state in states:
         twin = memo.get(id(state))
         if twin is None:
             continue

@@ -84,7 +84,10 @@ the way it runs the parameter's own ``register_hook`` hooks on the DTensor gradi
 its post-accumulate-grad hooks, so hooks users put on parameters see what they would have.
 A parameter frozen after sharding reads ``leaf.detach()``. What differs: the parameter itself
 is no longer in the autograd graph (as at stage 1 and under ``no_sync``, and as with FSDP2's
-sharded parameters), so ``torch.autograd.grad(loss, model.parameters())`` raises. Not for
+sharded parameters): ``torch.autograd.grad(loss, model.parameters())`` raises (with
+``allow_unused=True`` it returns None), ``loss.backward(inputs=model.parameters())`` gives them
+no gradient, and hooks on a parameter's own AccumulateGrad node never run (an optimizer stepping
+in backward through ``_apply_optimizer_in_backward`` is refused here, by name). Not for
 tensor-parallel parameters, whose forward is DTensor code. ``plain_graph_inputs=False`` hands
 the graphs the DTensors.
 """
@@ -168,13 +171,26 @@ class ParamState:
         if local is None:
             return
         param = self.param
-        grad = DTensor(local, param._spec, requires_grad=False)
+        if "_in_backward_optimizers" in param.__dict__:
+            raise ZeroFXError(
+                f"{self.qualname}: an optimizer stepping in backward (torch.distributed.optim."
+                "_apply_optimizer_in_backward) hooks the parameter's own AccumulateGrad, which the graphs "
+                "do not reach: they read the shard as a plain tensor (NOTE: plain graph inputs). Pass "
+                "plain_graph_inputs=False to zerofx.compile / zerofx.shard, or step the optimizer after backward"
+            )
+        if local.requires_grad:  # backward(create_graph=True): the gradient stays differentiable
+            spec = dict(run_check=False, shape=param.shape, stride=param.stride())
+            grad = DTensor.from_local(local, param.device_mesh, param.placements, **spec)
+        else:
+            grad = DTensor(local, param._spec, requires_grad=False)
         if param._backward_hooks:  # Tensor.register_hook: they see the gradient before it accumulates
             for hook in list(param._backward_hooks.values()):
                 out = hook(grad)
                 grad = grad if out is None else out
         if param.grad is None:
             param.grad = grad
+        elif grad.requires_grad or param.grad.requires_grad:
+            param.grad = param.grad + grad  # out of place, as autograd accumulates a graph
         else:
             param.grad._local_tensor.add_(grad._local_tensor)
         if param._post_accumulate_grad_hooks:
