@@ -341,7 +341,7 @@ def test_an_optimizer_stepping_in_backward_is_refused_by_name():
         dist.destroy_process_group()
 
 
-def test_the_guard_filter_drops_what_sharding_fixed_and_keeps_what_can_change():
+def test_the_guard_filter_drops_what_sharding_fixed_and_keeps_what_can_change(monkeypatch):
     """zerofx.compile's guard_filter_fn (zerofx/api.py): dynamo's per-parameter guards on the
     groups every parameter shares and, in the model's own frame, on a plain-input parameter's
     DTensor internals go; the mode flags, requires_grad, the leaf, the whole copy, what differs
@@ -382,6 +382,13 @@ def test_the_guard_filter_drops_what_sharding_fixed_and_keeps_what_can_change():
         }
         keep = _guard_filter(model)([SimpleNamespace(name=n) for n in names])
         assert dict(zip(names, keep)) == names
+        # it comes with plain graph inputs: plain_graph_inputs=False keeps every guard
+        built = []
+        monkeypatch.setattr(zerofx.api, "_guard_filter", lambda m: built.append(m) or _guard_filter(m))
+        mesh = init_device_mesh("cpu", (2,))
+        for plain in (False, True):
+            zerofx.compile(MLP(), mesh, plain_graph_inputs=plain)
+        assert len(built) == 1
     finally:
         dist.destroy_process_group()
 

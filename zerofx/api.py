@@ -128,9 +128,9 @@ def _compile(
     if keep_graphs:
         runtime.compiled.graphs = {}
     dynamic = None if opts.codegen.dynamic == "auto" else opts.codegen.dynamic  # None: torch's automatic
-    compiled = torch.compile(
-        _enter(model._call_impl), backend=backend, dynamic=dynamic, options={"guard_filter_fn": _guard_filter(model)}
-    )
+    # the guard filter comes with the plain inputs: plain_graph_inputs=False is the build before both
+    guards = {"guard_filter_fn": _guard_filter(model)} if runtime.options.plain_graph_inputs else None
+    compiled = torch.compile(_enter(model._call_impl), backend=backend, dynamic=dynamic, options=guards)
     model._compiled_call_impl = compiled
     return model
 

@@ -368,7 +368,8 @@ class Options:
             re-wrapping on every call (zerofx/runtime/params.py, NOTE: plain graph inputs). Same
             numbers; the parameters themselves are then not in the autograd graph, so
             ``torch.autograd.grad`` with respect to them needs False. Tensor-parallel parameters
-            always go in as DTensors.
+            always go in as DTensors. With it, ``zerofx.compile`` also drops dynamo's guards on
+            what sharding fixed (zerofx/api.py ``_guard_filter``); False keeps every guard.
         secondary_shard: ZeRO++'s hpZ, on a 2-D mesh ``(replicate, shard)`` read as (nodes,
             ranks per node): parameters are sharded over every rank (ZeRO-3 over the flattened
             mesh), each rank keeps its inner-dimension rows of every gathered parameter from
