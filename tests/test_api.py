@@ -276,6 +276,27 @@ def test_sharding_a_model_whose_parts_are_sharded_already_is_an_error_naming_the
         dist.destroy_process_group()
 
 
+def test_a_deepcopy_reaching_the_parameters_before_the_model_is_an_error_saying_so():
+    """torch's deepcopy of a parameter copies its attributes before recording the copy, and
+    zerofx's state leads back to the parameter: copied ahead of its module, the first one is
+    copied twice and the copy's module holds the other one. Its first forward says so; the
+    model deep-copied on its own trains."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = zerofx.shard(MLP(), init_device_mesh("cpu", (2,)))
+        x, y = torch.randn(4, 16, requires_grad=True), torch.randn(4, 8)
+        box = copy.deepcopy({"params": list(model.parameters()), "model": model})
+        with pytest.raises(ZeroFXError, match=r"another tensor .* deep-copy the model on its own"):
+            box["model"](x, y)
+        twin = copy.deepcopy(model)
+        twin(x, y).backward()
+        assert all(p.grad is not None for p in twin.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
 def test_a_parameter_replaced_after_sharding_is_an_error_naming_it(compiled):
     """The graphs read a parameter through zerofx's own handle on its shard (NOTE: plain graph

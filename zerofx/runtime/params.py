@@ -274,7 +274,9 @@ class ParamState:
                 f"{self.qualname}: the module holds another tensor than the parameter zerofx sharded (replaced "
                 "after zerofx.shard / zerofx.compile, e.g. `module.weight = nn.Parameter(...)`), while the optimizer, "
                 "gradients and checkpoints follow the sharded one. Load new values with model.load_state_dict(...), "
-                "or replace the parameter before sharding"
+                "or replace the parameter before sharding. (A copy.deepcopy that reached the parameters before their "
+                "module, e.g. of {'params': list(model.parameters()), 'model': model}, copies one of them twice: "
+                "deep-copy the model on its own.)"
             )
         ops = torch.ops.zerofx
         leaf = self.leaf  # NOTE: plain graph inputs
