@@ -65,27 +65,29 @@ def _lower_unshard(gm: fx.GraphModule, marker: fx.Node) -> None:
     shard_rows = shard.meta["val"].shape[0]
     # hpZ's backward re-gather of a secondary shard (passes/secondary.py) keeps its own role
     role = "secondary_gather" if marker.meta.get(ROLE) == "secondary_gather" else "gather"
-    with gm.graph.inserting_before(marker):
-        src = shard
-        if compute_dtype is not None and compute_dtype != shard.meta["val"].dtype:
-            src = insert_call(gm, CONVERT, (src, compute_dtype), role=role)
-        if shard_rows < rows:
-            pad = [0, 0] * (shard.meta["val"].dim() - 1) + [0, rows - shard_rows]
-            src = insert_call(gm, aten.constant_pad_nd.default, (src, pad), role=role)
-        gathered = insert_call(gm, ALL_GATHER, (src, group_size, group_name), role=role)
-    with gm.graph.inserting_before(first_user(marker)):
-        waited = insert_call(gm, WAIT, (gathered,), role=role)
-        full = waited
-        if rows * group_size != full_rows:
-            full = insert_call(gm, aten.slice.Tensor, (waited, 0, 0, full_rows), role=role)
     # the module the parameter was read in: graph inputs carry none, and the bucket and
     # checkpoint passes group a gather by the block it serves (passes/modules.py, module_block)
     stack = marker.meta.get("nn_module_stack")
-    if stack:
-        node = full
-        while node is not shard:
-            node.meta.setdefault("nn_module_stack", stack)
-            node = node.args[0]
+
+    def call(target, args: tuple) -> fx.Node:
+        node = insert_call(gm, target, args, role=role)
+        if stack:
+            node.meta["nn_module_stack"] = stack
+        return node
+
+    with gm.graph.inserting_before(marker):
+        src = shard
+        if compute_dtype is not None and compute_dtype != shard.meta["val"].dtype:
+            src = call(CONVERT, (src, compute_dtype))
+        if shard_rows < rows:
+            pad = [0, 0] * (shard.meta["val"].dim() - 1) + [0, rows - shard_rows]
+            src = call(aten.constant_pad_nd.default, (src, pad))
+        gathered = call(ALL_GATHER, (src, group_size, group_name))
+    with gm.graph.inserting_before(first_user(marker)):
+        waited = call(WAIT, (gathered,))
+        full = waited
+        if rows * group_size != full_rows:
+            full = call(aten.slice.Tensor, (waited, 0, 0, full_rows))
     marker.replace_all_uses_with(full)
     gm.graph.erase_node(marker)
 
