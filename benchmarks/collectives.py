@@ -7,13 +7,17 @@ rank's, ranks starting each call together):
 
 * ``reduce_scatter``   torch.distributed.reduce_scatter_tensor (gloo: an all-reduce of the
                        whole input, then a copy of the shard)
-* ``all_to_all+sum``   what zerofx's transport pass runs on gloo instead: all_to_all_single
-                       sends each rank its chunk, the receiver sums the N chunks
+* ``all_to_all+sum``   what zerofx's transport pass runs on gloo instead: the functional
+                       all_to_all_single sends each rank its chunk, the receiver adds the N
+                       chunks in rank order
 * ``all_reduce``       for scale: the whole input reduced everywhere
 * ``all_gather``       of an output as large as the reduce-scatter's input
 * ``pair_exchange``    the same all-gather as zerofx's exchange pass runs it over two gloo ranks
                        (one all-to-all into the output: zerofx/ir/collectives.py, NOTE: pair
                        exchange); 2 ranks only
+* ``pair_reduce_scatter`` the reduce-scatter as the exchange pass runs it over two gloo ranks:
+                       only the peer's half sent, received into a half-size buffer and summed
+                       there in place (NOTE: pair reduce-scatter); 2 ranks only
 
 Ratios are to ``reduce_scatter`` of the same size and world size. Compare within one run only.
 """
@@ -33,7 +37,8 @@ if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make 
 from benchmarks._launch import launch_local, markdown_table, median_time, write_json  # noqa: E402
 
 SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)  # input bytes (fp32)
-KINDS = ("reduce_scatter", "all_to_all+sum", "all_reduce", "all_gather", "pair_exchange")
+KINDS = ("reduce_scatter", "all_to_all+sum", "pair_reduce_scatter", "all_reduce", "all_gather", "pair_exchange")
+PAIRS_ONLY = ("pair_exchange", "pair_reduce_scatter")
 
 
 def _measure(fn, repeats: int) -> float:
@@ -46,19 +51,25 @@ def _rank_main(sizes: tuple[int, ...], repeats: int) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    from zerofx.ir.collectives import PAIR_GATHER_OUT, WAIT
+    from zerofx.ir.collectives import ALL_TO_ALL, PAIR_GATHER_OUT, PAIR_REDUCE_SCATTER_OUT, PAIR_SUM, WAIT
 
     group = dist.group.WORLD.group_name
     out = {}
     try:
         for nbytes in sizes:
             n = nbytes // 4 // world * world
-            x, shard = torch.randn(n), torch.empty(n // world)
-            recv, gathered = torch.empty(n), torch.empty(n)
+            x, shard, gathered = torch.randn(n), torch.empty(n // world), torch.empty(n)
+            splits = [n // world] * world
 
-            def a2a_sum():
-                dist.all_to_all_single(recv, x)
-                torch.sum(recv.view(world, -1), 0, out=shard)
+            def a2a_sum():  # as passes/transport.py lowers it: functional, rank-ordered sum
+                chunks = WAIT(ALL_TO_ALL(x, splits, splits, group)).view(world, -1)
+                total = chunks[0]
+                for i in range(1, world):
+                    total = total + chunks[i]
+                return total
+
+            def pair_reduce_scatter():
+                PAIR_SUM(WAIT(PAIR_REDUCE_SCATTER_OUT(x, group, out=shard)), x, group, 1)
 
             fns = {
                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, x),
@@ -66,9 +77,10 @@ def _rank_main(sizes: tuple[int, ...], repeats: int) -> dict:
                 "all_reduce": lambda: dist.all_reduce(x.clone()),
                 "all_gather": lambda: dist.all_gather_into_tensor(gathered, x[: n // world]),
                 "pair_exchange": lambda: WAIT(PAIR_GATHER_OUT(x[: n // world], group, out=gathered)),
+                "pair_reduce_scatter": pair_reduce_scatter,
             }
             for kind in KINDS:
-                if kind == "pair_exchange" and world != 2:
+                if kind in PAIRS_ONLY and world != 2:
                     continue
                 _measure(fns[kind], 3)  # warm-up: connections, buffers
                 out[f"{kind}@{nbytes}"] = _measure(fns[kind], repeats)

@@ -58,9 +58,12 @@ class LifetimeCheck(TorchDispatchMode):
                 self.log["violations"].append(f"{tuple(args[0].shape)} freed while {pending[key][0]} is un-waited")
                 return None
         out = func(*args, **kwargs)
-        # the functional collectives, and the exchange pass's pair all-gather (zerofx/ir/collectives.py)
+        # the functional collectives, and the exchange pass's pair all-gather and reduce-scatter
+        # (zerofx/ir/collectives.py)
         namespace = getattr(func, "namespace", None)
-        if namespace == "_c10d_functional" or (namespace, func._opname) == ("zerofx", "all_gather_pair_out"):
+        if namespace == "_c10d_functional" or (
+            namespace == "zerofx" and func._opname in ("all_gather_pair_out", "reduce_scatter_pair_out")
+        ):
             if func._opname == "wait_tensor":
                 done = args[0].untyped_storage()._cdata
                 for key in [k for k, (_, o) in pending.items() if o == done]:

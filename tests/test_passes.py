@@ -10,7 +10,16 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import zerofx  # noqa: F401  (registers the marker ops)
 from zerofx.errors import ZeroFXError
-from zerofx.ir.collectives import ALL_GATHER, ALL_GATHER_OUT, PAIR_GATHER_OUT, REDUCE_SCATTER, WAIT
+from zerofx.ir.collectives import (
+    ALL_GATHER,
+    ALL_GATHER_OUT,
+    ALL_TO_ALL,
+    PAIR_GATHER_OUT,
+    PAIR_REDUCE_SCATTER_OUT,
+    PAIR_SUM,
+    REDUCE_SCATTER,
+    WAIT,
+)
 from zerofx.passes.gather import gather_pass
 from zerofx.passes.pipeline import Pass, PassContext, run_pipeline
 from zerofx.passes.reduce import reduce_pass
@@ -213,12 +222,16 @@ def test_transport_gathers_a_symbolic_shape_into_a_buffer_sized_in_the_graph(mon
 
 def test_exchange_turns_two_rank_gloo_gathers_into_pair_exchanges_and_elide_drops_copies(monkeypatch):
     """exchange: over two gloo ranks the out= all-gather becomes zerofx.all_gather_pair_out on
-    the same input and buffer (its wait and the frees untouched), over four it stays; elide: the
-    local sum's average is divided in place."""
+    the same input and buffer (its wait and the frees untouched), and the reduce-scatter's
+    all-to-all and local sum become reduce_scatter_pair_out into a buffer of half the rows and
+    an in-place pair_sum_, with the input freed after the sum and the received half never freed
+    (it is the result); over four ranks all of it stays; elide: the four-rank local sum's
+    average is divided in place."""
     from zerofx.passes import elide, exchange, transport
 
     monkeypatch.setattr(transport, "backend_of", lambda group: "gloo")
     monkeypatch.setattr(exchange, "backend_of", lambda group: "gloo")
+    release = torch.ops.inductor.resize_storage_bytes_.default
 
     def bw(g, s):
         w = unshard(s * 1, 2, "g", 6)
@@ -228,21 +241,43 @@ def test_exchange_turns_two_rank_gloo_gathers_into_pair_exchanges_and_elide_drop
     gm = transport.transport_pass(gm, ctx("backward"))
     gathered = next(n for n in gm.graph.nodes if n.target is ALL_GATHER_OUT)
     x, buf, users = gathered.args[0], gathered.kwargs["out"], set(gathered.users)
+    a2a = next(n for n in gm.graph.nodes if n.target is ALL_TO_ALL)
+    sent = a2a.args[0]
     inductor = PassContext("test", "backward", options=zerofx.Options(executor="inductor"))
     before = ops(gm)
     assert ops(elide.elide_pass(exchange.exchange_pass(gm, inductor), inductor)) == before  # Inductor's own
     gm = exchange.exchange_pass(gm, ctx("backward"))
-    assert ALL_GATHER_OUT not in ops(gm)
+    gm.graph.lint()
+    assert ALL_GATHER_OUT not in ops(gm) and ALL_TO_ALL not in ops(gm)
     assert gathered.target is PAIR_GATHER_OUT and gathered.args == (x, "g") and gathered.kwargs["out"] is buf
     assert set(gathered.users) == users
-    div = next(n for n in gm.graph.nodes if n.target is aten.div.Tensor)
-    gm = elide.elide_pass(gm, ctx("backward"))
-    assert div.target is aten.div_.Tensor and div.args[0].target is aten.add.Tensor
+
+    (pair,) = [n for n in gm.graph.nodes if n.target is PAIR_REDUCE_SCATTER_OUT]
+    assert pair.args == (sent, "g") and tuple(pair.kwargs["out"].meta["val"].shape) == (3, 4)
+    (landed,) = pair.users
+    (summed,) = [n for n in gm.graph.nodes if n.target is PAIR_SUM]
+    assert landed.target is WAIT and summed.args == (landed, sent, "g", 2)
+    assert aten.div.Tensor not in ops(gm) and aten.select.int not in ops(gm)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    assert summed in output.all_input_nodes  # the reduced gradient the backward returns
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    frees = [n for n in gm.graph.nodes if n.target is release]
+    assert not any(f.args[0] in (pair, landed, summed, pair.kwargs["out"]) for f in frees)
+    (free_sent,) = [f for f in frees if f.args[0] is sent]
+    assert order[free_sent] > order[summed]
 
     four = trace(lambda s: unshard(s, 4, "g", 8) * 2, (2, 3))
     four = transport.transport_pass(gather_pass(four, ctx("forward")), ctx("forward"))
     four = exchange.exchange_pass(four, ctx("forward"))
     assert ALL_GATHER_OUT in ops(four) and PAIR_GATHER_OUT not in ops(four)
+
+    four_bw = trace(lambda g: reduce_grad(g * 2, 4, "g", 2), (8, 4))
+    four_bw = transport.transport_pass(reduce_pass(four_bw, ctx("backward")), ctx("backward"))
+    four_bw = exchange.exchange_pass(four_bw, ctx("backward"))
+    assert ALL_TO_ALL in ops(four_bw) and PAIR_REDUCE_SCATTER_OUT not in ops(four_bw)
+    div = next(n for n in four_bw.graph.nodes if n.target is aten.div.Tensor)
+    four_bw = elide.elide_pass(four_bw, ctx("backward"))
+    assert div.target is aten.div_.Tensor and div.args[0].target is aten.add.Tensor
 
 
 def test_elide_concatenates_a_bucket_into_its_gather_rows():
@@ -625,3 +660,39 @@ def test_insert_call_meta_kernel_values_match_the_fake_modes(monkeypatch, world,
     if "param_dtype" not in options:  # else torch's surgery builds the gather buckets (casts to fold)
         expected |= {aten.clone.default, aten._unsafe_view.default}
     assert expected <= seen.keys(), expected - seen.keys()
+
+
+def pair_reduce_scatter_against_all_to_all(rank: int, world: int) -> dict:
+    """On two gloo ranks: transport's lowering (all-to-all of the whole input, rank-ordered sum)
+    and exchange's (reduce_scatter_pair_out, pair_sum_) of the same inputs, fp32 and bf16, sum
+    and avg; the pair form's result must be those bits, in the buffer it was given."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD.group_name
+    same, in_place = [], []
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(6, 5, generator=torch.Generator().manual_seed(rank)) * 1000).to(dtype)
+        for divisor in (1, 2):
+            chunks = WAIT(ALL_TO_ALL(x, [3, 3], [3, 3], group)).view(2, 3, 5)
+            expected = chunks[0] + chunks[1]
+            expected = expected / divisor if divisor != 1 else expected
+            buf = torch.empty(3, 5, dtype=dtype)
+            got = PAIR_SUM(WAIT(PAIR_REDUCE_SCATTER_OUT(x, group, out=buf)), x, group, divisor)
+            same.append(torch.equal(got, expected))
+            in_place.append(got.data_ptr() == buf.data_ptr())
+            everyone = x.float().clone()
+            dist.all_reduce(everyone)
+            assert torch.allclose(got.float() * divisor, everyone[3 * rank : 3 * rank + 3], rtol=1e-2)
+    try:
+        PAIR_REDUCE_SCATTER_OUT(torch.randn(5, 2), group, out=torch.empty(2, 2))
+        refused = False
+    except ValueError as e:
+        refused = "even number of rows" in str(e)
+    return {"same": same, "in_place": in_place, "refused": refused}
+
+
+def test_the_pair_reduce_scatter_gives_the_all_to_all_lowerings_bits():
+    from tests.multirank import run_ranks
+
+    for rank, r in enumerate(run_ranks(pair_reduce_scatter_against_all_to_all, 2, timeout=120)):
+        assert r == {"same": [True] * 4, "in_place": [True] * 4, "refused": True}, (rank, r)

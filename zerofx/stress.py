@@ -81,8 +81,8 @@ def delay(where: str = "") -> None:
         time.sleep(_rng.uniform(0.0, CONFIG[1]))
 
 
-# zerofx's own ops that issue or wait for transfers (the pair exchange is a collective).
-_ZEROFX_DELAYED = ("offload", "reload", "reload_wait", "all_gather_pair_out")
+# zerofx's own ops that issue or wait for transfers (the pair exchanges are collectives).
+_ZEROFX_DELAYED = ("offload", "reload", "reload_wait", "all_gather_pair_out", "reduce_scatter_pair_out")
 
 
 def _delayed_op(func: Any) -> bool:

@@ -41,6 +41,18 @@ input is) and receives the peer's rows into theirs; the work is registered on ``
 ``wait_tensor(buf)`` waits for it, as for the functional collectives. Same bytes on the wire
 (``S·(N-1)/N``), counted as an all-gather. passes/exchange.py puts it in place of every gloo
 all-gather over two ranks (measured: docs/measurements.md, exchange).
+
+# NOTE: pair reduce-scatter
+passes/transport.py runs a gloo reduce-scatter as an all-to-all of the whole input, then sums
+the chunks. ``all_to_all_single`` sends each rank its chunk, this rank's own chunk included,
+which gloo copies from the input into the output on its worker thread, into a receive buffer as
+large as the input. Between two ranks only the peer's half has to move:
+``zerofx::reduce_scatter_pair_out(x, group, out=buf)`` sends the peer's half of ``x`` and
+receives the peer's contribution to this rank's half into ``buf`` (half of ``x``). After the
+wait, ``zerofx::pair_sum_(buf, x, group, divisor)`` adds this rank's half of ``x`` into ``buf``
+in place (and divides, for "avg"). Half the receive buffer, no self-copy, no sum buffer, and
+the same bits, since ``a + b == b + a`` exactly for two floats. Same bytes on the wire, counted
+as a reduce-scatter. passes/exchange.py rewrites transport's two-rank lowering into it.
 """
 
 from __future__ import annotations
@@ -62,6 +74,8 @@ __all__ = [
     "ALL_REDUCE",
     "ALL_TO_ALL",
     "PAIR_GATHER_OUT",
+    "PAIR_REDUCE_SCATTER_OUT",
+    "PAIR_SUM",
     "WAIT",
     "all_gather",
     "collective_kind",
@@ -126,6 +140,73 @@ def _all_gather_pair_out_fake(x: torch.Tensor, group_name: str, *, out: torch.Te
 
 PAIR_GATHER_OUT = torch.ops.zerofx.all_gather_pair_out.default
 
+_lib.define("reduce_scatter_pair_out(Tensor x, str group_name, *, Tensor(a!) out) -> Tensor(a!)")
+_lib.define("pair_sum_(Tensor(a!) received, Tensor x, str group_name, int divisor) -> Tensor(a!)")
+
+
+def _pair_halves(x: torch.Tensor, group_name: str, what: str) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """This rank's index in a group of two, and ``x``'s two halves (dim 0): its own, its peer's."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    if group.size() != 2 or x.shape[0] % 2:
+        raise ValueError(
+            f"{what}: a group of 2 ranks and an even number of rows (got group size {group.size()}, rows {x.shape[0]})"
+        )
+    half, rank = x.shape[0] // 2, dist.get_rank(group)
+    return rank, x.narrow(0, rank * half, half), x.narrow(0, (1 - rank) * half, half)
+
+
+@torch.library.impl(_lib, "reduce_scatter_pair_out", "CompositeExplicitAutograd")
+def _reduce_scatter_pair_out(x: torch.Tensor, group_name: str, *, out: torch.Tensor) -> torch.Tensor:
+    """The exchange half of a reduce-scatter of ``x`` (dim 0) over a group of two ranks (NOTE:
+    pair reduce-scatter): sends the peer's half of ``x`` and receives the peer's contribution to
+    this rank's half into ``out`` (half of ``x``'s rows). Asynchronous: ``wait_tensor(out)``,
+    then ``pair_sum_(out, x, ...)`` for the reduced half."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    rank, _, theirs = _pair_halves(x, group_name, "reduce_scatter_pair_out")
+    if out.shape != theirs.shape:
+        raise ValueError(
+            f"reduce_scatter_pair_out: out must have half of x's rows ({tuple(theirs.shape)}, got {tuple(out.shape)})"
+        )
+    splits = [0, 0]
+    splits[1 - rank] = theirs.shape[0]
+    work = dist.all_to_all_single(
+        out, theirs.contiguous(), splits, splits, group=_resolve_process_group(group_name), async_op=True
+    )
+    torch._C._distributed_c10d._register_work(out, work)
+    return out
+
+
+@torch.library.register_fake("zerofx::reduce_scatter_pair_out")
+def _reduce_scatter_pair_out_fake(x: torch.Tensor, group_name: str, *, out: torch.Tensor) -> torch.Tensor:
+    return out
+
+
+@torch.library.impl(_lib, "pair_sum_", "CompositeExplicitAutograd")
+def _pair_sum_(received: torch.Tensor, x: torch.Tensor, group_name: str, divisor: int) -> torch.Tensor:
+    """The local sum of a pair reduce-scatter, in place in ``received``: this rank's half of ``x``
+    plus the peer's contribution, divided by ``divisor`` (2 for "avg", 1 for "sum"). The same bits
+    as the rank-ordered ``c0 + c1`` of passes/transport.py: IEEE addition of two values is
+    commutative."""
+    _, mine, _ = _pair_halves(x, group_name, "pair_sum_")
+    received.add_(mine)
+    if divisor != 1:
+        received.div_(divisor)
+    return received
+
+
+@torch.library.register_fake("zerofx::pair_sum_")
+def _pair_sum_fake(received: torch.Tensor, x: torch.Tensor, group_name: str, divisor: int) -> torch.Tensor:
+    return received
+
+
+PAIR_REDUCE_SCATTER_OUT = torch.ops.zerofx.reduce_scatter_pair_out.default
+PAIR_SUM = torch.ops.zerofx.pair_sum_.default
+
 
 @dataclass(frozen=True)
 class CollectiveSpec:
@@ -144,6 +225,7 @@ COLLECTIVE_OPS: dict = {
     ALL_REDUCE: CollectiveSpec("all_reduce", "in", None, 2),
     ALL_TO_ALL: CollectiveSpec("all_to_all", "in", None, 3),
     PAIR_GATHER_OUT: CollectiveSpec("all_gather", "out", None, 1),
+    PAIR_REDUCE_SCATTER_OUT: CollectiveSpec("reduce_scatter", "in", None, 1),
 }
 
 
