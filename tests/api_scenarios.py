@@ -261,7 +261,8 @@ def scenarios(rank: int, world: int) -> dict:
         """A parameter frozen when the model is sharded and unfrozen after a step (a fine-tuning
         schedule) through its module attribute, at stage 1 and inside a no_sync window at stage
         3: the worst difference from the plain model's parameters after three steps, and whether
-        the unfrozen one moved. Then a module added after sharding: what the next step raised."""
+        the unfrozen one moved. Then a module added after sharding: what the next step raised,
+        compiled and uncompiled."""
         from tests.models import MLP
 
         got = {}
@@ -301,6 +302,15 @@ def scenarios(rank: int, world: int) -> dict:
             got["added"] = None
         except Exception as e:  # dynamo wraps what a backend raises
             got["added"] = str(e)
+        # the same without compiling (zerofx.shard alone): refused by a forward pre-hook
+        torch.manual_seed(0)
+        eager = zerofx.shard(MLP(), mesh)
+        eager.layers.append(torch.nn.Linear(8, 8))
+        try:
+            eager(x[mine], y[mine]).backward()
+            got["added_uncompiled"] = None
+        except Exception as e:
+            got["added_uncompiled"] = str(e)
         return got
 
     def routed_experts():

@@ -62,6 +62,7 @@ from zerofx.passes.regather import check_no_gathered_saved
 from zerofx.passes.secondary import split_secondary
 from zerofx.runtime.lockstep import Lockstep, digest_of
 from zerofx.runtime.offload_store import resolve_offload_dir
+from zerofx.runtime.params import added_after_sharding
 
 log = logging.getLogger(__name__)
 
@@ -391,13 +392,7 @@ def _refuse_parameters_added_after_sharding(gm: fx.GraphModule, example_inputs: 
         if isinstance(x, torch.nn.Parameter) and x.requires_grad and _state_of(x) is None
     ]
     if unknown:
-        names = some_names(unknown)
-        raise ZeroFXError(
-            f"{names}: trainable parameter(s) of a model zerofx sharded, added after it was sharded "
-            "(zerofx.shard / zerofx.compile), so nothing would average their gradients across ranks and every "
-            "rank would train its own copy. Add every module before zerofx.compile (e.g. peft's adapters), or "
-            "freeze these parameters (requires_grad_(False))"
-        )
+        raise added_after_sharding(unknown)
 
 
 def _source_name(node: fx.Node) -> str:

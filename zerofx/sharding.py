@@ -54,7 +54,15 @@ from zerofx.runtime.accumulation import no_sync
 from zerofx.runtime.local_step import install as install_local_step
 from zerofx.runtime.lockstep import make_lockstep
 from zerofx.runtime.loss_scaling import make_loss_scaler
-from zerofx.runtime.params import GroupInfo, ModelRuntime, ParamState, TensorParallel, runtime_of, track
+from zerofx.runtime.params import (
+    GroupInfo,
+    ModelRuntime,
+    ParamState,
+    TensorParallel,
+    added_after_sharding,
+    runtime_of,
+    track,
+)
 
 log = logging.getLogger(__name__)
 
@@ -634,6 +642,29 @@ def _check_whole_copies(model: nn.Module, args: Any) -> None:
         runtime.check_whole_copies(uncompiled=True)
 
 
+def _refuse_added_parameters(model: nn.Module, args: Any) -> None:
+    """An uncompiled forward of a sharded model refuses trainable parameters zerofx never saw (a
+    module added after sharding), as the backend does for a compiled frame
+    (``_refuse_parameters_added_after_sharding``, zerofx/backend.py): nothing would average their
+    gradients, so each rank would train its own copy. A parameter set in place of a sharded one
+    is left to the read that finds it (``ParamState.forward_value``: "the module holds another
+    tensor"). One walk over the modules per uncompiled forward; inside a compiled region dynamo
+    traces this as nothing."""
+    if torch.compiler.is_compiling():
+        return
+    added = [
+        f"{path}.{name}" if path else name
+        for path, module in model.named_modules()
+        for name, p in module._parameters.items()
+        if p is not None
+        and p.requires_grad
+        and getattr(p, "_zerofx_state", None) is None
+        and name not in getattr(module, "_zerofx_params", {})
+    ]
+    if added:
+        raise added_after_sharding(added)
+
+
 def mark_loaded(model: nn.Module, names) -> None:
     """Record that ``names`` (state_dict keys or buffer names) of a model built on the meta
     device now hold their values (the loaders call this; so does a user who sets a buffer no
@@ -1006,6 +1037,8 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     if runtime.whole_copies:
         model.register_load_state_dict_post_hook(_refresh_after_load)
         model.register_forward_pre_hook(_check_whole_copies)
+    if any(s.shard_group.size > 1 or s.replicate_group is not None for s in runtime.states):
+        model.register_forward_pre_hook(_refuse_added_parameters)
     if opts.param_dtype is not None:
         model.register_forward_pre_hook(functools.partial(_cast_floating_inputs, opts.param_dtype), with_kwargs=True)
     return model

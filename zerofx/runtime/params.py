@@ -459,6 +459,18 @@ def optimizer_state(optimizer: torch.optim.Optimizer, create: bool = False) -> O
     return state
 
 
+def added_after_sharding(names: list[str]) -> ZeroFXError:
+    """The error for trainable parameters of a sharded model that zerofx never saw (a module
+    added after ``zerofx.shard`` / ``zerofx.compile``): raised by the backend for a compiled
+    frame and by a forward pre-hook for an uncompiled forward (zerofx/sharding.py)."""
+    return ZeroFXError(
+        f"{some_names(names)}: trainable parameter(s) of a model zerofx sharded, added after it was sharded "
+        "(zerofx.shard / zerofx.compile), so nothing would average their gradients across ranks and every "
+        "rank would train its own copy. Add every module before zerofx.compile (e.g. peft's adapters), or "
+        "freeze these parameters (requires_grad_(False))"
+    )
+
+
 def runtime_of(model: torch.nn.Module) -> ModelRuntime | None:
     """What zerofx keeps for ``model`` (None: not sharded by zerofx)."""
     return getattr(model, "_zerofx", None)
