@@ -9,7 +9,9 @@ rank), up to ``BUCKET_BYTES`` per collective. Inside a bucket the layout is rank
 part is its padded shards of the bucket's parameters, one after the other (zerofx/ir/markers.py, NOTE:
 shard layout), so one all-gather (refresh) or one reduce-scatter (boundary) moves them all. On
 gloo the reduce-scatter runs as an all-to-all plus a local sum, as the transport pass does in the
-graphs (passes/transport.py: half the bytes of gloo's all-reduce-based reduce-scatter).
+graphs (passes/transport.py: half the bytes of gloo's all-reduce-based reduce-scatter); over two
+gloo ranks, as the exchange pass does, only the peer's half moves and this rank's half is added
+into what arrives (zerofx/ir/collectives.py, NOTE: pair reduce-scatter).
 """
 
 from __future__ import annotations
@@ -129,9 +131,10 @@ def reduce_transient_bytes(states: list) -> int:
     """The most bytes ``reduce_pending`` allocates at once above the pending gradients, for every
     parameter with a sink, as if all were pending (what ``zerofx.plan`` adds at the end of a
     stage-1 backward, where they are): per
-    bucket, the padded copies of gradients that need padding or a cast, the flat input, and on
-    gloo the received chunks and their sum (else the reduce-scatter's output). The same buckets
-    and the same allocations as ``_reduce_bucket``."""
+    bucket, the padded copies of gradients that need padding or a cast, the flat input, and the
+    collective's buffers: on gloo the received chunks and their sum (over two gloo ranks only the
+    peer's half, summed in place), elsewhere the reduce-scatter's output. The same buckets and
+    the same allocations as ``_reduce_bucket``."""
     sharded = _sharded_with_sinks(states, pending_only=False)
     worst = 0
     for bucket in _buckets(
@@ -150,7 +153,9 @@ def reduce_transient_bytes(states: list) -> int:
             if rows != s.full_rows or dtype != s.sink.dtype:
                 copies += nbytes
         flat = 0 if len(bucket) == 1 and not copies else whole  # torch.cat, unless one gradient is viewed
-        received = whole if _on_gloo(bucket[0].shard_group.name) else 0
+        # gloo: the received chunks and their sum; over two ranks only the peer's half arrives
+        # and is summed in place. Else the reduce-scatter's output.
+        received = whole if _on_gloo(bucket[0].shard_group.name) and world > 2 else 0
         worst = max(worst, copies + flat + received + whole // world)
     return worst
 
@@ -167,7 +172,11 @@ def _reduce_bucket(bucket: list) -> None:
         pad_rows(g.to(dtype), padded_rows(s.full_rows, world) * world).view(world, -1) for s, g in zip(bucket, grads)
     ]
     inp = torch.cat(chunks, dim=1) if len(chunks) > 1 else chunks[0].contiguous()  # [world, my part of each]
-    if _on_gloo(group.name):
+    if _on_gloo(group.name) and world == 2:  # only the peer's half moves (NOTE: pair reduce-scatter)
+        received = torch.empty_like(inp[:1])
+        _F.wait_tensor(torch.ops.zerofx.reduce_scatter_pair_out(inp, group.name, out=received))
+        reduced = torch.ops.zerofx.pair_sum_(received, inp, group.name, world).view(-1)
+    elif _on_gloo(group.name):
         split = [inp.shape[1]] * world
         received = _F.wait_tensor(_F.all_to_all_single(inp.view(-1), split, split, group.name))
         reduced = rank_ordered_sum(received.view(world, -1)).div_(world)
