@@ -466,4 +466,23 @@ def grid_rank_differs(rank: int, world: int) -> tuple[str | None, str | None]:
         routed = None
     except Exception as e:  # dynamo wraps what a graph raises
         routed = str(e)
-    return differs, routed
+    # one compiled frame reads two models: `pairs` sharded over ranks {0, 1} and {2, 3}, `whole`
+    # over all four, whose second layer ranks 2 and 3 skip. Each pair agrees on `pairs`, so only
+    # `whole`'s group sees the difference (the frame once checked the first model's groups alone)
+    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+    torch.manual_seed(0)
+    pairs = zerofx.shard(torch.nn.Linear(8, 8), grid["shard"])
+    whole = zerofx.shard(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)), init_device_mesh("cpu", (4,))
+    )
+
+    def both(x):
+        h = whole[0](pairs(x))
+        return (whole[1](h) if rank < 2 else h).square().mean()
+
+    try:
+        torch.compile(both, backend="zerofx")(torch.randn(2, 8)).backward()
+        two_models = None
+    except Exception as e:
+        two_models = str(e)
+    return differs, routed, two_models

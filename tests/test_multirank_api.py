@@ -215,7 +215,7 @@ def test_ranks_that_shard_another_model_or_options_stop_with_the_difference(resu
 
 
 def test_a_rank_that_differs_on_a_2d_mesh_stops_every_rank():
-    errors, routed = zip(*run_ranks(grid_rank_differs, 4, timeout=180))
+    errors, routed, two_models = zip(*run_ranks(grid_rank_differs, 4, timeout=180))
     assert all(e is not None for e in errors), errors
     # rank 3 routes to other experts: its two groups see it, the others learn it in the second round
     assert all(r is not None and "about to issue different collectives" in r for r in routed), routed
@@ -226,6 +226,13 @@ def test_a_rank_that_differs_on_a_2d_mesh_stops_every_rank():
     assert "ranks of another group differ" in errors[0]  # rank 0 shares no group with rank 3
     assert "rank(s) [3] shard another model or options than rank 1" in errors[1]
     assert "this rank (3) differs from rank 1" in errors[3] and "shape (96, 48)" in errors[3], errors[3]
+    # a frame reading a model sharded over pairs of ranks, then one sharded over all four: the
+    # pairs agree among themselves, the four do not, and every rank stops before a collective
+    for r in two_models:
+        assert r is not None and "about to issue different collectives" in r, two_models
+        assert "rank(s) [0, 1]: the forward graph of" in r and "rank(s) [2, 3]: the forward graph of" in r, r
+        assert "reading weight, bias, 0.weight and 3 more; rank(s) [2, 3]" in r, r  # whole[1] too
+        assert "reading weight, bias, 0.weight and 1 more. This usually" in r, r
 
 
 def test_a_failing_rank_ends_the_run_promptly_with_its_traceback():

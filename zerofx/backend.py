@@ -61,6 +61,7 @@ from zerofx.passes.pipeline import PassContext, resolve_disabled, run_pipeline
 from zerofx.passes.regather import check_no_gathered_saved
 from zerofx.passes.secondary import split_secondary
 from zerofx.runtime.lockstep import Lockstep, digest_of
+from zerofx.runtime.lockstep import merge as merge_locksteps
 from zerofx.runtime.offload_store import resolve_offload_dir
 from zerofx.runtime.params import added_after_sharding
 
@@ -257,10 +258,12 @@ def make_backend(
     def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
         _refuse_parameters_added_after_sharding(gm, example_inputs)
         frame = _FrameCompiler(state, recorder if recorder is not None else recorder_for(options))
-        sharded = next((s for s in map(_state_of, example_inputs) if s is not None), None)
-        lockstep = sharded.runtime.lockstep if sharded is not None else None
-        if options.check_lockstep and lockstep is not None and lockstep.groups is not None:
-            frame.lockstep = lockstep  # groups is None where the shard's options turned the checks off
+        # the checks of every model the frame reads (groups is None where a shard's options
+        # turned them off): a frame may read models sharded over different meshes
+        runtimes = {id(s.runtime): s.runtime for s in map(_state_of, example_inputs) if s is not None}
+        locksteps = [r.lockstep for r in runtimes.values() if r.lockstep is not None]
+        if options.check_lockstep:
+            frame.lockstep = merge_locksteps(locksteps)
         symbols = _size_symbols(example_inputs)
         if symbols:
             _note_symbolic_frame(frame, symbols)

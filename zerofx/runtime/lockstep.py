@@ -18,7 +18,9 @@ this module covers what the ranks run afterwards:
   the ranks all-reduce their 56-bit digests (the largest, and the largest negated) over the
   groups of the model's meshes. When they differ, every rank all-gathers its description of
   what it was about to run and raises a ``ZeroFXError`` naming what each rank would run,
-  before any of those collectives is issued: no rank is left waiting. An uncompiled model
+  before any of those collectives is issued: no rank is left waiting. A frame that reads the
+  parameters of several sharded models (a teacher and a student in one compiled function)
+  checks over the groups of every one of them (``merge``). An uncompiled model
   gathers read by read, so each read that communicates is checked the same way
   (``ParamState.check_uncompiled_read``; a read that does not, such as logging a stage-2
   weight's norm on one rank, is not);
@@ -48,7 +50,7 @@ import torch.distributed as dist
 
 from zerofx.errors import ZeroFXError
 
-__all__ = ["Lockstep", "make_lockstep", "digest_of"]
+__all__ = ["Lockstep", "make_lockstep", "digest_of", "merge"]
 
 
 def digest_of(*parts: Any) -> int:
@@ -128,6 +130,23 @@ class Lockstep:
         for s, anywhere in zip(states, here.tolist()):
             if anywhere and s.sink.grad is None:
                 s.sink.grad = torch.zeros(s.sink.shape, dtype=s.sink.dtype, device=s.sink.device)
+
+
+def merge(locksteps: list[Lockstep]) -> Lockstep | None:
+    """The checks of one compiled frame that reads the parameters of several sharded models:
+    every check group of each (in the order given, each group once), so that ranks that agree
+    within one model's groups but not within another's still stop (a frame reading a model
+    sharded over pairs of ranks, then one sharded over every rank). None when no model checks.
+    The order is the frame's input order, the same on every rank that runs the same frame."""
+    checking = [lock for lock in locksteps if lock.groups is not None]
+    if len({id(lock) for lock in checking}) <= 1:
+        return checking[0] if checking else None
+    groups: dict[int, Any] = {}
+    mesh_groups: dict[int, Any] = {}
+    for lock in checking:
+        groups.update((id(g), g) for g in lock.groups if id(g) not in groups)
+        mesh_groups.update((id(g), g) for g in lock.mesh_groups if id(g) not in mesh_groups)
+    return Lockstep(list(mesh_groups.values()), checking[0].device, list(groups.values()))
 
 
 def make_lockstep(meshes: list, checks: bool = True) -> Lockstep | None:
