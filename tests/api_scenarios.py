@@ -467,8 +467,9 @@ def grid_rank_differs(rank: int, world: int) -> tuple[str | None, str | None]:
     except Exception as e:  # dynamo wraps what a graph raises
         routed = str(e)
     # one compiled frame reads two models: `pairs` sharded over ranks {0, 1} and {2, 3}, `whole`
-    # over all four, whose second layer ranks 2 and 3 skip. Each pair agrees on `pairs`, so only
-    # `whole`'s group sees the difference (the frame once checked the first model's groups alone)
+    # over all four, whose second layer ranks 2 and 3 skip; odd ranks call `whole` first, so the
+    # two ranks of a pair list the two models in other orders (each rank once took the first
+    # model's groups alone; in input order, each pair's ranks would wait in different groups)
     grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
     torch.manual_seed(0)
     pairs = zerofx.shard(torch.nn.Linear(8, 8), grid["shard"])
@@ -477,7 +478,7 @@ def grid_rank_differs(rank: int, world: int) -> tuple[str | None, str | None]:
     )
 
     def both(x):
-        h = whole[0](pairs(x))
+        h = pairs(whole[0](x)) if rank % 2 else whole[0](pairs(x))  # odd ranks: whole first
         return (whole[1](h) if rank < 2 else h).square().mean()
 
     try:

@@ -226,13 +226,16 @@ def test_a_rank_that_differs_on_a_2d_mesh_stops_every_rank():
     assert "ranks of another group differ" in errors[0]  # rank 0 shares no group with rank 3
     assert "rank(s) [3] shard another model or options than rank 1" in errors[1]
     assert "this rank (3) differs from rank 1" in errors[3] and "shape (96, 48)" in errors[3], errors[3]
-    # a frame reading a model sharded over pairs of ranks, then one sharded over all four: the
-    # pairs agree among themselves, the four do not, and every rank stops before a collective
+    # a frame reading a model sharded over pairs of ranks and one sharded over all four, in
+    # another order on odd ranks: the ranks of each pair check the same groups in the same order
+    # (in input order they waited in different groups), and every rank stops before a collective
     for r in two_models:
         assert r is not None and "about to issue different collectives" in r, two_models
-        assert "rank(s) [0, 1]: the forward graph of" in r and "rank(s) [2, 3]: the forward graph of" in r, r
-        assert "reading weight, bias, 0.weight and 3 more; rank(s) [2, 3]" in r, r  # whole[1] too
-        assert "reading weight, bias, 0.weight and 1 more. This usually" in r, r
+        # the four-rank group's line, last: what each rank was about to read (odd ranks: whole first)
+        assert "rank(s) [0]: the forward graph of" in r and "reading weight, bias, 0.weight and 3 more; " in r, r
+        assert "rank(s) [1]: the forward graph of" in r and "rank(s) [2]: the forward graph of" in r, r
+        assert "rank(s) [3]: the forward graph of" in r, r
+        assert "reading 0.weight, 0.bias, weight and 1 more. This usually" in r, r
 
 
 def test_a_failing_rank_ends_the_run_promptly_with_its_traceback():

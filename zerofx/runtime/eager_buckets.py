@@ -21,7 +21,14 @@ from typing import Callable, Hashable, Iterator, TypeVar
 import torch
 
 from zerofx import stress
-from zerofx.ir.collectives import all_gather, backend_of, record_collectives, wire_bytes
+from zerofx.ir.collectives import (
+    PAIR_REDUCE_SCATTER_OUT,
+    PAIR_SUM,
+    all_gather,
+    backend_of,
+    record_collectives,
+    wire_bytes,
+)
 from zerofx.ir.layout import pad_rows, padded_rows
 
 __all__ = ["BUCKET_BYTES", "refresh", "reduce_pending", "reduce_transient_bytes"]
@@ -155,7 +162,7 @@ def reduce_transient_bytes(states: list) -> int:
         flat = 0 if len(bucket) == 1 and not copies else whole  # torch.cat, unless one gradient is viewed
         # gloo: the received chunks and their sum; over two ranks only the peer's half arrives
         # and is summed in place. Else the reduce-scatter's output.
-        received = whole if _on_gloo(bucket[0].shard_group.name) and world > 2 else 0
+        received = whole if _on_gloo(bucket[0].shard_group.name) and world != 2 else 0
         worst = max(worst, copies + flat + received + whole // world)
     return worst
 
@@ -174,8 +181,8 @@ def _reduce_bucket(bucket: list) -> None:
     inp = torch.cat(chunks, dim=1) if len(chunks) > 1 else chunks[0].contiguous()  # [world, my part of each]
     if _on_gloo(group.name) and world == 2:  # only the peer's half moves (NOTE: pair reduce-scatter)
         received = torch.empty_like(inp[:1])
-        _F.wait_tensor(torch.ops.zerofx.reduce_scatter_pair_out(inp, group.name, out=received))
-        reduced = torch.ops.zerofx.pair_sum_(received, inp, group.name, world).view(-1)
+        _F.wait_tensor(PAIR_REDUCE_SCATTER_OUT(inp, group.name, out=received))
+        reduced = PAIR_SUM(received, inp, group.name, world).view(-1)
     elif _on_gloo(group.name):
         split = [inp.shape[1]] * world
         received = _F.wait_tensor(_F.all_to_all_single(inp.view(-1), split, split, group.name))

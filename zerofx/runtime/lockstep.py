@@ -134,19 +134,26 @@ class Lockstep:
 
 def merge(locksteps: list[Lockstep]) -> Lockstep | None:
     """The checks of one compiled frame that reads the parameters of several sharded models:
-    every check group of each (in the order given, each group once), so that ranks that agree
-    within one model's groups but not within another's still stop (a frame reading a model
-    sharded over pairs of ranks, then one sharded over every rank). None when no model checks.
-    The order is the frame's input order, the same on every rank that runs the same frame."""
+    every check group of each, so that ranks that agree within one model's groups but not
+    within another's still stop (a frame reading a model sharded over pairs of ranks, then one
+    sharded over every rank). None when no model checks.
+
+    The groups are put in an order every rank computes alike, whatever order the frame's inputs
+    came in (rank-dependent control flow may call the models in another order on another rank):
+    smaller groups first, then by their ranks, one group per set of ranks (the first by name:
+    two models' gloo twins over the same ranks are interchangeable, and names are given in the
+    same order on every rank). Ranks whose frames read different sets of models still build
+    different lists, as they would pick different models' groups without this; the check then
+    fails as a mismatched collective (gloo aborts), not silently. ``mesh_groups`` stays empty:
+    the merged checks serve a frame, never the accumulation boundary's agreement."""
     checking = [lock for lock in locksteps if lock.groups is not None]
     if len({id(lock) for lock in checking}) <= 1:
         return checking[0] if checking else None
-    groups: dict[int, Any] = {}
-    mesh_groups: dict[int, Any] = {}
-    for lock in checking:
-        groups.update((id(g), g) for g in lock.groups if id(g) not in groups)
-        mesh_groups.update((id(g), g) for g in lock.mesh_groups if id(g) not in mesh_groups)
-    return Lockstep(list(mesh_groups.values()), checking[0].device, list(groups.values()))
+    by_ranks: dict[tuple[int, ...], Any] = {}
+    for group in sorted((g for lock in checking for g in lock.groups), key=lambda g: g.group_name):
+        by_ranks.setdefault(tuple(dist.get_process_group_ranks(group)), group)
+    ordered = [by_ranks[ranks] for ranks in sorted(by_ranks, key=lambda ranks: (len(ranks), ranks))]
+    return Lockstep([], checking[0].device, ordered)
 
 
 def make_lockstep(meshes: list, checks: bool = True) -> Lockstep | None:
