@@ -83,7 +83,8 @@ def _inductor_executor(
     with fake_mode:
         retraced = make_fx(gm, decomposition_table=select_decomp_table())(*inputs)
     if recorder is not None and ctx is not None:
-        ctx.messages = ["re-traced with Inductor's decompositions; Inductor compiles this graph"]
+        ctx.messages = []  # this step's own, as the pipeline starts each pass's
+        ctx.report("re-traced with Inductor's decompositions; Inductor compiles this graph")
         recorder(ctx, "inductor", gm, retraced, time.perf_counter() - start)
     compiled = compile_fx_inner(retraced, inputs)
     return compiled
