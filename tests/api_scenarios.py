@@ -166,6 +166,7 @@ def scenarios(rank: int, world: int) -> dict:
             "init.normal_": lambda w: torch.nn.init.normal_(w),
             "setitem": lambda w: w.__setitem__(0, 1.0),
             "out=": lambda w: torch.add(w, 1.0, out=w),
+            "data=": lambda w: setattr(w, "data", torch.zeros_like(w)),
         }
         with torch.no_grad():
             for label, write in writes.items():

@@ -122,10 +122,10 @@ _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 # NOTE: writes to a gathered copy
 # Outside a compiled graph, ``module.weight`` is a whole copy gathered for this read; an in-place
-# change to it (weight clipping, ``nn.init.normal_(module.weight)``, ``.data.copy_``) would change
-# that copy only and be lost, silently. So eager reads come back as ``GatheredCopy``, a plain
+# change to it (weight clipping, ``nn.init.normal_(module.weight)``, ``.data.copy_``, and
+# ``module.weight.data = value``) would change that copy only and be lost, silently. So eager reads come back as ``GatheredCopy``, a plain
 # tensor for every read (results are plain tensors, autograd as before) that refuses in-place
-# ops, ``out=`` into it and item assignment, naming the parameter and where to write instead:
+# ops, ``out=`` into it, item assignment and ``.data`` assignment, naming the parameter and where to write instead:
 # the parameter itself (``dict(model.named_parameters())[name]``, a DTensor of shards, whose
 # in-place ops change every rank's rows; stages 1 and 2 then renew their whole copies with
 # ``runtime_of(model).refresh()``). Compiled graphs (dynamo traces the read) get the plain value.
@@ -171,6 +171,8 @@ class GatheredCopy(torch.Tensor):
                 (name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES) or name in _INPLACE_DUNDERS
             )
         ) or isinstance(kwargs.get("out"), GatheredCopy)
+        if isinstance(target, GatheredCopy) and name == "__set__" and getattr(func, "__self__", None) is _DATA:
+            writes, name = True, ".data = ..."  # replaces the copy's values, not the parameter's
         param = getattr(target, "_zerofx_param", None) if isinstance(target, GatheredCopy) else None
         if param is not None and (
             name == "requires_grad_" or (name == "__set__" and getattr(func, "__self__", None) is _REQUIRES_GRAD)
@@ -189,12 +191,13 @@ class GatheredCopy(torch.Tensor):
             )
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
-        if (name == "__get__" and getattr(func, "__self__", None) is torch.Tensor.data) or name == "detach":
+        if (name == "__get__" and getattr(func, "__self__", None) is _DATA) or name == "detach":
             return _as_gathered_copy(out, target._zerofx_name)  # still the same gathered bytes
         return out
 
 
 _REQUIRES_GRAD = torch.Tensor.requires_grad
+_DATA = torch.Tensor.data
 
 
 def _as_gathered_copy(value: torch.Tensor, qualname: str, param: nn.Parameter | None = None) -> torch.Tensor:
