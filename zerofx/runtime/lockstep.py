@@ -143,9 +143,10 @@ def merge(locksteps: list[Lockstep]) -> Lockstep | None:
     smaller groups first, then by their ranks, one group per set of ranks (the first by name:
     two models' gloo twins over the same ranks are interchangeable, and names are given in the
     same order on every rank). Ranks whose frames read different sets of models still build
-    different lists, as they would pick different models' groups without this; the check then
-    fails as a mismatched collective (gloo aborts), not silently. ``mesh_groups`` stays empty:
-    the merged checks serve a frame, never the accumulation boundary's agreement."""
+    different lists, as they would pick different models' groups without this: their checks
+    then meet in no group, and wait until the process group's timeout (not covered).
+    ``mesh_groups`` stays empty: the merged checks serve a frame, never the accumulation
+    boundary's agreement."""
     checking = [lock for lock in locksteps if lock.groups is not None]
     if len({id(lock) for lock in checking}) <= 1:
         return checking[0] if checking else None
