@@ -372,6 +372,7 @@ def scenarios(rank: int, world: int) -> dict:
         lockstep.dist.get_backend = lambda group=None: "nccl"
         try:
             lock = lockstep.make_lockstep([mesh])
+            again = lockstep.make_lockstep([mesh])  # a second model on the mesh: the same twin
         finally:
             lockstep.dist.get_backend = real
         (twin,) = lock.groups
@@ -382,7 +383,12 @@ def scenarios(rank: int, world: int) -> dict:
         except zerofx.ZeroFXError as e:
             raised = str(e)
         twin_of = twin is not mesh.get_group(0) and dist.get_process_group_ranks(twin) == list(range(world))
-        return {"twin": twin_of, "backend": str(dist.get_backend(twin)), "raised": raised}
+        return {
+            "twin": twin_of,
+            "backend": str(dist.get_backend(twin)),
+            "raised": raised,
+            "shared": again.groups == [twin],
+        }
 
     attempt("explain", explain)
     attempt("two_step_pairing", two_step_pairing)

@@ -581,3 +581,19 @@ def test_a_symbolic_recompile_under_an_agreed_plan_warns_once_per_process(monkey
             zerofx.backend._note_symbolic_frame(frame(activation_budget=0.5), ("s0",))  # once per process
     finally:
         dist.destroy_process_group()
+
+
+def test_gloo_twins_are_made_once_per_group_and_forgotten_with_their_process_groups(tmp_path):
+    """The lockstep checks' gloo twin of an NCCL group (zerofx/runtime/lockstep.py) is made once
+    and shared by every model on that group; after destroy_process_group a new group gets a new
+    twin instead of a destroyed one."""
+    from zerofx.runtime import lockstep
+
+    with one_rank_mesh(str(tmp_path / "a")) as mesh:
+        group = mesh.get_group(0)
+        twin = lockstep._gloo_twin(group)
+        assert lockstep._gloo_twin(group) is twin and dist.get_backend(twin) == "gloo"
+    with one_rank_mesh(str(tmp_path / "b")) as mesh:
+        fresh = lockstep._gloo_twin(mesh.get_group(0))
+        assert fresh is not twin and dist.get_process_group_ranks(fresh) == [0]
+        assert [t for _, t in lockstep._TWINS.values()] == [fresh]  # the destroyed one forgotten

@@ -189,7 +189,7 @@ def test_ranks_that_route_to_other_experts_stop_at_stage_3_and_train_at_stage_1(
 
 def test_lockstep_checks_of_a_mesh_on_nccl_run_on_gloo_groups_of_the_same_ranks(results):
     for r in _get(results, "lockstep_twin"):
-        assert r["twin"] and r["backend"] == "gloo", r
+        assert r["twin"] and r["backend"] == "gloo" and r["shared"], r
         assert r["raised"] is not None and "rank(s) [0]: digest 0; rank(s) [1]: digest 1" in r["raised"], r
 
 

@@ -36,7 +36,8 @@ boundary. ``Options(check_lockstep=False)`` turns the checks off (not the bounda
 it is what makes such a model correct at stage 1). The checks run on the meshes' own groups
 where they take CPU tensors (gloo), else on gloo groups over the same ranks, made by
 ``make_lockstep`` where ``zerofx.shard`` runs (every rank of the meshes calls it there) and only
-when the checks are on, so they never synchronize with an accelerator stream.
+when the checks are on, once per group for every model sharded over it, so they never
+synchronize with an accelerator stream.
 """
 
 from __future__ import annotations
@@ -172,6 +173,28 @@ def make_lockstep(meshes: list, checks: bool = True) -> Lockstep | None:
             if "gloo" in str(dist.get_backend(group)):  # takes CPU tensors
                 groups.append(group)
             else:  # NCCL: a gloo group over the same ranks, so that no check waits on a stream
-                ranks = dist.get_process_group_ranks(group)
-                groups.append(dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
+                groups.append(_gloo_twin(group))
     return Lockstep(dims, torch.device(meshes[0].device_type), groups)
+
+
+# the gloo twin of each NCCL group, by the group's id: (the group, its twin). Every model sharded
+# over one mesh shares one twin instead of opening another set of connections per zerofx.shard
+# (a sweep compiling many models in one process would otherwise run out of sockets and threads)
+_TWINS: dict[int, tuple[Any, Any]] = {}
+
+
+def _gloo_twin(group: Any) -> Any:
+    """A gloo group over ``group``'s ranks, made once per group (a collective of those ranks the
+    first time: all of them make it together, so all of them find it afterwards). Twins of groups
+    that ``destroy_process_group`` removed are forgotten."""
+    for key, (_, twin) in list(_TWINS.items()):
+        try:
+            dist.get_process_group_ranks(twin)
+        except (KeyError, ValueError, RuntimeError):  # destroyed with its process groups
+            del _TWINS[key]
+    cached = _TWINS.get(id(group))
+    if cached is not None and cached[0] is group:
+        return cached[1]
+    twin = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+    _TWINS[id(group)] = (group, twin)
+    return twin
