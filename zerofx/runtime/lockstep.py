@@ -31,8 +31,8 @@ this module covers what the ranks run afterwards:
 
 Cost: one small blocking all-reduce per checked graph run (two per step for a model without
 graph breaks; four per check on a 2-D mesh: each dimension compares, then whether any differed
-goes through each), one per uncompiled read that communicates, and one per accumulation
-boundary. ``Options(check_lockstep=False)`` turns the checks off (not the boundary's agreement:
+goes through each; a frame reading models over k groups in all: k + k^2, see ``merge``), one per
+uncompiled read that communicates, and one per accumulation boundary. ``Options(check_lockstep=False)`` turns the checks off (not the boundary's agreement:
 it is what makes such a model correct at stage 1). The checks run on the meshes' own groups
 where they take CPU tensors (gloo), else on gloo groups over the same ranks, made by
 ``make_lockstep`` where ``zerofx.shard`` runs (every rank of the meshes calls it there) and only
@@ -70,6 +70,7 @@ class Lockstep:
     mesh_groups: list  # the meshes' own groups (any backend): the boundary's agreement
     device: torch.device  # the meshes' device, for tensors on ``mesh_groups``
     groups: list | None  # the same ranks, taking CPU tensors: the checks (None: check_lockstep=False)
+    spread_passes: int = 1  # passes that carry "they differ" over the groups: 1 for one model's grid (merge)
 
     def __deepcopy__(self, memo: dict) -> Lockstep:
         return self  # process groups are the process's, shared by every copy of the model
@@ -96,7 +97,10 @@ class Lockstep:
                 bounds = torch.tensor([digest, -digest], dtype=torch.int64)
                 dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
                 differ |= int(bounds[0]) != -int(bounds[1])
-            if not int(self._max_everywhere(torch.tensor([differ], dtype=torch.uint8))):
+            flag = torch.tensor([differ], dtype=torch.uint8)
+            for _ in range(self.spread_passes):
+                self._max_everywhere(flag)
+            if not int(flag):
                 return
         # every rank knows they differ, so every rank is here: one more exchange, then all raise
         lines = []
@@ -139,11 +143,16 @@ def merge(locksteps: list[Lockstep]) -> Lockstep | None:
     within another's still stop (a frame reading a model sharded over pairs of ranks, then one
     sharded over every rank). None when no model checks.
 
-    The groups are put in an order every rank computes alike, whatever order the frame's inputs
-    came in (rank-dependent control flow may call the models in another order on another rank):
-    smaller groups first, then by their ranks, one group per set of ranks (the first by name:
-    two models' gloo twins over the same ranks are interchangeable, and names are given in the
-    same order on every rank). Ranks whose frames read different sets of models still build
+    The groups are put in one order over all groups, the same on every rank whatever order the
+    frame's inputs came in (rank-dependent control flow may call the models in another order on
+    another rank): smaller groups first, then by their ranks, one group per set of ranks (the
+    first by name: two models' gloo twins over the same ranks are interchangeable, and names are
+    given in the same order on every rank). Every rank meets each pair of its groups in the same
+    order, so no two ranks wait in each other's groups. That order mixes the models' mesh
+    dimensions, so one pass of "they differ" over the groups no longer reaches every rank of a
+    grid (three dimensions crossing: two models over 2x2 and over the third 2); each pass carries
+    it at least one group further, so the spread repeats once per group (more all-reduces, for
+    frames that read several models only). Ranks whose frames read different sets of models still build
     different lists, as they would pick different models' groups without this: their checks
     then meet in no group, and wait until the process group's timeout (not covered).
     ``mesh_groups`` stays empty: the merged checks serve a frame, never the accumulation
@@ -155,7 +164,7 @@ def merge(locksteps: list[Lockstep]) -> Lockstep | None:
     for group in sorted((g for lock in checking for g in lock.groups), key=lambda g: g.group_name):
         by_ranks.setdefault(tuple(dist.get_process_group_ranks(group)), group)
     ordered = [by_ranks[ranks] for ranks in sorted(by_ranks, key=lambda ranks: (len(ranks), ranks))]
-    return Lockstep([], checking[0].device, ordered)
+    return Lockstep([], checking[0].device, ordered, spread_passes=len(ordered))
 
 
 def make_lockstep(meshes: list, checks: bool = True) -> Lockstep | None:
