@@ -597,3 +597,11 @@ def test_gloo_twins_are_made_once_per_group_and_forgotten_with_their_process_gro
         fresh = lockstep._gloo_twin(mesh.get_group(0))
         assert fresh is not twin and dist.get_process_group_ranks(fresh) == [0]
         assert [t for _, t in lockstep._TWINS.values()] == [fresh]  # the destroyed one forgotten
+        # a subgroup destroyed on its own takes its twin with it
+        sub = dist.new_group([0], backend="gloo")
+        sub_twin = lockstep._gloo_twin(sub)
+        dist.destroy_process_group(sub)
+        assert lockstep._gloo_twin(mesh.get_group(0)) is fresh
+        assert [t for _, t in lockstep._TWINS.values()] == [fresh]
+        with pytest.raises(KeyError):
+            dist.get_process_group_ranks(sub_twin)

@@ -43,6 +43,7 @@ synchronize with an accelerator stream.
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -190,20 +191,31 @@ def make_lockstep(meshes: list, checks: bool = True) -> Lockstep | None:
 # over one mesh shares one twin instead of opening another set of connections per zerofx.shard
 # (a sweep compiling many models in one process would otherwise run out of sockets and threads)
 _TWINS: dict[int, tuple[Any, Any]] = {}
+_TWINS_LOCK = threading.Lock()
+
+
+def _registered(group: Any) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+        return True
+    except KeyError:  # destroyed (``destroy_process_group`` of it, or of every group)
+        return False
 
 
 def _gloo_twin(group: Any) -> Any:
     """A gloo group over ``group``'s ranks, made once per group (a collective of those ranks the
-    first time: all of them make it together, so all of them find it afterwards). Twins of groups
-    that ``destroy_process_group`` removed are forgotten."""
-    for key, (_, twin) in list(_TWINS.items()):
-        try:
-            dist.get_process_group_ranks(twin)
-        except (KeyError, ValueError, RuntimeError):  # destroyed with its process groups
-            del _TWINS[key]
-    cached = _TWINS.get(id(group))
-    if cached is not None and cached[0] is group:
-        return cached[1]
-    twin = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
-    _TWINS[id(group)] = (group, twin)
-    return twin
+    first time: all of them make it together, so all of them find it afterwards). When a group
+    is destroyed, its twin is destroyed with it at the next call (a local operation on gloo), so
+    neither its connections nor its name outlive the group."""
+    with _TWINS_LOCK:
+        for key, (owner, twin) in list(_TWINS.items()):
+            if not _registered(owner):
+                if _registered(twin):
+                    dist.destroy_process_group(twin)
+                del _TWINS[key]
+        cached = _TWINS.get(id(group))
+        if cached is not None and cached[0] is group:
+            return cached[1]
+        twin = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+        _TWINS[id(group)] = (group, twin)
+        return twin
