@@ -125,7 +125,7 @@ _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 # change to it (weight clipping, ``nn.init.normal_(module.weight)``, ``.data.copy_``, and
 # ``module.weight.data = value``) would change that copy only and be lost, silently. So eager reads come back as ``GatheredCopy``, a plain
 # tensor for every read (results are plain tensors, autograd as before) that refuses in-place
-# ops, ``out=`` into it, item assignment and ``.data`` assignment, naming the parameter and where to write instead:
+# ops, ``out=`` into it, item assignment and ``.data`` assignment of other values, naming the parameter and where to write instead:
 # the parameter itself (``dict(model.named_parameters())[name]``, a DTensor of shards, whose
 # in-place ops change every rank's rows; stages 1 and 2 then renew their whole copies with
 # ``runtime_of(model).refresh()``). Compiled graphs (dynamo traces the read) get the plain value.
@@ -172,7 +172,9 @@ class GatheredCopy(torch.Tensor):
             )
         ) or isinstance(kwargs.get("out"), GatheredCopy)
         if isinstance(target, GatheredCopy) and name == "__set__" and getattr(func, "__self__", None) is _DATA:
-            writes, name = True, ".data = ..."  # replaces the copy's values, not the parameter's
+            # replaces the copy's values, not the parameter's: refused unless it changes nothing
+            # (transformers' tie_weights pads an output bias to its own length this way)
+            writes, name = not _same_values(target, args[1] if len(args) > 1 else None), ".data = ..."
         param = getattr(target, "_zerofx_param", None) if isinstance(target, GatheredCopy) else None
         if param is not None and (
             name == "requires_grad_" or (name == "__set__" and getattr(func, "__self__", None) is _REQUIRES_GRAD)
@@ -198,6 +200,17 @@ class GatheredCopy(torch.Tensor):
 
 _REQUIRES_GRAD = torch.Tensor.requires_grad
 _DATA = torch.Tensor.data
+
+
+def _same_values(copy: torch.Tensor, value: Any) -> bool:
+    """Whether ``value`` holds exactly ``copy``'s values (shape, dtype and every element)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return (
+            isinstance(value, torch.Tensor)
+            and value.shape == copy.shape
+            and value.dtype == copy.dtype
+            and bool(torch.equal(value, copy))
+        )
 
 
 def _as_gathered_copy(value: torch.Tensor, qualname: str, param: nn.Parameter | None = None) -> torch.Tensor:
