@@ -102,9 +102,8 @@ def test_in_place_writes_to_a_gathered_weight_are_refused_not_lost(results):
     """model.block.weight outside a compiled graph is a copy gathered for the read: its values
     are the parameter's, and mul_, .data.clamp_, nn.init.normal_, item assignment, out= into it
     and .data = value (unless it holds the same values), which would change only the copy,
-    raise naming the parameter (a test that
-    no write was allowed: each label's message); the parameter itself (a
-    DTensor) takes the write on every rank's rows."""
+    raise naming the parameter (every label has its message: none was allowed); the parameter
+    itself (a DTensor) takes the write on every rank's rows."""
     for r in _get(results, "gathered_copy_writes"):
         assert r["read_err"] == 0.0, r
         assert set(r["refused"]) == {"mul_", "data.clamp_", "init.normal_", "setitem", "out=", "data="}, r
