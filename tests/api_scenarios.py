@@ -179,7 +179,16 @@ def scenarios(rank: int, world: int) -> dict:
                     refused[label] = str(e)
             dict(model.named_parameters())["blocks.0.fc.weight"].mul_(0.5)
         after = model.state_dict()["blocks.0.fc.weight"].full_tensor()
-        return {"read_err": read_err, "refused": refused, "halved_err": (after - whole / 2).abs().max().item()}
+        # torch's lookup by name gives the parameter itself, not a gathered copy
+        itself = model.get_parameter("blocks.0.fc.weight") is dict(model.named_parameters())["blocks.0.fc.weight"]
+        twin = copy.deepcopy(model)
+        twin_itself = twin.blocks[0].get_parameter("fc.weight") is dict(twin.named_parameters())["blocks.0.fc.weight"]
+        return {
+            "read_err": read_err,
+            "refused": refused,
+            "halved_err": (after - whole / 2).abs().max().item(),
+            "get_parameter": itself and twin_itself,
+        }
 
     def stale_whole_copies():
         """Stages 1 and 2 read whole copies in forward: writes to the shards that no refresh

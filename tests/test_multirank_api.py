@@ -111,6 +111,7 @@ def test_in_place_writes_to_a_gathered_weight_are_refused_not_lost(results):
             assert message.startswith("blocks.0.fc.weight: ") and "would be lost" in message, (label, message)
         assert r["refused"]["data="].startswith("blocks.0.fc.weight: .data = ... would change a copy"), r
         assert r["halved_err"] == 0.0, r
+        assert r["get_parameter"], r  # model.get_parameter(name): the DTensor, in a deep copy too
 
 
 def test_writes_to_shards_that_no_refresh_followed_stop_the_next_forward(results):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import types
 import weakref
 from typing import Any
 
@@ -402,6 +403,18 @@ def _refuse_pickling(self: nn.Module, protocol: int) -> Any:
         "torch.distributed.checkpoint on model.state_dict()), and zerofx.checkpoint.export for whole "
         "tensors; copy.deepcopy(model) makes a copy in this process"
     )
+
+
+def _get_parameter(module: nn.Module, target: str) -> nn.Parameter:
+    """``Module.get_parameter`` in a sharded model: a sharded parameter is returned itself (the
+    DTensor of this rank's rows, as ``named_parameters`` gives it). torch's reads the attribute,
+    which outside a graph is a copy gathered for the read: a collective, then "not an
+    nn.Parameter" (transformers' ``tie_weights`` looks its weights up this way)."""
+    path, _, name = target.rpartition(".")
+    owner = module.get_submodule(path)
+    if name in getattr(owner, "_zerofx_params", {}):
+        return owner._parameters[name]
+    return nn.Module.get_parameter(module, target)
 
 
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
@@ -1040,6 +1053,8 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
             module._parameters[name] = module._zerofx_params[name].param
         module.__class__ = _sharded_class(type(module), names)
     runtime.states = list(states.values())
+    for module in model.modules():  # an instance attribute: containers hold no parameter to swap a class for
+        module.get_parameter = types.MethodType(_get_parameter, module)
     if on_meta:
         for module in model.modules():
             for name, buf in module._buffers.items():
