@@ -16,7 +16,8 @@ into what arrives (zerofx/ir/collectives.py, NOTE: pair reduce-scatter).
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterator, TypeVar
+import math
+from typing import Any, Callable, Hashable, Iterator, TypeVar
 
 import torch
 
@@ -31,7 +32,7 @@ from zerofx.ir.collectives import (
 )
 from zerofx.ir.layout import pad_rows, padded_rows
 
-__all__ = ["BUCKET_BYTES", "refresh", "reduce_pending", "reduce_transient_bytes"]
+__all__ = ["BUCKET_BYTES", "gather_whole", "refresh", "reduce_pending", "reduce_transient_bytes"]
 
 BUCKET_BYTES = 32 << 20  # past the size where gloo and NCCL reach their bandwidth; bounds the transient copy
 
@@ -67,6 +68,19 @@ def _on_gloo(group_name: str) -> bool:
     return backend_of(group_name) == "gloo"
 
 
+def _gather_bucket(shards: list[tuple[torch.Tensor, int]], group) -> torch.Tensor:
+    """One all-gather of a bucket of ``(local rows, whole rows)`` shards over ``group``: each
+    padded to the rows every rank holds, flattened one after another. Returns ``[group size,
+    bucket]``: row r is rank r's part, each shard's padded rows in bucket order."""
+    flats = [pad_rows(local, padded_rows(rows, group.size)).reshape(-1) for local, rows in shards]
+    flat = torch.cat(flats) if len(flats) > 1 else flats[0].contiguous()
+    gathered = _F.wait_tensor(all_gather(flat, group.size, group.name)).view(group.size, -1)
+    record_collectives(
+        [("all_gather", wire_bytes("all_gather", gathered.numel() * gathered.element_size(), group.size), group.name)]
+    )
+    return gathered
+
+
 @stress.eager  # seeded sleeps at collectives when ZEROFX_STRESS_DELAY is set (zerofx/stress.py)
 @torch.no_grad()
 def refresh(states: list) -> None:
@@ -81,20 +95,7 @@ def refresh(states: list) -> None:
     ):
         group = bucket[0].shard_group
         dtype = bucket[0].full.dtype
-        shards = [
-            pad_rows(s.param.to_local().to(dtype), padded_rows(s.full_rows, group.size)).reshape(-1) for s in bucket
-        ]
-        flat = torch.cat(shards) if len(shards) > 1 else shards[0].contiguous()
-        gathered = _F.wait_tensor(all_gather(flat, group.size, group.name)).view(group.size, -1)
-        record_collectives(
-            [
-                (
-                    "all_gather",
-                    wire_bytes("all_gather", gathered.numel() * gathered.element_size(), group.size),
-                    group.name,
-                )
-            ]
-        )
+        gathered = _gather_bucket([(s.param.to_local().to(dtype), s.full_rows) for s in bucket], group)
         offset = 0
         for s in bucket:
             n = padded(s)
@@ -105,6 +106,43 @@ def refresh(states: list) -> None:
                 s.full.copy_(part.reshape(-1, *s.full.shape[1:])[: s.full_rows])
             s.mark_synced()  # after the copy: without mixed precision the shard is a view of ``full``
             offset += n
+
+
+@stress.eager
+@torch.no_grad()
+def gather_whole(parts: list[tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
+    """The whole tensors of ``(local, state)`` pairs, each ``local`` laid out as ``state``'s
+    parameter (a parameter's shard, its gradient's, or a state tensor sharded like it): dim-0
+    rows over the shard group, or already whole (``state.whole``, a group of one). For the
+    optimizer's whole-tensor step (zerofx/runtime/whole_step.py); a collective, in buckets as
+    ``refresh``. A whole tensor may be a view of a bucket's buffer, or ``local`` itself."""
+    out: list[Any] = [None] * len(parts)
+    todo = []
+    for i, (local, s) in enumerate(parts):
+        if s.whole or s.shard_group.size == 1:
+            out[i] = local
+        else:
+            todo.append(i)
+
+    padded = {  # a rank's padded shard, in elements
+        i: padded_rows(parts[i][1].full_rows, parts[i][1].shard_group.size) * math.prod(parts[i][0].shape[1:])
+        for i in todo
+    }
+    for bucket in _buckets(
+        todo,
+        lambda i: (parts[i][1].shard_group.name, parts[i][0].dtype),
+        lambda i: padded[i] * parts[i][0].element_size(),
+    ):
+        gathered = _gather_bucket(
+            [(parts[i][0], parts[i][1].full_rows) for i in bucket], parts[bucket[0]][1].shard_group
+        )
+        offset = 0
+        for i in bucket:
+            local, s = parts[i]
+            n = padded[i]
+            out[i] = gathered[:, offset : offset + n].reshape(-1, *local.shape[1:])[: s.full_rows]
+            offset += n
+    return out
 
 
 @stress.eager
