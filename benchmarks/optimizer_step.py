@@ -2,6 +2,12 @@
 default, zerofx/runtime/local_step.py) against the same step through DTensor, and FSDP2's step.
 
     python benchmarks/optimizer_step.py --world-sizes 2 4 --json optimizer_step.json
+    python benchmarks/optimizer_step.py --whole     # Adafactor, Muon: zerofx's whole-tensor step
+
+With ``--whole``, the optimizers zerofx steps over whole tensors (zerofx/runtime/whole_step.py)
+against the same optimizer stepping an unsharded model on every rank (what a DDP rank's step
+costs) and FSDP2's step through DTensor (n/a where it fails: Adafactor); ratios are to the
+unsharded step.
 
 Per world size, model size and optimizer, side by side in one run: each variant builds the
 benchmark GPT (benchmarks/peers.py's sizes) sharded over all ranks, runs one forward/backward
@@ -34,6 +40,11 @@ OPTIMIZERS = {
     "SGD(momentum)": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
 }
 VARIANTS = ("fsdp2", "zerofx_dtensor", "zerofx_local")
+WHOLE_OPTIMIZERS = {
+    "Adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+    "Muon (matrices)": lambda ps: torch.optim.Muon([p for p in ps if p.dim() == 2], lr=2e-2),
+}
+WHOLE_VARIANTS = ("unsharded", "fsdp2", "zerofx_whole")
 
 
 def _build(variant: str, size: str, mesh, make_opt):
@@ -49,6 +60,8 @@ def _build(variant: str, size: str, mesh, make_opt):
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    elif variant == "unsharded":
+        pass
     else:
         zerofx.shard(model, mesh, local_optimizer_step=variant == "zerofx_local")
     opt = make_opt(model.parameters())
@@ -58,27 +71,41 @@ def _build(variant: str, size: str, mesh, make_opt):
     return opt
 
 
-def _rank_main(sizes: list[str], repeats: int) -> dict:
+def _built(variant: str, size: str, mesh, make_opt):
+    """The variant's optimizer, or None where its first step fails (FSDP2's Adafactor)."""
+    try:
+        return _build(variant, size, mesh, make_opt)
+    except RuntimeError:
+        if variant != "fsdp2":
+            raise
+        return None
+
+
+def _rank_main(sizes: list[str], repeats: int, whole: bool) -> dict:
     from zerofx.runtime.local_step import steps_locally
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
+    optimizers, variants = (WHOLE_OPTIMIZERS, WHOLE_VARIANTS) if whole else (OPTIMIZERS, VARIANTS)
     out = {}
     try:
         for size in sizes:
-            for opt_name, make in OPTIMIZERS.items():
-                opts = {v: _build(v, size, mesh, make) for v in VARIANTS}
-                assert steps_locally(opts["zerofx_local"]) and not steps_locally(opts["zerofx_dtensor"])
-                times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            for opt_name, make in optimizers.items():
+                opts = {v: _built(v, size, mesh, make) for v in variants}
+                if not whole:
+                    assert steps_locally(opts["zerofx_local"]) and not steps_locally(opts["zerofx_dtensor"])
+                times: dict[str, list[float]] = {v: [] for v in variants}
                 for _ in range(repeats):
                     for v, opt in opts.items():
+                        if opt is None:
+                            continue
                         dist.barrier()
                         start = time.perf_counter()
                         opt.step()
                         times[v].append(time.perf_counter() - start)
-                for v in VARIANTS:
-                    t = torch.tensor([statistics.median(times[v])], dtype=torch.float64)
+                for v in variants:
+                    t = torch.tensor([statistics.median(times[v]) if times[v] else float("nan")], dtype=torch.float64)
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
                     out[(size, opt_name, v)] = t.item()
     finally:
@@ -91,11 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
     parser.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=sorted(SIZES))
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--whole", action="store_true", help="the whole-tensor step's optimizers (Adafactor, Muon)")
     parser.add_argument("--json", help="write the rows as JSON here")
     args = parser.parse_args(argv)
+    optimizers, variants = (WHOLE_OPTIMIZERS, WHOLE_VARIANTS) if args.whole else (OPTIMIZERS, VARIANTS)
     rows = []
     for world in args.world_sizes:
-        times = launch_local(_rank_main, world, args.sizes, args.repeats)[0]
+        times = launch_local(_rank_main, world, args.sizes, args.repeats, args.whole)[0]
         for (size, opt_name, v), t in times.items():
             rows.append(
                 {
@@ -103,17 +132,24 @@ def main(argv: list[str] | None = None) -> int:
                     "size": size,
                     "optimizer": opt_name,
                     "variant": v,
-                    "ms": t * 1e3,
-                    "ratio": t / times[(size, opt_name, "fsdp2")],
+                    "ms": None if t != t else t * 1e3,  # NaN: the variant cannot step it
+                    "ratio": None if t != t else t / times[(size, opt_name, variants[0])],
                 }
             )
     lines = []
     for world in args.world_sizes:
         for size in args.sizes:
-            for opt_name in OPTIMIZERS:
+            for opt_name in optimizers:
                 cells = [r for r in rows if (r["world"], r["size"], r["optimizer"]) == (world, size, opt_name)]
-                lines.append([str(world), size, opt_name, *(f"{r['ms']:.2f} ms ({r['ratio']:.2f}x)" for r in cells)])
-    print(markdown_table(["N", "GPT", "optimizer", *VARIANTS], lines))
+                lines.append(
+                    [
+                        str(world),
+                        size,
+                        opt_name,
+                        *("n/a" if r["ms"] is None else f"{r['ms']:.2f} ms ({r['ratio']:.2f}x)" for r in cells),
+                    ]
+                )
+    print(markdown_table(["N", "GPT", "optimizer", *variants], lines))
     write_json(args.json, rows)
     return 0
 

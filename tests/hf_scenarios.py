@@ -189,12 +189,12 @@ def trainer_history(trainer) -> list[dict]:
     return [{"loss": h["loss"], "grad_norm": h["grad_norm"]} for h in trainer.state.log_history if "loss" in h]
 
 
-def unsharded_trainer(out: str, world: int) -> dict:
+def unsharded_trainer(out: str, world: int, optim: str = "adamw_torch") -> dict:
     """The reference: one process, the whole global batch per device (world x per-rank)."""
     from transformers import Trainer
 
     trainer = Trainer(
-        model=tiny_llama(), args=trainer_args(out, TRAINER_PER_RANK * world), train_dataset=TokenDataset()
+        model=tiny_llama(), args=trainer_args(out, TRAINER_PER_RANK * world, optim=optim), train_dataset=TokenDataset()
     )
     trainer.train()
     return {
@@ -203,14 +203,14 @@ def unsharded_trainer(out: str, world: int) -> dict:
     }
 
 
-def zerofx_trainer(out: str, stage: int) -> dict:
+def zerofx_trainer(out: str, stage: int, optim: str = "adamw_torch") -> dict:
     """One rank of a torchrun-launched job (zerofx.launch.local_ranks): ZeroFXTrainer, then
     save_model; returns the logged history (the parent compares it with the unsharded run)."""
     from zerofx.hf import ZeroFXTrainer
 
     trainer = ZeroFXTrainer(
         model=tiny_llama(),
-        args=trainer_args(f"{out}/run", TRAINER_PER_RANK, ddp_backend="gloo"),
+        args=trainer_args(f"{out}/run", TRAINER_PER_RANK, ddp_backend="gloo", optim=optim),
         train_dataset=TokenDataset(),
         zerofx_options={"stage": stage},
     )

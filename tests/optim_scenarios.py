@@ -4,6 +4,7 @@ does not depend on compilation)."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -139,9 +140,130 @@ def _failing_step(mesh, rank) -> dict:
     }
 
 
-def scenarios(rank: int, world: int) -> dict:
+# optimizers zerofx steps over whole tensors (zerofx/runtime/whole_step.py), and Rprop, whose
+# every step runs on local shards: each against the same optimizer stepping an unsharded copy of
+# the model on the same (gathered) gradients
+WHOLE = {
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2, weight_decay=0.1),
+    "hf_adafactor": lambda ps: _hf_adafactor(ps),
+    "muon": lambda ps: torch.optim.Muon([p for p in ps if p.dim() == 2], lr=2e-2),
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+}
+
+
+def _hf_adafactor(ps):
+    from transformers.optimization import Adafactor  # the test env has the hf extra
+
+    return Adafactor(ps, lr=None, beta1=0.9)  # relative step, scaled by each parameter's RMS, with momentum
+
+
+def _whole(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _against_unsharded(mesh, rank, make_opt, stage: int = 3, path: str | None = None, cfg=GPT_CFG) -> dict:
+    """``STEPS`` steps of a sharded GPT and, beside it, of an unsharded copy given the sharded
+    model's whole gradients: the parameters and the optimizer state (gathered) after each step,
+    bit for bit. One step passes a closure. A pre-hook registered after the first step records
+    whether the parameters had changed when it ran. With ``path``, the sharded run saves a
+    checkpoint before its last step and a fresh model and optimizer loaded from it take that step
+    too. ``cfg``: the GPT's shapes (a vocabulary of odd size gives shards of unequal rows)."""
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    torch.manual_seed(0)
+    model = zerofx.shard(GPT(cfg), mesh, stage=stage)
+    opt, ref_opt = make_opt(list(model.parameters())), make_opt(list(ref.parameters()))
+    gen = torch.Generator().manual_seed(100 + rank)
+    hook_saw_changed: list[bool] = []
+    mismatched_params, mismatched_state, closure_losses = [], [], []
+    resumed = None
+    for i in range(STEPS):
+        x, y = random_batch(cfg, 2, gen)
+        before = [p.to_local().clone() for p in model.parameters()]
+
+        def closure():
+            loss = model(x, y)
+            loss.backward()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                q.grad = None if p.grad is None else _whole(p.grad).clone()
+            return loss
+
+        if path is not None and i == STEPS - 1:
+            zerofx.checkpoint.save(path, model, opt)
+        if i == 1:
+            got = opt.step(closure)
+            closure_losses.append(got is not None and got.item())
+        else:
+            closure()
+            grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+            opt.step()
+        ref_opt.step()
+        if i == 0:
+            opt.register_step_pre_hook(
+                lambda o, a, k: hook_saw_changed.append(
+                    any(not torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+                )
+            )
+        if path is not None and i == STEPS - 1:  # the last step again, from the checkpoint
+            torch.manual_seed(1)
+            again = zerofx.shard(GPT(cfg), mesh, stage=stage)
+            again_opt = make_opt(list(again.parameters()))
+            zerofx.checkpoint.load(path, again, again_opt)
+            for p, g in zip(again.parameters(), grads):
+                p.grad = g
+            again_opt.step()
+            resumed = [
+                n
+                for (n, p), q in zip(again.named_parameters(), model.parameters())
+                if not torch.equal(p.to_local(), q.to_local())
+            ]
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        mismatched_params.append(
+            [n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(_whole(p), q)]
+        )
+        sd, ref_sd = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        mismatched_state.append(
+            sorted(sd.keys() ^ ref_sd.keys())
+            + [  # in one order on every rank: each gather of a DTensor is a collective
+                (j, k)
+                for j in sorted(sd.keys() & ref_sd.keys())
+                for k in sorted(sd[j].keys() | ref_sd[j].keys())
+                if k not in sd[j]
+                or k not in ref_sd[j]
+                or not torch.equal(torch.as_tensor(_whole(sd[j][k])), torch.as_tensor(ref_sd[j][k]))
+            ]
+        )
+    x, y = random_batch(cfg, 2, gen)
+    with torch.no_grad():
+        last = (model(x, y).item(), ref(x, y).item())  # stages 1 and 2 read their refreshed whole copies
+    layout = sorted({(k, p.dim(), type(v).__name__) for p, entry in opt.state.items() for k, v in entry.items()})
+    return {
+        "mismatched_params": mismatched_params,
+        "mismatched_state": mismatched_state,
+        "moved": any(not torch.equal(_whole(p), q) for p, q in zip(model.parameters(), GPT(cfg).parameters())),
+        "closure_losses": closure_losses,
+        "hook_saw_changed": hook_saw_changed,
+        "last_losses": last,
+        "state_layout": layout,
+        "resumed": resumed,
+    }
+
+
+def scenarios(rank: int, world: int, path: str | None = None) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     out: dict = {}
+    for name, make in WHOLE.items():
+        attempt(out, f"whole_{name}", lambda make=make: _against_unsharded(mesh, rank, make))
+    attempt(out, "whole_adafactor_stage2", lambda: _against_unsharded(mesh, rank, WHOLE["adafactor"], stage=2))
+    odd = dataclasses.replace(GPT_CFG, vocab_size=GPT_CFG.vocab_size + 1)
+    attempt(out, "whole_muon_uneven", lambda: _against_unsharded(mesh, rank, WHOLE["muon"], cfg=odd))
+    for name in ("hf_adafactor", "muon"):
+        attempt(
+            out,
+            f"whole_{name}_resume",
+            lambda name=name: _against_unsharded(mesh, rank, WHOLE[name], path=f"{path}/{name}"),
+        )
     for name, make in OPTIMIZERS.items():
         attempt(out, name, lambda make=make: _compare(mesh, rank, make))
     attempt(out, "stage2_adamw", lambda: _compare(mesh, rank, OPTIMIZERS["adamw"], stage=2))

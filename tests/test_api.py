@@ -415,28 +415,40 @@ def test_the_guard_filter_drops_what_sharding_fixed_and_keeps_what_can_change(mo
 
 
 @pytest.mark.parametrize(
-    "make",
-    [lambda ps: torch.optim.Rprop(ps, lr=1e-2), lambda ps: torch.optim.Adafactor(ps, lr=1e-2)],
-    ids=["rprop", "adafactor"],
+    ("make", "local", "grad", "match"),
+    [
+        (
+            lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+            False,
+            "dtensor",
+            r"^torch\.optim\.Rprop steps zerofx's sharded parameters on their local shards only .*local_optimizer_step=True",
+        ),
+        (
+            lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+            True,
+            "plain",
+            r"^layers\.0\.weight: its gradient is not a DTensor laid out like the parameter \(Tensor\), so Adafactor's "
+            r"whole-tensor step cannot gather it",
+        ),
+    ],
+    ids=["rprop_without_local_steps", "adafactor_with_a_plain_gradient"],
 )
-def test_optimizers_dtensor_cannot_step_are_refused_at_their_first_step_saying_why(make):
-    """Rprop's masked index_put_ and Adafactor's factored moments fail inside DTensor on
-    sharded parameters; their first step is a zerofx error naming the optimizer and the reason,
-    and no parameter changes. torch's fake process group stands in for a 2-rank job (the check
-    is local: no collective runs)."""
+def test_optimizers_zerofx_cannot_step_so_are_refused_at_their_first_step_saying_why(make, local, grad, match):
+    """Rprop's step fails inside DTensor, so zerofx runs it on the local shards from its first
+    step: with local steps turned off it is an error. A whole-tensor step (Adafactor) gathers
+    each gradient as laid out like its parameter: a plain tensor set as a gradient is an error.
+    Both before any parameter changes. torch's fake process group stands in for a 2-rank job
+    (the checks are local: no collective runs)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        model = zerofx.shard(MLP(), init_device_mesh("cpu", (2,)))
+        model = zerofx.shard(MLP(), init_device_mesh("cpu", (2,)), local_optimizer_step=local)
         opt = make(model.parameters())
         before = [p.to_local().clone() for p in model.parameters()]
         for p in model.parameters():
-            p.grad = torch.ones_like(p)
-        name = type(opt).__name__
-        with pytest.raises(
-            ZeroFXError, match=rf"^torch\.optim\.{name} cannot step zerofx's sharded parameters: .*DTensor"
-        ):
+            p.grad = torch.ones_like(p) if grad == "dtensor" else torch.ones(p.shape)
+        with pytest.raises(ZeroFXError, match=match):
             opt.step()
         assert all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
     finally:

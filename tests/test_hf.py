@@ -212,17 +212,20 @@ def test_gathered_needs_a_sharded_model():
             pass
 
 
-def test_hf_trainer_trains_like_the_unsharded_trainer(tmp_path):
+@pytest.mark.parametrize("optim", ["adamw_torch", "adafactor"])
+def test_hf_trainer_trains_like_the_unsharded_trainer(tmp_path, optim):
     """ZeroFXTrainer on 2 ranks started by torchrun's launcher (zerofx.launch.local_ranks), 3
     steps of 2 accumulated micro-batches of 2 per rank, against the plain Trainer in one process
     with micro-batches of 4: the same 8 samples per step. The two sum each step's token losses
     and gradients in another association (per rank, then across ranks), so fp32 results differ
     by rounding only: measured 1e-7 relative on losses and grad norms and 8e-7 absolute on the
-    parameters after 3 AdamW steps (lr 1e-2); the tolerances below are ten times that."""
+    parameters after 3 AdamW steps (lr 1e-2); the tolerances below are ten times that. With
+    ``optim="adafactor"`` the Trainer builds transformers' Adafactor, which zerofx steps over
+    whole tensors (zerofx/runtime/whole_step.py), within the same tolerances."""
     from zerofx.launch import local_ranks
 
-    reference = hs.unsharded_trainer(str(tmp_path / "ref"), 2)
-    per_rank = local_ranks(hs.zerofx_trainer, 2, str(tmp_path / "zerofx"), 3)
+    reference = hs.unsharded_trainer(str(tmp_path / "ref"), 2, optim)
+    per_rank = local_ranks(hs.zerofx_trainer, 2, str(tmp_path / "zerofx"), 3, optim)
     want = reference["history"]
     assert len(want) == hs.TRAINER_STEPS
     for rank, got in enumerate(per_rank):

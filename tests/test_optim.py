@@ -1,21 +1,24 @@
 """Optimizer steps on local shards (zerofx/runtime/local_step.py) on 2 gloo ranks: bit-for-bit the same
 parameters and state as stepping the DTensors, for the optimizers that take the local path,
 the stage-2 refresh after it, LR schedulers around it, the DTensor path kept for a subclass,
-and a step that raises."""
+and a step that raises. Optimizers stepped over whole tensors (zerofx/runtime/whole_step.py:
+Adafactor, transformers' Adafactor, Muon) and Rprop against the same optimizer stepping an
+unsharded model on the same gradients, bit for bit, through a closure, a pre-hook and a
+checkpoint resume."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.multirank import run_ranks, scenario_results
-from tests.optim_scenarios import OPTIMIZERS, STEPS, scenarios
+from tests.optim_scenarios import OPTIMIZERS, STEPS, WHOLE, scenarios
 
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(scenarios, WORLD)
+def results(tmp_path_factory):
+    return run_ranks(scenarios, WORLD, str(tmp_path_factory.mktemp("optim")))
 
 
 @pytest.mark.parametrize("name", [*OPTIMIZERS, "stage2_adamw", "lr_schedulers"])
@@ -53,3 +56,39 @@ def test_a_step_that_raises_leaves_the_dtensors_in_place(results):
         assert r["state_kinds"] == ["DTensor", "Tensor"]  # moments as DTensors, "step" a plain scalar
         assert not r["grads_on_locals"]
         assert r["loss"] == r["ref_loss"]
+
+
+@pytest.mark.parametrize("name", [*WHOLE, "adafactor_stage2", "muon_uneven"])
+def test_whole_tensor_steps_match_the_unsharded_step_bit_for_bit(results, name):
+    for r in scenario_results(results, f"whole_{name}"):
+        assert r["moved"]
+        assert r["mismatched_params"] == [[]] * STEPS
+        assert r["mismatched_state"] == [[]] * STEPS
+        a, b = r["last_losses"]
+        assert a == b  # the next forward reads the stepped parameters (stage 2: its refreshed whole copies)
+        assert r["closure_losses"] and all(r["closure_losses"])  # step(closure) returns the closure's loss
+        # the user's pre-hook, registered after zerofx adopted the optimizer, still ran before the step
+        assert r["hook_saw_changed"] == [False] * (STEPS - 1)
+
+
+def test_whole_tensor_step_state_is_sharded_where_shaped_like_the_parameter(results):
+    # (state key, parameter dims, kind): Muon's momentum and Adafactor's unfactored variance of a
+    # 1-D parameter are shaped like it: DTensors, 1/N per rank; Adafactor's row and column
+    # factors of a matrix and the step counts are whole on every rank, plain tensors
+    for r in scenario_results(results, "whole_muon"):
+        assert r["state_layout"] == [("momentum_buffer", 2, "DTensor")]
+    for r in scenario_results(results, "whole_adafactor"):
+        assert r["state_layout"] == [
+            ("col_var", 2, "Tensor"),
+            ("row_var", 2, "Tensor"),
+            ("step", 1, "Tensor"),
+            ("step", 2, "Tensor"),
+            ("variance", 1, "DTensor"),
+        ]
+
+
+@pytest.mark.parametrize("name", ["hf_adafactor", "muon"])
+def test_whole_tensor_step_resumes_from_a_checkpoint(results, name):
+    for r in scenario_results(results, f"whole_{name}_resume"):
+        assert r["resumed"] == []  # the same last step from the checkpoint: the same parameters
+        assert r["mismatched_params"] == [[]] * STEPS

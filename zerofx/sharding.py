@@ -1062,8 +1062,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
                     module._buffers[name] = torch.empty_like(buf, device=mesh.device_type)
         _expect_loading(model, runtime)
     _install_retired_check()
-    if opts.local_optimizer_step:
-        install_local_step()
+    install_local_step()  # adopts optimizers at their first step (local_optimizer_step only picks the path)
     runtime.refresh()
     if runtime.whole_copies:
         model.register_load_state_dict_post_hook(_refresh_after_load)

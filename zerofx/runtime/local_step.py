@@ -28,8 +28,12 @@ A step falls back to the DTensor path (numerically the same, only slower) when a
 not a DTensor with its parameter's placements and shape, when the optimizer also holds
 DTensors zerofx does not manage (foreach kernels cannot mix the two), when it is stepped in
 windows by ``zerofx.offload_optimizer``, or when the model was compiled with
-``local_optimizer_step=False``. Optimizers outside ``ELEMENTWISE`` always take the DTensor path;
-those in ``_REFUSED``, which fail inside DTensor, are an error at their first step.
+``local_optimizer_step=False``. Rprop's step fails inside DTensor, so its first step runs on the
+local shards too (``_LOCAL_FROM_THE_FIRST``), and where that cannot be, its first step is an
+error. Optimizers whose update of an element reads others (Adafactor, Muon) step over whole
+tensors (zerofx/runtime/whole_step.py); the other optimizers outside ``ELEMENTWISE`` take the
+DTensor path. The steps zerofx runs itself run in its last step pre-hook (NOTE: the last
+pre-hook, below).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from zerofx.errors import ZeroFXError
 from zerofx.runtime.params import optimizer_state
+from zerofx.runtime.whole_step import check_steppable, stand_in, step_whole, whole_step_class
 
 __all__ = ["ELEMENTWISE", "install", "steps_locally"]
 
@@ -60,22 +65,15 @@ ELEMENTWISE: frozenset[type] = frozenset(
         torch.optim.RAdam,
         torch.optim.RMSprop,
         torch.optim.Adadelta,
+        torch.optim.Rprop,
     }
 )
 
-# Optimizers whose step cannot run on zerofx's DTensor parameters (torch 2.13), with why: refused
-# at their first step with that reason, instead of DTensor's "in-place operations that require
-# placement changes are not supported" from inside the optimizer
-_REFUSED: dict[type, str] = {
-    torch.optim.Rprop: (
-        "its step clears gradient entries through a boolean mask (index_put_), which DTensor cannot "
-        "apply to a shard in place, and an optimizer's first step runs through DTensor"
-    ),
-    torch.optim.Adafactor: (
-        "its factored second moment takes row and column means of each gradient, partial sums that "
-        "DTensor cannot raise to a power in place"
-    ),
-}
+# Elementwise optimizers whose step fails inside DTensor, so that their first step runs on the
+# local shards too (the others' first step runs through DTensor: it is where zerofx adopts them).
+# Rprop clears gradient entries through a boolean mask, an index_put_ DTensor cannot apply to a
+# shard in place.
+_LOCAL_FROM_THE_FIRST: frozenset[type] = frozenset({torch.optim.Rprop})
 
 _PRE_HOOK = None
 
@@ -101,16 +99,31 @@ def _managed(p: torch.Tensor) -> bool:
 
 
 def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    if optimizer_state(optimizer) is not None or torch.compiler.is_compiling():
-        return  # decided at its first step already (or zerofx.offload_optimizer took it)
+    if torch.compiler.is_compiling() or _is_stand_in(optimizer):
+        return
+    state = optimizer_state(optimizer)
+    if state is not None:  # decided at its first step already (or zerofx.offload_optimizer took it)
+        if state.last_hook is not None:  # behind the step pre-hooks registered since (NOTE: the last pre-hook)
+            optimizer._optimizer_step_pre_hooks.move_to_end(state.last_hook)
+        return
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if type(optimizer) in _REFUSED and any(hasattr(p, "_zerofx_state") for p in params):
-        raise ZeroFXError(
-            f"torch.optim.{type(optimizer).__name__} cannot step zerofx's sharded parameters: "
-            f"{_REFUSED[type(optimizer)]}. Use an elementwise optimizer (AdamW, Adam, SGD, RMSprop, Adagrad, ...)"
-        )
-    adopt = type(optimizer) in ELEMENTWISE and any(_managed(p) for p in params)
+    ours = any(hasattr(p, "_zerofx_state") for p in params)
     state = optimizer_state(optimizer, create=True)
+    if ours and whole_step_class(optimizer) is not None:
+        check_steppable(optimizer)
+        state.whole = True
+        _run_last(optimizer, state)
+        return
+    adopt = type(optimizer) in ELEMENTWISE and any(_managed(p) for p in params)
+    if ours and type(optimizer) in _LOCAL_FROM_THE_FIRST:
+        if not (adopt and _swappable(params)):
+            raise ZeroFXError(
+                f"torch.optim.{type(optimizer).__name__} steps zerofx's sharded parameters on their local shards "
+                "only (its step fails inside DTensor): keep local_optimizer_step=True (the default), step no "
+                "DTensors zerofx does not manage with it, and leave the gradients zerofx's backward made"
+            )
+        state.first_local = True
+        _run_last(optimizer, state)
     state.local_step = adopt
     if adopt:
         inner = state.inner_step = optimizer.step  # the class's step, or what wraps it
@@ -123,6 +136,54 @@ def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if getattr(inner, "_wrapped_by_lr_sched", False):
             step._wrapped_by_lr_sched = True
         optimizer.step = types.MethodType(step, optimizer)
+
+
+# NOTE: the last pre-hook
+# A step that zerofx runs itself (a whole-tensor step every time, a first step on local shards)
+# runs in a step pre-hook of the optimizer's own, kept behind every other pre-hook (the global
+# hook that adopts optimizers moves it to the end before the optimizer's own hooks run), so that
+# the user's pre-hooks still run before the step, as torch runs them. It steps the optimizer,
+# then hands the class's step a stand-in holding no parameters, which does nothing; the
+# post-hooks (zerofx's refresh of whole copies among them) run on the optimizer as usual.
+
+
+def _run_last(optimizer: torch.optim.Optimizer, state: Any) -> None:
+    state.last_hook = optimizer.register_step_pre_hook(_last_pre_hook).id
+
+
+def _is_stand_in(optimizer: torch.optim.Optimizer) -> bool:
+    return optimizer.__dict__.get("_zerofx_stand_in", False)
+
+
+def _class_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
+    """The optimizer class's step function, without torch's hook wrappers (one per class that
+    was patched: a subclass's wraps its parent's)."""
+    step = type(optimizer).step
+    while getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        step = step.__wrapped__
+    return step
+
+
+def _last_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple | None:
+    state = optimizer_state(optimizer)
+    if torch.compiler.is_compiling() or _is_stand_in(optimizer) or not (state.whole or state.first_local):
+        return None
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    if state.whole:
+        step_whole(optimizer, _class_step(optimizer))
+    else:
+        with _on_local_shards(optimizer):
+            _class_step(optimizer)(optimizer)
+        state.first_local = False
+    idle = stand_in(optimizer, [{**g, "params": []} for g in optimizer.param_groups], defaultdict(dict))
+    done = None if closure is None else (lambda: loss)
+    if "closure" in kwargs:
+        return (idle, *args[1:]), {**kwargs, "closure": done}
+    return (idle, *((done,) if len(args) > 1 else ()), *args[2:]), kwargs
 
 
 def _local_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:

@@ -38,6 +38,7 @@ from zerofx.errors import ZeroFXError
 from zerofx.ir.layout import pack_consecutive
 from zerofx.ir.offload_ops import default_offload_dir, new_file, paged_storages
 from zerofx.runtime.params import optimizer_state, runtime_of
+from zerofx.runtime.whole_step import whole_step_class
 
 __all__ = [
     "check_offload_dir",
@@ -242,6 +243,12 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         raise ZeroFXError(
             "zerofx.offload_optimizer: build the optimizer over a model compiled with "
             "zerofx.compile(..., offload_optimizer='host' | 'disk' | 'auto')"
+        )
+    if whole_step_class(optimizer) is not None:
+        raise ZeroFXError(
+            f"zerofx.offload_optimizer: {type(optimizer).__name__} steps over whole tensors "
+            "(zerofx/runtime/whole_step.py), which offloaded optimizer state does not support yet; "
+            "use an elementwise optimizer (AdamW, Adam, SGD, ...) with offload_optimizer"
         )
     tier, store, window = placed[0]
     state = optimizer_state(optimizer, create=True)

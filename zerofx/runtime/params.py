@@ -449,6 +449,9 @@ class OptimizerState:
     local_step: bool = False  # later steps run on local shards (zerofx/runtime/local_step.py)
     inner_step: Any = None  # the step the local step wraps (the class's, or what already wrapped it)
     offload: tuple | None = None  # (tier, store, window) from zerofx.offload_optimizer
+    whole: bool = False  # every step runs over whole tensors (zerofx/runtime/whole_step.py)
+    first_local: bool = False  # its first step is still to run on local shards (local_step.py)
+    last_hook: int | None = None  # the id of its step pre-hook that runs such steps (NOTE: the last pre-hook)
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, create: bool = False) -> OptimizerState | None:
