@@ -50,6 +50,21 @@ def test_model_state_is_exact_from_numel_and_matches_zero_formula(world):
     assert p.step_time_s > 0 and 0 <= p.exposed_comm_s <= p.step_time_s
 
 
+def test_muon_steps_over_whole_tensors_with_its_momentum_sharded():
+    """Muon (zerofx/runtime/whole_step.py) plans on fake tensors: its one moment per matrix is
+    sharded like the matrix, 4 bytes per element of this rank's rows."""
+    p = zerofx.plan(
+        build,
+        (4,),
+        batch=2,
+        seq=32,
+        device="cpu",
+        optimizer=lambda ps: torch.optim.Muon([q for q in ps if q.dim() == 2]),
+    )
+    matrices = [q for q in {id(q): q for q in GPT(CFG).parameters()}.values() if q.dim() == 2]
+    assert p.per_rank.optimizer_bytes == 4 * sum(local_rows(q.shape[0], 4, 0) * q.shape[1] for q in matrices)
+
+
 def test_mixed_precision_model_state_is_16_bytes_per_element_and_gathers_bf16():
     p = zerofx.plan(build, (4,), batch=2, seq=32, device="cpu", param_dtype="bf16")
     fp32 = zerofx.plan(build, (4,), batch=2, seq=32, device="cpu")
@@ -167,6 +182,10 @@ def test_cli_writes_json_with_the_documented_keys(tmp_path):
         (dict(model_fn=build, mesh_shape=(2, 2), tensor_parallel=2), "one data-parallel dimension next to tensor"),
         (dict(model_fn=build, mesh_shape=(2,), tensor_parallel=0), "tensor_parallel=0: give the tensor-parallel size"),
         (dict(model_fn=build, mesh_shape=(4,), tensor_parallel=2, global_batch=6), "data-parallel size 4"),
+        (
+            dict(model_fn=build, mesh_shape=(2,), optimizer=lambda ps: torch.optim.Adafactor(ps, lr=1e-2)),
+            "Adafactor's step reads values of tensors",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_error(kwargs, message):

@@ -47,6 +47,7 @@ import sympy
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from zerofx.errors import ZeroFXError
 from zerofx.passes.cost_model import hint
@@ -688,7 +689,14 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
         finally:
             fx_config.use_duck_shape = duck
         state = model_state_bytes(model, opt)  # the backward's gradients still held: the step's peak
-        opt.step()
+        try:
+            opt.step()
+        except DataDependentOutputException as e:
+            raise ZeroFXError(
+                f"{type(opt).__name__}'s step reads values of tensors (.item(), a comparison), which planning on "
+                "fake tensors has none of (Adafactor does): plan with an optimizer whose step does not, such as "
+                "optimizer='adamw' (its state is larger than Adafactor's factored moments)"
+            ) from e
     runtime = runtime_of(model)
     compiled = runtime.compiled
     whole = sum({id(s.full): local_nbytes(s.full) for s in runtime.states if s.full is not None}.values())
