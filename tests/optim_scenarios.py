@@ -271,3 +271,13 @@ def scenarios(rank: int, world: int, path: str | None = None) -> dict:
     attempt(out, "subclass", lambda: _compare(mesh, rank, lambda ps: MyAdamW(ps, lr=1e-2)))
     attempt(out, "failing_step", lambda: _failing_step(mesh, rank))
     return out
+
+
+def hybrid_scenarios(rank: int, world: int) -> dict:
+    """The whole-tensor steps on a 2x2 hybrid mesh (replicate x shard): each parameter gathered
+    over its shard dimension only."""
+    mesh = init_device_mesh("cpu", (2, world // 2))
+    out: dict = {}
+    for name in ("adafactor", "muon"):
+        attempt(out, f"whole_{name}", lambda name=name: _against_unsharded(mesh, rank, WHOLE[name]))
+    return out

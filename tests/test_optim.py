@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.multirank import run_ranks, scenario_results
-from tests.optim_scenarios import OPTIMIZERS, STEPS, WHOLE, scenarios
+from tests.optim_scenarios import OPTIMIZERS, STEPS, WHOLE, hybrid_scenarios, scenarios
 
 WORLD = 2
 
@@ -92,3 +92,18 @@ def test_whole_tensor_step_resumes_from_a_checkpoint(results, name):
     for r in scenario_results(results, f"whole_{name}_resume"):
         assert r["resumed"] == []  # the same last step from the checkpoint: the same parameters
         assert r["mismatched_params"] == [[]] * STEPS
+
+
+@pytest.fixture(scope="module")
+def hybrid_results():
+    return run_ranks(hybrid_scenarios, 4)
+
+
+@pytest.mark.parametrize("name", ["adafactor", "muon"])
+def test_whole_tensor_steps_on_a_hybrid_mesh_match_the_unsharded_step(hybrid_results, name):
+    for r in scenario_results(hybrid_results, f"whole_{name}"):
+        assert r["moved"]
+        assert r["mismatched_params"] == [[]] * STEPS
+        assert r["mismatched_state"] == [[]] * STEPS
+        a, b = r["last_losses"]
+        assert a == b
