@@ -42,8 +42,9 @@ the check is skipped while tracing), and ``zerofx.gathered`` compare them
 parameters. ``state_dict()`` hands out DTensors over the shard itself (zerofx/sharding.py,
 ``_save_aliasing_shards``) so that DCP's writes into them count.
 
-DTensor's ``_foreach_*_`` in-place ops bump no version counter at all (torch 2.13), and
-``AveragedModel``'s EMA / SWA update is one. Its copy runs uncompiled (torch deep-copies a
+DTensor's ``_foreach_*_`` in-place ops bump no version counter at all (torch 2.13; open upstream
+as pytorch/pytorch#191154 and #197502, which make foreach ops on tensor subclasses bump them),
+and ``AveragedModel``'s EMA / SWA update is one. Its copy runs uncompiled (torch deep-copies a
 module without its compiled call), so an uncompiled forward also compares each shard's
 ``torch.hash_tensor`` with the one taken at the last refresh (from its first uncompiled forward
 on: one pass over this rank's shards, no communication). A compiled forward keeps to the
