@@ -30,9 +30,9 @@ from zerofx.ir.collectives import (
     record_collectives,
     wire_bytes,
 )
-from zerofx.ir.layout import pad_rows, padded_rows
+from zerofx.ir.layout import local_rows, pad_rows, padded_rows
 
-__all__ = ["BUCKET_BYTES", "gather_whole", "refresh", "reduce_pending", "reduce_transient_bytes"]
+__all__ = ["BUCKET_BYTES", "gather_to", "refresh", "reduce_pending", "reduce_transient_bytes", "scatter_rows"]
 
 BUCKET_BYTES = 32 << 20  # past the size where gloo and NCCL reach their bandwidth; bounds the transient copy
 
@@ -108,40 +108,77 @@ def refresh(states: list) -> None:
             offset += n
 
 
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    flats = [t.reshape(-1) for t in tensors]
+    return torch.cat(flats) if len(flats) > 1 else flats[0].contiguous()
+
+
 @stress.eager
 @torch.no_grad()
-def gather_whole(parts: list[tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
-    """The whole tensors of ``(local, state)`` pairs, each ``local`` laid out as ``state``'s
-    parameter (a parameter's shard, its gradient's, or a state tensor sharded like it): dim-0
-    rows over the shard group, or already whole (``state.whole``, a group of one). For the
-    optimizer's whole-tensor step (zerofx/runtime/whole_step.py); a collective, in buckets as
-    ``refresh``. A whole tensor may be a view of a bucket's buffer, or ``local`` itself."""
-    out: list[Any] = [None] * len(parts)
-    todo = []
-    for i, (local, s) in enumerate(parts):
-        if s.whole or s.shard_group.size == 1:
-            out[i] = local
-        else:
-            todo.append(i)
+def gather_to(parts: list[tuple[torch.Tensor, Any]], group: Any, dst: int) -> list[torch.Tensor] | None:
+    """On rank ``dst`` of ``group`` (a ``GroupInfo``), the whole tensors of ``(local, state)``
+    pairs, each ``local`` laid out as ``state``'s parameter: dim-0 rows over the group (a
+    parameter's shard, its gradient's, or a state tensor sharded like it), all of one dtype; None
+    on the other ranks. One ``gather`` of the padded shards, flat; a collective of the group. For
+    the optimizer's whole-tensor step (zerofx/runtime/whole_step.py). The whole tensors are
+    views of one buffer."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
-    padded = {  # a rank's padded shard, in elements
-        i: padded_rows(parts[i][1].full_rows, parts[i][1].shard_group.size) * math.prod(parts[i][0].shape[1:])
-        for i in todo
-    }
-    for bucket in _buckets(
-        todo,
-        lambda i: (parts[i][1].shard_group.name, parts[i][0].dtype),
-        lambda i: padded[i] * parts[i][0].element_size(),
-    ):
-        gathered = _gather_bucket(
-            [(parts[i][0], parts[i][1].full_rows) for i in bucket], parts[bucket[0]][1].shard_group
-        )
-        offset = 0
-        for i in bucket:
-            local, s = parts[i]
-            n = padded[i]
-            out[i] = gathered[:, offset : offset + n].reshape(-1, *local.shape[1:])[: s.full_rows]
-            offset += n
+    padded = [padded_rows(s.full_rows, group.size) for _, s in parts]
+    flat = _flat([pad_rows(local, rows) for (local, _), rows in zip(parts, padded)])
+    gathered = flat.new_empty((group.size, flat.numel())) if group.rank == dst else None
+    dist.gather(
+        flat,
+        list(gathered.unbind(0)) if gathered is not None else None,
+        group=_resolve_process_group(group.name),
+        group_dst=dst,
+    )
+    sent = flat.numel() * flat.element_size()
+    record_collectives([("gather", sent * (group.size - 1) if gathered is not None else sent, group.name)])
+    if gathered is None:
+        return None
+    out, offset = [], 0
+    for (local, s), rows in zip(parts, padded):
+        n = rows * math.prod(local.shape[1:])
+        out.append(gathered[:, offset : offset + n].reshape(-1, *local.shape[1:])[: s.full_rows])
+        offset += n
+    return out
+
+
+@stress.eager
+@torch.no_grad()
+def scatter_rows(
+    wholes: list[torch.Tensor] | None,
+    shapes: list[torch.Size],
+    dtype: torch.dtype,
+    device: torch.device,
+    group: Any,
+    src: int,
+) -> list[torch.Tensor]:
+    """The inverse of ``gather_to``: rank ``src`` of ``group`` holds ``wholes`` (None elsewhere),
+    whose whole shapes every rank knows (``shapes``; all of ``dtype``), and every rank gets its
+    dim-0 rows of each (torch.chunk's split, as a Shard(0) DTensor's). One ``scatter`` of padded
+    rows, flat; a collective of the group. The rows returned are views of one buffer."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    padded = [padded_rows(shape[0], group.size) for shape in shapes]
+    per_rank = None
+    if wholes is not None:
+        full = [pad_rows(w, rows * group.size).view(group.size, -1) for w, rows in zip(wholes, padded)]
+        per_rank = [_flat([f[r] for f in full]) for r in range(group.size)]
+    total = sum(rows * math.prod(shape[1:]) for shape, rows in zip(shapes, padded))
+    received = torch.empty(total, dtype=dtype, device=device)
+    dist.scatter(received, per_rank, group=_resolve_process_group(group.name), group_src=src)
+    size = received.numel() * received.element_size()
+    record_collectives([("scatter", size * (group.size - 1) if per_rank is not None else size, group.name)])
+    out, offset = [], 0
+    for shape, rows in zip(shapes, padded):
+        n = rows * math.prod(shape[1:])
+        mine = local_rows(shape[0], group.size, group.rank)
+        out.append(received[offset : offset + n].view(rows, *shape[1:])[:mine])
+        offset += n
     return out
 
 

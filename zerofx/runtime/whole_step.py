@@ -9,25 +9,28 @@ place), transformers' mixes plain state tensors with DTensor gradients and fails
 Newton-Schulz iteration runs with a collective per matmul and rounds its partial sums in bf16
 where the unsharded step rounds once, so its updates differ from the unsharded run's.
 
-So zerofx steps these optimizers as an unsharded run would, one window of parameters at a time:
-every rank all-gathers each parameter of the window, its gradient and its parameter-shaped
-state (flat buckets, ``eager_buckets.gather_whole``; at stages 1-2 a parameter is copied from
-the whole copy forward reads, when that is in the parameter's dtype and current), runs the
-optimizer's own step function on those whole tensors (a stand-in optimizer object sharing
-everything with the real one but its ``param_groups`` and ``state``), and writes back its own
-rows of the parameter. What the step leaves in the state is
-stored as the DTensor path would hold it: a tensor shaped like the parameter is sharded like it
-(so Muon's momentum stays 1/N per rank), anything else (Adafactor's row and column factors, a
-step count) is kept whole, the same on every rank, as DCP saves a replicated tensor. Every rank
-runs the same arithmetic on the same values, so the parameters are bit for bit the unsharded
-step's.
+So zerofx steps these optimizers as an unsharded run would, one window of parameters at a time,
+each parameter on one rank of its group (its owner; the largest parameters first, each to the
+least loaded rank). The owner gathers the parameter's shards, its gradient's and those of its
+parameter-shaped state (flat ``gather``s, ``eager_buckets.gather_to``), every rank runs the
+optimizer's own step function once on the whole tensors it owns (a stand-in optimizer object
+sharing everything with the real one but its ``param_groups`` and ``state``), and each owner
+sends every rank of the group its rows of the stepped parameter and of its parameter-shaped
+state (flat ``scatter``s, ``eager_buckets.scatter_rows``) and a copy of the rest of its state.
+So a state tensor shaped like the parameter stays sharded like it (Muon's momentum: 1/N per
+rank), and anything else (Adafactor's row and column factors, a step count) is whole and the
+same on every rank, as DCP saves a replicated value. A parameter kept whole, or one zerofx does
+not manage, is stepped by every rank as it is. One rank computes each update, so the parameters
+are bit for bit the unsharded step's.
 
-What it costs: per step, an all-gather of every parameter and gradient (and of Muon's
-momentum), the step's arithmetic on whole tensors on every rank, and at most one window of
-whole tensors at a time above the shards (``WINDOW_BYTES``); docs/measurements.md, "whole_step",
-has the numbers. The optimizer's step pre-hooks see the shards, as for any other optimizer
-(they run first: zerofx/runtime/local_step.py, NOTE: the last pre-hook); its step function sees
-the window's whole tensors.
+What it costs: per step, every shard of every parameter and gradient (and of Muon's momentum)
+travels to its owner and the stepped rows back, about what one all-gather of them would move
+divided by the group size; each rank runs the step's arithmetic for about 1/N of the
+parameters; a broadcast of the small state per owner; and at most one window of whole tensors
+(``WINDOW_BYTES``) above the shards, spread over the owners. docs/measurements.md,
+"whole_step", has the numbers. The optimizer's step pre-hooks see the shards, as for any other
+optimizer (they run first: zerofx/runtime/local_step.py, NOTE: the last pre-hook); its step
+function sees the whole tensors.
 
 Which optimizers: ``whole_step_class`` (torch's Adafactor and Muon, transformers' Adafactor, and
 their subclasses: the step runs their own code, whatever it adds). Optimizers that call the
@@ -41,11 +44,13 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
 from zerofx.errors import ZeroFXError
 from zerofx.ir.layout import pack_consecutive
-from zerofx.runtime.eager_buckets import gather_whole
+from zerofx.runtime.eager_buckets import gather_to, scatter_rows
 
 __all__ = ["WINDOW_BYTES", "check_steppable", "stand_in", "step_whole", "whole_step_class"]
 
@@ -78,35 +83,40 @@ def stand_in(optimizer: torch.optim.Optimizer, groups: list[dict], state: Any) -
 
 
 def _as_held(value: Any, before: Any, param: torch.Tensor, s: Any) -> Any:
-    """A state value after a whole step, as the DTensor path holds state: sharded like the
-    parameter when shaped like it (this rank's rows of the whole, copied into the DTensor it
-    held before, or into a new one), else as it is (whole, the same on every rank)."""
+    """A state value of a parameter every rank stepped whole (kept whole, or a plain parameter),
+    as the DTensor path holds state: a parameter-shaped tensor as a DTensor over it (the one it
+    held before, when it was one), anything else as it is."""
     if s is None or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
         return value
     if value.dim() == 0 or value.shape != param.shape:
         return value
-    mine = value if s.whole else value[s.first_row : s.first_row + s.shard_rows]
-    if isinstance(before, DTensor) and before.shape == value.shape and before.dtype == value.dtype:
-        if before._local_tensor.data_ptr() != mine.data_ptr():
-            before._local_tensor.copy_(mine)
+    if isinstance(before, DTensor) and before._local_tensor is value:
         return before
     return DTensor.from_local(
-        mine if s.whole else mine.clone(),
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
+        value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
 
 
-def _whole_copy(p: torch.Tensor, s: Any) -> torch.Tensor | None:
-    """Stages 1 and 2: a copy of the parameter's whole value from the whole copy forward reads,
-    when that holds it exactly (the parameter's dtype, refreshed since the shard last changed):
-    no gather needed. None otherwise (stage 3, mixed precision, a stale copy)."""
-    if s.full is None or s.full.dtype != p.dtype or s.versions() != s.synced_version:
-        return None
-    return s.full.detach().clone()  # the step writes it: the whole copy stays as forward reads it
+def _sharded(p: torch.Tensor) -> Any:
+    """The state of a parameter sharded over more than one rank (None: whole, or not zerofx's)."""
+    s = getattr(p, "_zerofx_state", None)
+    return s if s is not None and not s.whole and s.shard_group.size > 1 else None
+
+
+def _owners(params: list[torch.Tensor], group: Any) -> list[int]:
+    """The rank of ``group`` that steps each parameter: the largest first, each to the rank with
+    the fewest elements so far (lowest rank on ties). The same on every rank. On torch's fake
+    process group (``zerofx.plan``: one process stands for every rank, and no data moves) this
+    rank steps them all, so that it ends with the state layout a real step leaves."""
+    if dist.get_backend(_resolve_process_group(group.name)) == "fake":
+        return [group.rank] * len(params)
+    size = group.size
+    load = [0] * size
+    owner = [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+        owner[i] = min(range(size), key=lambda r: (load[r], r))
+        load[owner[i]] += params[i].numel()
+    return owner
 
 
 def check_steppable(optimizer: torch.optim.Optimizer) -> None:
@@ -136,50 +146,138 @@ def check_steppable(optimizer: torch.optim.Optimizer) -> None:
 def step_whole(optimizer: torch.optim.Optimizer, step_fn: Callable[[torch.optim.Optimizer], Any]) -> None:
     """One step of ``optimizer`` by ``step_fn`` (its class's step function, without torch's hook
     wrapper) over whole tensors, window by window (NOTE above). Every rank calls it with the same
-    parameters holding gradients, in the same order: the gathers are collectives."""
+    parameters holding gradients, in the same order: the gathers and scatters are collectives."""
     check_steppable(optimizer)
-    groups = optimizer.param_groups
-    stepped = [p for g in groups for p in g["params"] if p.grad is not None]
+    stepped = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
     def whole_bytes(p: torch.Tensor) -> int:
         held = sum(1 for v in optimizer.state.get(p, {}).values() if isinstance(v, DTensor))
         return p.numel() * p.element_size() * (2 + held)
 
     for window in pack_consecutive(stepped, whole_bytes, WINDOW_BYTES):
-        members = set(window)
-        sharded = [(p, p._zerofx_state) for p in window if getattr(p, "_zerofx_state", None) is not None]
-        held = {p: [k for k, v in optimizer.state.get(p, {}).items() if isinstance(v, DTensor)] for p, _ in sharded}
-        copies = {p: _whole_copy(p, s) for p, s in sharded}
-        parts = [(p._local_tensor, s) for p, s in sharded if copies[p] is None]
-        parts += [(p.grad._local_tensor, s) for p, s in sharded]
-        parts += [(optimizer.state[p][k]._local_tensor, s) for p, s in sharded for k in held[p]]
-        gathered = iter(gather_whole(parts))
-        whole_of: dict[torch.Tensor, torch.Tensor] = {p: p for p in window}  # a plain parameter steps as is
-        with torch.no_grad():
-            for p, _ in sharded:  # detached: a whole parameter's is its local tensor, which must stay as it is
-                w = copies[p] if copies[p] is not None else next(gathered).detach()
-                whole_of[p] = w.requires_grad_(p.requires_grad)
-            for p, _ in sharded:
-                whole_of[p].grad = next(gathered)
-        state: defaultdict = defaultdict(dict)
+        _step_window(optimizer, step_fn, window)
+
+
+def _local_of(optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str | None) -> torch.Tensor:
+    """This rank's part of a parameter (``key`` None), of its gradient ("grad"), or of a state entry."""
+    if key is None:
+        return p._local_tensor
+    return p.grad._local_tensor if key == "grad" else optimizer.state[p][key]._local_tensor
+
+
+def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: list[torch.Tensor]) -> None:
+    state = optimizer.state
+    by_group: dict[str, list[torch.Tensor]] = {}  # in window order: the same on every rank
+    for p in window:
+        if _sharded(p) is not None:
+            by_group.setdefault(p._zerofx_state.shard_group.name, []).append(p)
+    owner = {p: o for ps in by_group.values() for p, o in zip(ps, _owners(ps, ps[0]._zerofx_state.shard_group))}
+    held = {p: sorted(k for k, v in state.get(p, {}).items() if isinstance(v, DTensor)) for p in owner}
+
+    # 1. each sharded parameter's whole value, gradient and parameter-shaped state, on its owner
+    wholes: dict[tuple, torch.Tensor] = {}
+    for ps in by_group.values():
+        group = ps[0]._zerofx_state.shard_group
+        for o in range(group.size):
+            keys = [(p, k) for p in ps if owner[p] == o for k in (None, "grad", *held[p])]
+            for dtype in sorted({_local_of(optimizer, p, k).dtype for p, k in keys}, key=str):
+                these = [(p, k) for p, k in keys if _local_of(optimizer, p, k).dtype == dtype]
+                got = gather_to([(_local_of(optimizer, p, k), p._zerofx_state) for p, k in these], group, o)
+                wholes.update(zip(these, got or []))
+
+    # 2. one step of what this rank steps: the parameters it owns, and whole or plain ones (every rank)
+    whole_of: dict[torch.Tensor, torch.Tensor] = {}
+    stepped: defaultdict = defaultdict(dict)
+    with torch.no_grad():
         for p in window:
-            if p in optimizer.state:
-                state[whole_of[p]] = dict(optimizer.state[p])
-        for p, _ in sharded:
-            for k in held[p]:
-                state[whole_of[p]][k] = next(gathered)
-        window_groups = [{**g, "params": [whole_of[p] for p in g["params"] if p in members]} for g in groups]
-        step_fn(stand_in(optimizer, window_groups, state))
-        with torch.no_grad():
-            for p in window:
-                s = getattr(p, "_zerofx_state", None)
-                w = whole_of[p]
-                if w is not p:
-                    if w.data_ptr() != p._local_tensor.data_ptr():
-                        p._local_tensor.copy_(w if s.whole else w[s.first_row : s.first_row + s.shard_rows])
-                    w.grad = None
-                if w in state:
-                    before = optimizer.state.get(p, {})
-                    optimizer.state[p] = {k: _as_held(v, before.get(k), p, s) for k, v in state[w].items()}
-        for g, wg in zip(groups, window_groups):  # what the step set in a group (not its parameters)
-            g.update({k: v for k, v in wg.items() if k != "params"})
+            s = getattr(p, "_zerofx_state", None)
+            if p in owner and owner[p] != s.shard_group.rank:
+                continue
+            if p in owner:
+                w, grad = wholes[(p, None)].detach(), wholes[(p, "grad")]
+                parts = {k: wholes[(p, k)] for k in held[p]}
+            elif s is not None:  # kept whole: its local tensors are whole
+                w, grad = p._local_tensor.detach(), p.grad._local_tensor
+                parts = {k: v._local_tensor for k, v in state.get(p, {}).items() if isinstance(v, DTensor)}
+            else:
+                w, grad, parts = p, p.grad, {}
+            if w is not p:
+                w.requires_grad_(p.requires_grad)
+                w.grad = grad
+            whole_of[p] = w
+            if p in state:
+                stepped[w] = {**state[p], **parts}
+    groups = optimizer.param_groups
+    window_groups = [{**g, "params": [whole_of[p] for p in g["params"] if p in whole_of]} for g in groups]
+    step_fn(stand_in(optimizer, window_groups, stepped))
+    for g, wg in zip(groups, window_groups):  # what the step set in a group (not its parameters)
+        g.update({k: v for k, v in wg.items() if k != "params"})
+
+    # 3. back to the shards: whole or plain parameters hold their result already; each owner sends
+    # every rank of its group its rows of the parameter and of parameter-shaped state, and the rest
+    with torch.no_grad():
+        for p, w in whole_of.items():
+            if p in owner:
+                continue
+            if w is not p:
+                w.grad = None
+            if w in stepped:
+                before, s = state.get(p, {}), getattr(p, "_zerofx_state", None)
+                state[p] = {k: _as_held(v, before.get(k), p, s) for k, v in stepped[w].items()}
+        for ps in by_group.values():
+            for o in range(ps[0]._zerofx_state.shard_group.size):
+                _scatter_owned(optimizer, [p for p in ps if owner[p] == o], o, whole_of, stepped)
+
+
+def _scatter_owned(optimizer: torch.optim.Optimizer, owned: list, o: int, whole_of: dict, stepped: dict) -> None:
+    """Rank ``o`` of their group stepped ``owned``: every rank of the group takes its rows of each
+    parameter and of its parameter-shaped state, and a copy of the rest of its state (the entries
+    the owner's step left, in their order, on every rank)."""
+    if not owned:
+        return
+    group = owned[0]._zerofx_state.shard_group
+    mine = group.rank == o
+    layout = None  # per parameter: [(key, "rows", dtype) or (key, "value", value)]
+    if mine:
+        layout = [
+            [
+                (k, "rows", v.dtype)
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape
+                else (k, "value", v.cpu() if isinstance(v, torch.Tensor) else v)  # small: factored moments, counts
+                for k, v in stepped.get(whole_of[p], {}).items()
+            ]
+            for p in owned
+        ]
+    pg = _resolve_process_group(group.name)
+    if dist.get_backend(pg) != "fake":  # (on the fake group this rank owns all: see _owners)
+        box = [layout]
+        dist.broadcast_object_list(box, group=pg, group_src=o)
+        layout = box[0]
+    rows = [(p, None, p.dtype) for p in owned]
+    rows += [(p, k, dtype) for p, entries in zip(owned, layout) for k, kind, dtype in entries if kind == "rows"]
+    got: dict[tuple, torch.Tensor] = {}
+    for dtype in sorted({dtype for _, _, dtype in rows}, key=str):
+        these = [(p, k) for p, k, d in rows if d == dtype]
+        sent = [whole_of[p] if k is None else stepped[whole_of[p]][k] for p, k in these] if mine else None
+        got.update(zip(these, scatter_rows(sent, [p.shape for p, _ in these], dtype, owned[0].device, group, o)))
+    state = optimizer.state
+    for p, entries in zip(owned, layout):
+        p._local_tensor.copy_(got[(p, None)])
+        before, after = state.get(p, {}), {}
+        for k, kind, value in entries:
+            if kind == "value":  # the owner keeps its own object; the others their copy, on the device
+                after[k] = stepped[whole_of[p]][k] if mine else value
+                if not mine and isinstance(value, torch.Tensor):
+                    after[k] = value.to(p.device)
+                continue
+            old, mine_rows = before.get(k), got[(p, k)]
+            if isinstance(old, DTensor) and old.dtype == value and old._local_tensor.shape == mine_rows.shape:
+                old._local_tensor.copy_(mine_rows)
+                after[k] = old
+            else:
+                after[k] = DTensor.from_local(
+                    mine_rows.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
+        state[p] = after
+        if mine:
+            whole_of[p].grad = None
