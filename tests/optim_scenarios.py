@@ -250,12 +250,48 @@ def _against_unsharded(mesh, rank, make_opt, stage: int = 3, path: str | None = 
     }
 
 
+def _lbfgs(mesh, rank, stage: int) -> dict:
+    """Two LBFGS steps (a closure evaluated several times per step, between updates) on a
+    sharded GPT; the closure averages the loss over the ranks, so that every rank's line search
+    decides alike. Stages 1-2 read whole copies the step's own updates made stale."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = zerofx.shard(GPT(GPT_CFG), mesh, stage=stage)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=3)
+    gen = torch.Generator().manual_seed(100 + rank)
+    calls = []
+    for _ in range(2):
+        x, y = random_batch(GPT_CFG, 2, gen)
+
+        def closure():
+            opt.zero_grad()
+            loss = model(x, y)
+            loss.backward()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+            calls.append(mean.item())
+            return mean
+
+        opt.step(closure)
+    return {"params": [p.to_local().detach().clone() for p in model.parameters()], "calls": calls}
+
+
+def _lbfgs_stages(mesh, rank) -> dict:
+    a, b = _lbfgs(mesh, rank, 3), _lbfgs(mesh, rank, 2)
+    return {
+        "calls": (a["calls"], b["calls"]),
+        "params_equal": all(torch.equal(p, q) for p, q in zip(a["params"], b["params"])),
+    }
+
+
 def scenarios(rank: int, world: int, path: str | None = None) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     out: dict = {}
     for name, make in WHOLE.items():
         attempt(out, f"whole_{name}", lambda make=make: _against_unsharded(mesh, rank, make))
     attempt(out, "whole_adafactor_stage2", lambda: _against_unsharded(mesh, rank, WHOLE["adafactor"], stage=2))
+    attempt(out, "lbfgs", lambda: _lbfgs_stages(mesh, rank))
     odd = dataclasses.replace(GPT_CFG, vocab_size=GPT_CFG.vocab_size + 1)
     attempt(out, "whole_muon_uneven", lambda: _against_unsharded(mesh, rank, WHOLE["muon"], cfg=odd))
     for name in ("hf_adafactor", "muon"):

@@ -107,3 +107,15 @@ def test_whole_tensor_steps_on_a_hybrid_mesh_match_the_unsharded_step(hybrid_res
         assert r["mismatched_state"] == [[]] * STEPS
         a, b = r["last_losses"]
         assert a == b
+
+
+def test_lbfgs_at_stage_2_steps_like_stage_3(results):
+    """LBFGS evaluates its closure between updates of the parameters, through DTensor: at stage
+    2 each evaluation reads whole copies refreshed from the shards the step just changed (without
+    the refresh zerofx's stale-copy check stops the forward), so it takes the same steps as at
+    stage 3, which gathers the shards in every forward."""
+    for r in scenario_results(results, "lbfgs"):
+        stage3, stage2 = r["calls"]
+        assert len(stage2) > 2  # evaluated between updates
+        assert stage2 == stage3
+        assert r["params_equal"]

@@ -98,14 +98,14 @@ def _managed(p: torch.Tensor) -> bool:
     return state is not None and state.runtime.local_step
 
 
-def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple | None:
     if torch.compiler.is_compiling() or _is_stand_in(optimizer):
         return
     state = optimizer_state(optimizer)
     if state is not None:  # decided at its first step already (or zerofx.offload_optimizer took it)
         if state.last_hook is not None:  # behind the step pre-hooks registered since (NOTE: the last pre-hook)
             optimizer._optimizer_step_pre_hooks.move_to_end(state.last_hook)
-        return
+        return _refreshing_closure(optimizer, state, args, kwargs)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     ours = any(hasattr(p, "_zerofx_state") for p in params)
     state = optimizer_state(optimizer, create=True)
@@ -136,6 +136,37 @@ def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if getattr(inner, "_wrapped_by_lr_sched", False):
             step._wrapped_by_lr_sched = True
         optimizer.step = types.MethodType(step, optimizer)
+    return _refreshing_closure(optimizer, state, args, kwargs)
+
+
+def _refreshing_closure(optimizer: torch.optim.Optimizer, state: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """A step through DTensor that calls its closure after changing parameters (LBFGS: its line
+    search evaluates the model between updates) would have stages 1-2 read whole copies older
+    than the shards it just changed; zerofx's stale-copy check would stop the forward. So such a
+    closure refreshes the stale whole copies first (a collective: every rank calls the closure
+    as often, as the optimizer's own collectives through DTensor require anyway). The local and
+    whole-tensor steps run the closure before changing anything: left as they are."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None or state.local_step or state.whole:
+        return None
+    runtimes = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            s = getattr(p, "_zerofx_state", None)
+            if s is not None and s.full is not None:
+                runtimes[id(s.runtime)] = s.runtime
+    if not runtimes:
+        return None
+
+    def refreshing() -> Any:
+        for runtime in runtimes.values():
+            if any(s.versions() != s.synced_version for s in runtime.whole_copies):
+                runtime.refresh()
+        return closure()
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": refreshing}
+    return (args[0], refreshing, *args[2:]), kwargs
 
 
 # NOTE: the last pre-hook
