@@ -250,6 +250,54 @@ def _against_unsharded(mesh, rank, make_opt, stage: int = 3, path: str | None = 
     }
 
 
+class _Flaky(torch.optim.Adafactor):
+    """Adafactor whose step raises on rank ``fail_on`` (a subclass calling its parent's step)."""
+
+    fail_on: int | None = None
+
+    def step(self, closure=None):
+        import torch.distributed as dist
+
+        if self.fail_on == dist.get_rank():
+            raise RuntimeError("boom")
+        return super().step(closure)
+
+
+def _failing_whole_step(mesh, rank) -> dict:
+    """A whole-tensor step that raises on one rank only (each rank steps other parameters):
+    every rank raises, no shard or state changes, and the next step runs on every rank."""
+    torch.manual_seed(0)
+    model = zerofx.shard(GPT(GPT_CFG), mesh)
+    opt = _Flaky(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(100 + rank)
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append(type(o).__name__))
+    for i in range(2):
+        x, y = random_batch(GPT_CFG, 2, gen)
+        model(x, y).backward()
+        if i == 0:
+            opt.step()
+            opt.zero_grad()
+    params = [p.to_local().clone() for p in model.parameters()]
+    state = [
+        (k, (v.to_local() if isinstance(v, DTensor) else v).clone()) for e in opt.state.values() for k, v in e.items()
+    ]
+    opt.fail_on = 1
+    try:
+        opt.step()
+        raised = None
+    except Exception as e:
+        raised = (type(e).__name__, str(e))
+    unchanged = all(torch.equal(p.to_local(), q) for p, q in zip(model.parameters(), params)) and all(
+        k == k2 and torch.equal((v.to_local() if isinstance(v, DTensor) else v), v2)
+        for (k2, v2), (k, v) in zip(state, [(k, v) for e in opt.state.values() for k, v in e.items()])
+    )
+    opt.fail_on = None
+    opt.step()
+    moved = any(not torch.equal(p.to_local(), q) for p, q in zip(model.parameters(), params))
+    return {"raised": raised, "unchanged": unchanged, "moved": moved, "hooks_seen": seen}
+
+
 def _lbfgs(mesh, rank, stage: int) -> dict:
     """Two LBFGS steps (a closure evaluated several times per step, between updates) on a
     sharded GPT; the closure averages the loss over the ranks, so that every rank's line search
@@ -292,6 +340,7 @@ def scenarios(rank: int, world: int, path: str | None = None) -> dict:
         attempt(out, f"whole_{name}", lambda make=make: _against_unsharded(mesh, rank, make))
     attempt(out, "whole_adafactor_stage2", lambda: _against_unsharded(mesh, rank, WHOLE["adafactor"], stage=2))
     attempt(out, "lbfgs", lambda: _lbfgs_stages(mesh, rank))
+    attempt(out, "whole_failing_step", lambda: _failing_whole_step(mesh, rank))
     odd = dataclasses.replace(GPT_CFG, vocab_size=GPT_CFG.vocab_size + 1)
     attempt(out, "whole_muon_uneven", lambda: _against_unsharded(mesh, rank, WHOLE["muon"], cfg=odd))
     for name in ("hf_adafactor", "muon"):

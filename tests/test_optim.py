@@ -119,3 +119,13 @@ def test_lbfgs_at_stage_2_steps_like_stage_3(results):
         assert len(stage2) > 2  # evaluated between updates
         assert stage2 == stage3
         assert r["params_equal"]
+
+
+def test_a_whole_tensor_step_that_raises_on_one_rank_raises_on_every_rank_and_changes_nothing(results):
+    r0, r1 = scenario_results(results, "whole_failing_step")
+    assert r1["raised"] == ("RuntimeError", "boom")
+    assert r0["raised"][0] == "ZeroFXError" and "raised on another rank" in r0["raised"][1]
+    for r in (r0, r1):
+        assert r["unchanged"]  # shards and state as before the failed step, on both ranks
+        assert r["moved"]  # the next step ran on both ranks (no hang) and stepped
+        assert r["hooks_seen"] == ["_Flaky"] * 3  # the optimizer's own hooks, once per step

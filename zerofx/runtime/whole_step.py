@@ -40,7 +40,7 @@ the step has not written back yet.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any, Callable
 
 import torch
@@ -79,6 +79,9 @@ def stand_in(optimizer: torch.optim.Optimizer, groups: list[dict], state: Any) -
     other.param_groups = groups
     other.state = state
     other._zerofx_stand_in = True  # zerofx's step hooks leave it alone (zerofx/runtime/local_step.py)
+    # hooks of its own, none: a subclass's step that calls its parent's (a hooked step) runs no
+    # hook of the optimizer a second time
+    other._optimizer_step_pre_hooks, other._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
     return other
 
 
@@ -193,9 +196,10 @@ def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: li
             s = getattr(p, "_zerofx_state", None)
             if p in owner and owner[p] != s.shard_group.rank:
                 continue
-            if p in owner:
+            if p in owner:  # its other state copied too: a step that fails leaves the optimizer's as it was
                 w, grad = wholes[(p, None)].detach(), wholes[(p, "grad")]
-                parts = {k: wholes[(p, k)] for k in held[p]}
+                parts = {k: v.clone() for k, v in state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+                parts.update({k: wholes[(p, k)] for k in held[p]})
             elif s is not None:  # kept whole: its local tensors are whole
                 w, grad = p._local_tensor.detach(), p.grad._local_tensor
                 parts = {k: v._local_tensor for k, v in state.get(p, {}).items() if isinstance(v, DTensor)}
@@ -209,7 +213,12 @@ def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: li
                 stepped[w] = {**state[p], **parts}
     groups = optimizer.param_groups
     window_groups = [{**g, "params": [whole_of[p] for p in g["params"] if p in whole_of]} for g in groups]
-    step_fn(stand_in(optimizer, window_groups, stepped))
+    failed = None
+    try:
+        step_fn(stand_in(optimizer, window_groups, stepped))
+    except Exception as e:  # every rank of the groups must learn it before anything is sent
+        failed = e
+    _agree(optimizer, by_group, failed)
     for g, wg in zip(groups, window_groups):  # what the step set in a group (not its parameters)
         g.update({k: v for k, v in wg.items() if k != "params"})
 
@@ -227,6 +236,24 @@ def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: li
         for ps in by_group.values():
             for o in range(ps[0]._zerofx_state.shard_group.size):
                 _scatter_owned(optimizer, [p for p in ps if owner[p] == o], o, whole_of, stepped)
+
+
+def _agree(optimizer: torch.optim.Optimizer, by_group: dict, failed: BaseException | None) -> None:
+    """Raise on every rank of the groups if the step raised on any (each rank steps other
+    parameters, so one may raise alone), before any row is sent: no shard and no state changes
+    on any rank. One small all-reduce per group; where no parameter is sharded, as it is."""
+    for ps in by_group.values():
+        pg = _resolve_process_group(ps[0]._zerofx_state.shard_group.name)
+        flag = torch.tensor([int(failed is not None)], dtype=torch.int32, device=ps[0].device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
+        if int(flag) and failed is None:
+            raise ZeroFXError(
+                f"{type(optimizer).__name__}'s whole-tensor step raised on another rank, which stepped other "
+                "parameters (zerofx/runtime/whole_step.py): no sharded parameter or its state changed on any "
+                "rank; that rank's error says why"
+            )
+    if failed is not None:
+        raise failed
 
 
 def _scatter_owned(optimizer: torch.optim.Optimizer, owned: list, o: int, whole_of: dict, stepped: dict) -> None:
