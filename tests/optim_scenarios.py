@@ -358,6 +358,44 @@ def scenarios(rank: int, world: int, path: str | None = None) -> dict:
     return out
 
 
+def _few_rows(mesh, rank) -> dict:
+    """transformers' Adafactor on a layer with fewer output rows than ranks (2 rows over 4: one
+    padded row per rank, some ranks hold none) against the unsharded step on the same gradients:
+    the whole tensors the owner steps must be laid out as the unsharded ones (contiguous), or
+    its norms round differently."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    torch.manual_seed(0)
+    model = zerofx.shard(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)),
+        mesh,
+        persistence_threshold=0,
+    )
+    opt, ref_opt = _hf_adafactor(list(model.parameters())), _hf_adafactor(list(ref.parameters()))
+    gen = torch.Generator().manual_seed(100 + rank)
+    mismatched = []
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=gen)
+        model(x).square().mean().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = _whole(p.grad).clone()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        sd, ref_sd = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        mismatched.append(
+            [n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(_whole(p), q)]
+            + [
+                (j, k)
+                for j in sorted(ref_sd)
+                for k in sorted(ref_sd[j])
+                if not torch.equal(torch.as_tensor(_whole(sd[j][k])), torch.as_tensor(ref_sd[j][k]))
+            ]
+        )
+    return {"mismatched": mismatched, "rows": [p.to_local().shape[0] for p in model.parameters()]}
+
+
 def hybrid_scenarios(rank: int, world: int) -> dict:
     """The whole-tensor steps on a 2x2 hybrid mesh (replicate x shard): each parameter gathered
     over its shard dimension only."""
@@ -365,4 +403,6 @@ def hybrid_scenarios(rank: int, world: int) -> dict:
     out: dict = {}
     for name in ("adafactor", "muon"):
         attempt(out, f"whole_{name}", lambda name=name: _against_unsharded(mesh, rank, WHOLE[name]))
+    flat = init_device_mesh("cpu", (world,))
+    attempt(out, "few_rows", lambda: _few_rows(flat, rank))
     return out

@@ -455,6 +455,31 @@ def test_optimizers_zerofx_cannot_step_so_are_refused_at_their_first_step_saying
         dist.destroy_process_group()
 
 
+def test_a_whole_tensor_step_refused_at_its_first_step_is_decided_again_at_the_next():
+    """A whole-tensor step refused at its first step (a plain gradient) leaves nothing decided:
+    once the gradients are DTensors again, the next step takes the whole-tensor path, not
+    DTensor's (where Adafactor fails). torch's fake process group stands in for 2 ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from zerofx.runtime.params import optimizer_state
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = zerofx.shard(MLP(), init_device_mesh("cpu", (2,)))
+        opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+        for p in model.parameters():
+            p.grad = torch.ones(p.shape)
+        with pytest.raises(ZeroFXError, match="whole-tensor step cannot gather it"):
+            opt.step()
+        assert optimizer_state(opt) is None
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        assert optimizer_state(opt).whole
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_optimizer_built_before_shard_is_refused_at_its_first_step():
     """shard puts new parameter objects into the model; an optimizer over the old ones would step
     parameters that never get a gradient (the model would not train, silently). Its first step,

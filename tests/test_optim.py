@@ -129,3 +129,9 @@ def test_a_whole_tensor_step_that_raises_on_one_rank_raises_on_every_rank_and_ch
         assert r["unchanged"]  # shards and state as before the failed step, on both ranks
         assert r["moved"]  # the next step ran on both ranks (no hang) and stepped
         assert r["hooks_seen"] == ["_Flaky"] * 3  # the optimizer's own hooks, once per step
+
+
+def test_whole_tensor_steps_of_layers_with_fewer_rows_than_ranks_match_the_unsharded_step(hybrid_results):
+    for rank, r in enumerate(scenario_results(hybrid_results, "few_rows")):
+        assert r["rows"][2] == (1 if rank < 2 else 0)  # the (2, 16) weight over 4 ranks
+        assert r["mismatched"] == [[]] * 3

@@ -141,7 +141,9 @@ def gather_to(parts: list[tuple[torch.Tensor, Any]], group: Any, dst: int) -> li
     out, offset = [], 0
     for (local, s), rows in zip(parts, padded):
         n = rows * math.prod(local.shape[1:])
-        out.append(gathered[:, offset : offset + n].reshape(-1, *local.shape[1:])[: s.full_rows])
+        # contiguous, as the unsharded tensor is: a reduction over a strided view (rows of one
+        # element per rank are not copied by the reshape) may round differently
+        out.append(gathered[:, offset : offset + n].reshape(-1, *local.shape[1:])[: s.full_rows].contiguous())
         offset += n
     return out
 

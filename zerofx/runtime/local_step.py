@@ -108,20 +108,24 @@ def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple
         return _refreshing_closure(optimizer, state, args, kwargs)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     ours = any(hasattr(p, "_zerofx_state") for p in params)
-    state = optimizer_state(optimizer, create=True)
-    if ours and whole_step_class(optimizer) is not None:
+    whole = ours and whole_step_class(optimizer) is not None
+    adopt = type(optimizer) in ELEMENTWISE and any(_managed(p) for p in params)
+    first_local = ours and type(optimizer) in _LOCAL_FROM_THE_FIRST
+    # the refusals first: an optimizer refused at its first step is decided again at its next
+    if whole:
         check_steppable(optimizer)
+    if first_local and not (adopt and _swappable(params)):
+        raise ZeroFXError(
+            f"torch.optim.{type(optimizer).__name__} steps zerofx's sharded parameters on their local shards "
+            "only (its step fails inside DTensor): keep local_optimizer_step=True (the default), step no "
+            "DTensors zerofx does not manage with it, and leave the gradients zerofx's backward made"
+        )
+    state = optimizer_state(optimizer, create=True)
+    if whole:
         state.whole = True
         _run_last(optimizer, state)
         return
-    adopt = type(optimizer) in ELEMENTWISE and any(_managed(p) for p in params)
-    if ours and type(optimizer) in _LOCAL_FROM_THE_FIRST:
-        if not (adopt and _swappable(params)):
-            raise ZeroFXError(
-                f"torch.optim.{type(optimizer).__name__} steps zerofx's sharded parameters on their local shards "
-                "only (its step fails inside DTensor): keep local_optimizer_step=True (the default), step no "
-                "DTensors zerofx does not manage with it, and leave the gradients zerofx's backward made"
-            )
+    if first_local:
         state.first_local = True
         _run_last(optimizer, state)
     state.local_step = adopt

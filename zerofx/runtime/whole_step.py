@@ -26,7 +26,9 @@ are bit for bit the unsharded step's.
 What it costs: per step, every shard of every parameter and gradient (and of Muon's momentum)
 travels to its owner and the stepped rows back, about what one all-gather of them would move
 divided by the group size; each rank runs the step's arithmetic for about 1/N of the
-parameters; a broadcast of the small state per owner; and at most one window of whole tensors
+parameters; a broadcast of the small state per owner; one small all-reduce per group and
+window, so that a step raising on one rank raises on all before any row is sent (``_agree``);
+and at most one window of whole tensors
 (``WINDOW_BYTES``) above the shards, spread over the owners. docs/measurements.md,
 "whole_step", has the numbers. The optimizer's step pre-hooks see the shards, as for any other
 optimizer (they run first: zerofx/runtime/local_step.py, NOTE: the last pre-hook); its step
@@ -157,8 +159,16 @@ def step_whole(optimizer: torch.optim.Optimizer, step_fn: Callable[[torch.optim.
         held = sum(1 for v in optimizer.state.get(p, {}).values() if isinstance(v, DTensor))
         return p.numel() * p.element_size() * (2 + held)
 
+    # every group the stepped parameters span, in their order (the same on every rank): where
+    # each window's ranks agree whether its step raised anywhere (``_agree``)
+    agree: dict[str, tuple] = {}
+    for p in stepped:
+        s = getattr(p, "_zerofx_state", None)
+        for g in (s.shard_group, s.replicate_group) if s is not None else ():
+            if g is not None and g.size > 1:
+                agree.setdefault(g.name, (g, p.device))
     for window in pack_consecutive(stepped, whole_bytes, WINDOW_BYTES):
-        _step_window(optimizer, step_fn, window)
+        _step_window(optimizer, step_fn, window, list(agree.values()))
 
 
 def _local_of(optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str | None) -> torch.Tensor:
@@ -168,7 +178,7 @@ def _local_of(optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str | None
     return p.grad._local_tensor if key == "grad" else optimizer.state[p][key]._local_tensor
 
 
-def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: list[torch.Tensor]) -> None:
+def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: list[torch.Tensor], agree: list) -> None:
     state = optimizer.state
     by_group: dict[str, list[torch.Tensor]] = {}  # in window order: the same on every rank
     for p in window:
@@ -191,34 +201,39 @@ def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: li
     # 2. one step of what this rank steps: the parameters it owns, and whole or plain ones (every rank)
     whole_of: dict[torch.Tensor, torch.Tensor] = {}
     stepped: defaultdict = defaultdict(dict)
-    with torch.no_grad():
-        for p in window:
-            s = getattr(p, "_zerofx_state", None)
-            if p in owner and owner[p] != s.shard_group.rank:
-                continue
-            if p in owner:  # its other state copied too: a step that fails leaves the optimizer's as it was
-                w, grad = wholes[(p, None)].detach(), wholes[(p, "grad")]
-                parts = {k: v.clone() for k, v in state.get(p, {}).items() if isinstance(v, torch.Tensor)}
-                parts.update({k: wholes[(p, k)] for k in held[p]})
-            elif s is not None:  # kept whole: its local tensors are whole
-                w, grad = p._local_tensor.detach(), p.grad._local_tensor
-                parts = {k: v._local_tensor for k, v in state.get(p, {}).items() if isinstance(v, DTensor)}
-            else:
-                w, grad, parts = p, p.grad, {}
-            if w is not p:
-                w.requires_grad_(p.requires_grad)
-                w.grad = grad
-            whole_of[p] = w
-            if p in state:
-                stepped[w] = {**state[p], **parts}
     groups = optimizer.param_groups
-    window_groups = [{**g, "params": [whole_of[p] for p in g["params"] if p in whole_of]} for g in groups]
+    window_groups: list[dict] = []
     failed = None
     try:
+        with torch.no_grad():
+            for p in window:
+                s = getattr(p, "_zerofx_state", None)
+                if p in owner and owner[p] != s.shard_group.rank:
+                    continue
+                if p in owner:  # its other state copied: a step that fails leaves the optimizer's as it was
+                    w, grad = wholes[(p, None)].detach(), wholes[(p, "grad")]
+                    parts = {
+                        k: v.clone()
+                        for k, v in state.get(p, {}).items()
+                        if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+                    }
+                    parts.update({k: wholes[(p, k)] for k in held[p]})
+                elif s is not None:  # kept whole: its local tensors are whole
+                    w, grad = p._local_tensor.detach(), p.grad._local_tensor
+                    parts = {k: v._local_tensor for k, v in state.get(p, {}).items() if isinstance(v, DTensor)}
+                else:
+                    w, grad, parts = p, p.grad, {}
+                if w is not p:
+                    w.requires_grad_(p.requires_grad)
+                    w.grad = grad
+                whole_of[p] = w
+                if p in state:
+                    stepped[w] = {**state[p], **parts}
+        window_groups = [{**g, "params": [whole_of[p] for p in g["params"] if p in whole_of]} for g in groups]
         step_fn(stand_in(optimizer, window_groups, stepped))
-    except Exception as e:  # every rank of the groups must learn it before anything is sent
+    except Exception as e:  # every rank must learn it before anything is sent
         failed = e
-    _agree(optimizer, by_group, failed)
+    _agree(optimizer, agree, failed)
     for g, wg in zip(groups, window_groups):  # what the step set in a group (not its parameters)
         g.update({k: v for k, v in wg.items() if k != "params"})
 
@@ -238,22 +253,25 @@ def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: li
                 _scatter_owned(optimizer, [p for p in ps if owner[p] == o], o, whole_of, stepped)
 
 
-def _agree(optimizer: torch.optim.Optimizer, by_group: dict, failed: BaseException | None) -> None:
-    """Raise on every rank of the groups if the step raised on any (each rank steps other
-    parameters, so one may raise alone), before any row is sent: no shard and no state changes
-    on any rank. One small all-reduce per group; where no parameter is sharded, as it is."""
-    for ps in by_group.values():
-        pg = _resolve_process_group(ps[0]._zerofx_state.shard_group.name)
-        flag = torch.tensor([int(failed is not None)], dtype=torch.int32, device=ps[0].device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
-        if int(flag) and failed is None:
-            raise ZeroFXError(
-                f"{type(optimizer).__name__}'s whole-tensor step raised on another rank, which stepped other "
-                "parameters (zerofx/runtime/whole_step.py): no sharded parameter or its state changed on any "
-                "rank; that rank's error says why"
-            )
+def _agree(optimizer: torch.optim.Optimizer, agree: list, failed: BaseException | None) -> None:
+    """Raise on every rank if the window's step raised on any (each rank steps other parameters,
+    so one may raise alone), before any of the window's rows is sent. One small all-reduce per
+    group the step spans, every one of them before raising (over a 2-D mesh: its shard, then its
+    replicate dimension, so that every rank of the mesh hears it)."""
+    flag = 0 if failed is None else 1
+    for group, device in agree:
+        t = torch.tensor([flag], dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_resolve_process_group(group.name))
+        flag = max(flag, int(t))
     if failed is not None:
         raise failed
+    if flag:
+        raise ZeroFXError(
+            f"{type(optimizer).__name__}'s whole-tensor step raised on another rank, which stepped other "
+            "parameters (zerofx/runtime/whole_step.py): this window's sharded parameters and their state did "
+            "not change on any rank (earlier windows of the step, and parameters kept whole, may have); that "
+            "rank's error says why"
+        )
 
 
 def _scatter_owned(optimizer: torch.optim.Optimizer, owned: list, o: int, whole_of: dict, stepped: dict) -> None:
@@ -264,13 +282,17 @@ def _scatter_owned(optimizer: torch.optim.Optimizer, owned: list, o: int, whole_
         return
     group = owned[0]._zerofx_state.shard_group
     mine = group.rank == o
-    layout = None  # per parameter: [(key, "rows", dtype) or (key, "value", value)]
+    layout = None  # per parameter: [(key, "rows", dtype), (key, "tensor", (host copy, on the device?)) or (key, "value", value)]
     if mine:
         layout = [
             [
                 (k, "rows", v.dtype)
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape
-                else (k, "value", v.cpu() if isinstance(v, torch.Tensor) else v)  # small: factored moments, counts
+                # small (factored moments, counts): whole, through host memory, and whether it
+                # lives with the parameter or on the host (torch's step counts)
+                else (k, "tensor", (v.cpu(), v.device == whole_of[p].device))
+                if isinstance(v, torch.Tensor)
+                else (k, "value", v)
                 for k, v in stepped.get(whole_of[p], {}).items()
             ]
             for p in owned
@@ -292,10 +314,13 @@ def _scatter_owned(optimizer: torch.optim.Optimizer, owned: list, o: int, whole_
         p._local_tensor.copy_(got[(p, None)])
         before, after = state.get(p, {}), {}
         for k, kind, value in entries:
-            if kind == "value":  # the owner keeps its own object; the others their copy, on the device
-                after[k] = stepped[whole_of[p]][k] if mine else value
-                if not mine and isinstance(value, torch.Tensor):
-                    after[k] = value.to(p.device)
+            if kind != "rows":  # the owner keeps its own object; the others their copy, where it lives
+                if mine:
+                    after[k] = stepped[whole_of[p]][k]
+                elif kind == "tensor":
+                    after[k] = value[0].to(p.device) if value[1] else value[0]
+                else:
+                    after[k] = value
                 continue
             old, mine_rows = before.get(k), got[(p, k)]
             if isinstance(old, DTensor) and old.dtype == value and old._local_tensor.shape == mine_rows.shape:
