@@ -58,14 +58,18 @@ def test_a_step_that_raises_leaves_the_dtensors_in_place(results):
         assert r["loss"] == r["ref_loss"]
 
 
+def _assert_matches_the_unsharded_step(r: dict) -> None:
+    assert r["moved"]
+    assert r["mismatched_params"] == [[]] * STEPS
+    assert r["mismatched_state"] == [[]] * STEPS
+    a, b = r["last_losses"]
+    assert a == b  # the next forward reads the stepped parameters (stage 2: its refreshed whole copies)
+
+
 @pytest.mark.parametrize("name", [*WHOLE, "adafactor_stage2", "muon_uneven"])
 def test_whole_tensor_steps_match_the_unsharded_step_bit_for_bit(results, name):
     for r in scenario_results(results, f"whole_{name}"):
-        assert r["moved"]
-        assert r["mismatched_params"] == [[]] * STEPS
-        assert r["mismatched_state"] == [[]] * STEPS
-        a, b = r["last_losses"]
-        assert a == b  # the next forward reads the stepped parameters (stage 2: its refreshed whole copies)
+        _assert_matches_the_unsharded_step(r)
         assert r["closure_losses"] and all(r["closure_losses"])  # step(closure) returns the closure's loss
         # the user's pre-hook, registered after zerofx adopted the optimizer, still ran before the step
         assert r["hook_saw_changed"] == [False] * (STEPS - 1)
@@ -102,11 +106,7 @@ def hybrid_results():
 @pytest.mark.parametrize("name", ["adafactor", "muon"])
 def test_whole_tensor_steps_on_a_hybrid_mesh_match_the_unsharded_step(hybrid_results, name):
     for r in scenario_results(hybrid_results, f"whole_{name}"):
-        assert r["moved"]
-        assert r["mismatched_params"] == [[]] * STEPS
-        assert r["mismatched_state"] == [[]] * STEPS
-        a, b = r["last_losses"]
-        assert a == b
+        _assert_matches_the_unsharded_step(r)
 
 
 def test_lbfgs_at_stage_2_steps_like_stage_3(results):

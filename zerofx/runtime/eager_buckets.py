@@ -68,12 +68,17 @@ def _on_gloo(group_name: str) -> bool:
     return backend_of(group_name) == "gloo"
 
 
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` flattened one after another into one contiguous tensor (no copy for one)."""
+    flats = [t.reshape(-1) for t in tensors]
+    return torch.cat(flats) if len(flats) > 1 else flats[0].contiguous()
+
+
 def _gather_bucket(shards: list[tuple[torch.Tensor, int]], group) -> torch.Tensor:
     """One all-gather of a bucket of ``(local rows, whole rows)`` shards over ``group``: each
     padded to the rows every rank holds, flattened one after another. Returns ``[group size,
     bucket]``: row r is rank r's part, each shard's padded rows in bucket order."""
-    flats = [pad_rows(local, padded_rows(rows, group.size)).reshape(-1) for local, rows in shards]
-    flat = torch.cat(flats) if len(flats) > 1 else flats[0].contiguous()
+    flat = _flat([pad_rows(local, padded_rows(rows, group.size)) for local, rows in shards])
     gathered = _F.wait_tensor(all_gather(flat, group.size, group.name)).view(group.size, -1)
     record_collectives(
         [("all_gather", wire_bytes("all_gather", gathered.numel() * gathered.element_size(), group.size), group.name)]
@@ -106,11 +111,6 @@ def refresh(states: list) -> None:
                 s.full.copy_(part.reshape(-1, *s.full.shape[1:])[: s.full_rows])
             s.mark_synced()  # after the copy: without mixed precision the shard is a view of ``full``
             offset += n
-
-
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    flats = [t.reshape(-1) for t in tensors]
-    return torch.cat(flats) if len(flats) > 1 else flats[0].contiguous()
 
 
 @stress.eager
