@@ -32,7 +32,7 @@ from zerofx.ir.collectives import (
 )
 from zerofx.ir.layout import local_rows, pad_rows, padded_rows
 
-__all__ = ["BUCKET_BYTES", "gather_to", "refresh", "reduce_pending", "reduce_transient_bytes", "scatter_rows"]
+__all__ = ["BUCKET_BYTES", "from_owners", "refresh", "reduce_pending", "reduce_transient_bytes", "to_owners"]
 
 BUCKET_BYTES = 32 << 20  # past the size where gloo and NCCL reach their bandwidth; bounds the transient copy
 
@@ -115,73 +115,101 @@ def refresh(states: list) -> None:
 
 @stress.eager
 @torch.no_grad()
-def gather_to(parts: list[tuple[torch.Tensor, Any]], group: Any, dst: int) -> list[torch.Tensor] | None:
-    """On rank ``dst`` of ``group`` (a ``GroupInfo``), the whole tensors of ``(local, state)``
-    pairs, each ``local`` laid out as ``state``'s parameter: dim-0 rows over the group (a
-    parameter's shard, its gradient's, or a state tensor sharded like it), all of one dtype; None
-    on the other ranks. One ``gather`` of the padded shards, flat; a collective of the group. For
-    the optimizer's whole-tensor step (zerofx/runtime/whole_step.py). The whole tensors are
-    views of one buffer."""
+def to_owners(parts: list[list[tuple[torch.Tensor, int]]], group: Any) -> list[torch.Tensor]:
+    """Each rank of ``group`` (a ``GroupInfo``) gets the whole tensors it owns. ``parts[o]``:
+    this rank's dim-0 rows (a parameter's shard, its gradient's, or a state tensor sharded like
+    it) of each tensor rank ``o`` owns, with its whole number of rows; all of one dtype, the same
+    list structure on every rank. Returns the whole tensors of ``parts[group.rank]``, contiguous
+    (a reduction over a strided view may round differently from the unsharded tensor's), views
+    of one buffer. One ``all_to_all_single`` of the padded rows, flat; a collective of the group.
+    For the optimizer's whole-tensor step (zerofx/runtime/whole_step.py)."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    padded = [padded_rows(s.full_rows, group.size) for _, s in parts]
-    flat = _flat([pad_rows(local, rows) for (local, _), rows in zip(parts, padded)])
-    gathered = flat.new_empty((group.size, flat.numel())) if group.rank == dst else None
-    dist.gather(
-        flat,
-        list(gathered.unbind(0)) if gathered is not None else None,
-        group=_resolve_process_group(group.name),
-        group_dst=dst,
-    )
-    sent = flat.numel() * flat.element_size()
-    record_collectives([("gather", sent * (group.size - 1) if gathered is not None else sent, group.name)])
-    if gathered is None:
-        return None
+    n = group.size
+    padded = [[padded_rows(rows, n) for _, rows in owned] for owned in parts]
+    sizes = [sum(r * math.prod(t.shape[1:]) for (t, _), r in zip(owned, rs)) for owned, rs in zip(parts, padded)]
+    chunks = [pad_rows(t, r) for owned, rs in zip(parts, padded) for (t, _), r in zip(owned, rs)]
+    template = next((t for owned in parts for t, _ in owned), None)
+    if template is None:
+        return []
+    sent = _flat(chunks) if chunks else template.new_empty(0)
+    wire, dtype = _wire(sent)
+    mine = sizes[group.rank]
+    received = template.new_empty(n * mine, dtype=wire)
+    dist.all_to_all_single(received, sent.view(wire), [mine] * n, sizes, group=_resolve_process_group(group.name))
+    elem = sent.element_size()
+    record_collectives([("all_to_all", (sum(sizes) - sizes[group.rank]) * elem, group.name)])
+    rows_of = received.view(dtype).view(n, mine)
     out, offset = [], 0
-    for (local, s), rows in zip(parts, padded):
-        n = rows * math.prod(local.shape[1:])
-        # contiguous, as the unsharded tensor is: a reduction over a strided view (rows of one
-        # element per rank are not copied by the reshape) may round differently
-        out.append(gathered[:, offset : offset + n].reshape(-1, *local.shape[1:])[: s.full_rows].contiguous())
-        offset += n
+    for (t, whole), rows in zip(parts[group.rank], padded[group.rank]):
+        size = rows * math.prod(t.shape[1:])
+        out.append(rows_of[:, offset : offset + size].reshape(-1, *t.shape[1:])[:whole].contiguous())
+        offset += size
     return out
 
 
 @stress.eager
 @torch.no_grad()
-def scatter_rows(
-    wholes: list[torch.Tensor] | None,
-    shapes: list[torch.Size],
+def from_owners(
+    sent: list[torch.Tensor],
+    expect: list[list[tuple[torch.Size, bool]]],
     dtype: torch.dtype,
     device: torch.device,
     group: Any,
-    src: int,
-) -> list[torch.Tensor]:
-    """The inverse of ``gather_to``: rank ``src`` of ``group`` holds ``wholes`` (None elsewhere),
-    whose whole shapes every rank knows (``shapes``; all of ``dtype``), and every rank gets its
-    dim-0 rows of each (torch.chunk's split, as a Shard(0) DTensor's). One ``scatter`` of padded
-    rows, flat; a collective of the group. The rows returned are views of one buffer."""
+) -> list[list[torch.Tensor]]:
+    """The inverse of ``to_owners``, and more: ``expect[o]`` lists what rank ``o`` of ``group``
+    sends (the same on every rank), each a ``(whole shape, rows?)``: a tensor laid out as a
+    dim-0-sharded parameter (``rows`` True: every rank gets its rows, torch.chunk's split as a
+    Shard(0) DTensor's) or a small one every rank gets whole. ``sent``: this rank's tensors,
+    those of ``expect[group.rank]``. Returns, per owner, what this rank got of each of its
+    tensors: views of one buffer. One ``all_to_all_single``, flat; a collective of the group."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    padded = [padded_rows(shape[0], group.size) for shape in shapes]
-    per_rank = None
-    if wholes is not None:
-        full = [pad_rows(w, rows * group.size).view(group.size, -1) for w, rows in zip(wholes, padded)]
-        per_rank = [_flat([f[r] for f in full]) for r in range(group.size)]
-    total = sum(rows * math.prod(shape[1:]) for shape, rows in zip(shapes, padded))
-    received = torch.empty(total, dtype=dtype, device=device)
-    dist.scatter(received, per_rank, group=_resolve_process_group(group.name), group_src=src)
-    size = received.numel() * received.element_size()
-    record_collectives([("scatter", size * (group.size - 1) if per_rank is not None else size, group.name)])
-    out, offset = [], 0
-    for shape, rows in zip(shapes, padded):
-        n = rows * math.prod(shape[1:])
-        mine = local_rows(shape[0], group.size, group.rank)
-        out.append(received[offset : offset + n].view(rows, *shape[1:])[:mine])
-        offset += n
+    n = group.size
+
+    def size(shape: torch.Size, rows: bool) -> int:
+        return padded_rows(shape[0], n) * math.prod(shape[1:]) if rows else math.prod(shape)
+
+    sizes = [sum(size(*e) for e in owned) for owned in expect]
+    me = group.rank
+    pieces: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for t, (shape, rows) in zip(sent, expect[me]):
+        t = t.to(device)  # (torch keeps its step counts on the host)
+        if rows:
+            for r, part in enumerate(pad_rows(t, padded_rows(shape[0], n) * n).view(n, -1).unbind(0)):
+                pieces[r].append(part)
+        else:
+            for r in range(n):
+                pieces[r].append(t.reshape(-1))
+    flat = [p for r in range(n) for p in pieces[r]]
+    outgoing = _flat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    wire, _ = _wire(outgoing)
+    received = torch.empty(sum(sizes), dtype=wire, device=device)
+    dist.all_to_all_single(
+        received, outgoing.view(wire), sizes, [sizes[me]] * n, group=_resolve_process_group(group.name)
+    )
+    record_collectives([("all_to_all", sizes[me] * (n - 1) * outgoing.element_size(), group.name)])
+    received = received.view(dtype)
+    out: list[list[torch.Tensor]] = []
+    offset = 0
+    for owned in expect:
+        got = []
+        for shape, rows in owned:
+            k = size(shape, rows)
+            if rows:
+                got.append(received[offset : offset + k].view(-1, *shape[1:])[: local_rows(shape[0], n, me)])
+            else:
+                got.append(received[offset : offset + k].view(shape))
+            offset += k
+        out.append(got)
     return out
+
+
+def _wire(t: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """The dtype ``t``'s bytes travel as (gloo takes no bool: as bytes), and its own."""
+    return (torch.uint8 if t.dtype == torch.bool else t.dtype), t.dtype
 
 
 @stress.eager

@@ -11,12 +11,15 @@ where the unsharded step rounds once, so its updates differ from the unsharded r
 
 So zerofx steps these optimizers as an unsharded run would, one window of parameters at a time,
 each parameter on one rank of its group (its owner; the largest parameters first, each to the
-least loaded rank). The owner gathers the parameter's shards, its gradient's and those of its
-parameter-shaped state (flat ``gather``s, ``eager_buckets.gather_to``), every rank runs the
-optimizer's own step function once on the whole tensors it owns (a stand-in optimizer object
-sharing everything with the real one but its ``param_groups`` and ``state``), and each owner
-sends every rank of the group its rows of the stepped parameter and of its parameter-shaped
-state (flat ``scatter``s, ``eager_buckets.scatter_rows``) and a copy of the rest of its state.
+least loaded rank). Every owner receives the shards of the parameters it owns, of their
+gradients and of their parameter-shaped state (``eager_buckets.to_owners``: one flat
+all-to-all per dtype, every owner's at once), every rank runs the optimizer's own step function
+once on the whole tensors it owns (a stand-in optimizer object sharing everything with the real
+one but its ``param_groups`` and ``state``), the ranks exchange what each owner's step left (its
+state's keys, shapes and plain values, pickled), and one all-to-all per dtype brings every rank
+its rows of each stepped parameter and of its parameter-shaped state and a copy of the rest of
+its state (``eager_buckets.from_owners``). A collective per owner would cost N of gloo's fixed
+price per phase (docs/measurements.md, "whole_step").
 So a state tensor shaped like the parameter stays sharded like it (Muon's momentum: 1/N per
 rank), and anything else (Adafactor's row and column factors, a step count) is whole and the
 same on every rank, as DCP saves a replicated value. A parameter kept whole, or one zerofx does
@@ -26,9 +29,9 @@ are bit for bit the unsharded step's.
 What it costs: per step, every shard of every parameter and gradient (and of Muon's momentum)
 travels to its owner and the stepped rows back, about what one all-gather of them would move
 divided by the group size; each rank runs the step's arithmetic for about 1/N of the
-parameters; a broadcast of the small state per owner; one small all-reduce per group and
-window, so that a step raising on one rank raises on all before any row is sent (``_agree``);
-and at most one window of whole tensors
+parameters; per window and process group, an all-to-all per dtype each way and an object
+all-gather; one small all-reduce per group and window, so that a step raising on one rank
+raises on all before any row is sent (``_agree``); and at most one window of whole tensors
 (``WINDOW_BYTES``) above the shards, spread over the owners. docs/measurements.md,
 "whole_step", has the numbers. The optimizer's step pre-hooks see the shards, as for any other
 optimizer (they run first: zerofx/runtime/local_step.py, NOTE: the last pre-hook); its step
@@ -52,7 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from zerofx.errors import ZeroFXError
 from zerofx.ir.layout import pack_consecutive
-from zerofx.runtime.eager_buckets import gather_to, scatter_rows
+from zerofx.runtime.eager_buckets import from_owners, to_owners
 
 __all__ = ["WINDOW_BYTES", "check_steppable", "stand_in", "step_whole", "whole_step_class"]
 
@@ -191,12 +194,14 @@ def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: li
     wholes: dict[tuple, torch.Tensor] = {}
     for ps in by_group.values():
         group = ps[0]._zerofx_state.shard_group
-        for o in range(group.size):
-            keys = [(p, k) for p in ps if owner[p] == o for k in (None, "grad", *held[p])]
-            for dtype in sorted({_local_of(optimizer, p, k).dtype for p, k in keys}, key=str):
-                these = [(p, k) for p, k in keys if _local_of(optimizer, p, k).dtype == dtype]
-                got = gather_to([(_local_of(optimizer, p, k), p._zerofx_state) for p, k in these], group, o)
-                wholes.update(zip(these, got or []))
+        keys = [(p, k) for p in ps for k in (None, "grad", *held[p])]
+        for dtype in sorted({_local_of(optimizer, p, k).dtype for p, k in keys}, key=str):
+            these = [
+                [(p, k) for p, k in keys if owner[p] == o and _local_of(optimizer, p, k).dtype == dtype]
+                for o in range(group.size)
+            ]
+            parts = [[(_local_of(optimizer, p, k), p._zerofx_state.full_rows) for p, k in owned] for owned in these]
+            wholes.update(zip(these[group.rank], to_owners(parts, group)))
 
     # 2. one step of what this rank steps: the parameters it owns, and whole or plain ones (every rank)
     whole_of: dict[torch.Tensor, torch.Tensor] = {}
@@ -249,8 +254,7 @@ def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: li
                 before, s = state.get(p, {}), getattr(p, "_zerofx_state", None)
                 state[p] = {k: _as_held(v, before.get(k), p, s) for k, v in stepped[w].items()}
         for ps in by_group.values():
-            for o in range(ps[0]._zerofx_state.shard_group.size):
-                _scatter_owned(optimizer, [p for p in ps if owner[p] == o], o, whole_of, stepped)
+            _back_to_shards(optimizer, ps, owner, whole_of, stepped)
 
 
 def _agree(optimizer: torch.optim.Optimizer, agree: list, failed: BaseException | None) -> None:
@@ -274,62 +278,79 @@ def _agree(optimizer: torch.optim.Optimizer, agree: list, failed: BaseException 
         )
 
 
-def _scatter_owned(optimizer: torch.optim.Optimizer, owned: list, o: int, whole_of: dict, stepped: dict) -> None:
-    """Rank ``o`` of their group stepped ``owned``: every rank of the group takes its rows of each
-    parameter and of its parameter-shaped state, and a copy of the rest of its state (the entries
-    the owner's step left, in their order, on every rank)."""
-    if not owned:
-        return
-    group = owned[0]._zerofx_state.shard_group
-    mine = group.rank == o
-    layout = None  # per parameter: [(key, "rows", dtype), (key, "tensor", (host copy, on the device?)) or (key, "value", value)]
-    if mine:
-        layout = [
-            [
-                (k, "rows", v.dtype)
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape
-                # small (factored moments, counts): whole, through host memory, and whether it
-                # lives with the parameter or on the host (torch's step counts)
-                else (k, "tensor", (v.cpu(), v.device == whole_of[p].device))
-                if isinstance(v, torch.Tensor)
-                else (k, "value", v)
-                for k, v in stepped.get(whole_of[p], {}).items()
-            ]
-            for p in owned
+def _back_to_shards(optimizer: torch.optim.Optimizer, ps: list, owner: dict, whole_of: dict, stepped: dict) -> None:
+    """Each rank of the group of ``ps`` stepped the parameters it owns (``owner``): every rank of
+    the group takes its rows of each parameter and of its parameter-shaped state, and a copy of
+    the rest of its state (the entries the owner's step left, in their order, on every rank).
+    One exchange of what each owner's step left (keys, shapes, plain values: no tensor is
+    pickled), then one all-to-all per dtype of the rows and of the small tensors."""
+    group = ps[0]._zerofx_state.shard_group
+    me = group.rank
+    owned = [[p for p in ps if owner[p] == o] for o in range(group.size)]
+    # per parameter: [(key, "rows", dtype), (key, "tensor", (shape, dtype, on the device?)) or (key, "value", value)]
+    layout = [
+        [
+            (k, "rows", v.dtype)
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape
+            # small (factored moments, counts): whole on every rank, and whether it lives with
+            # the parameter or on the host (torch's step counts)
+            else (k, "tensor", (v.shape, v.dtype, v.device == whole_of[p].device))
+            if isinstance(v, torch.Tensor)
+            else (k, "value", v)
+            for k, v in stepped.get(whole_of[p], {}).items()
         ]
+        for p in owned[me]
+    ]
     pg = _resolve_process_group(group.name)
+    layouts: list[Any] = [layout if o == me else [] for o in range(group.size)]
     if dist.get_backend(pg) != "fake":  # (on the fake group this rank owns all: see _owners)
-        box = [layout]
-        dist.broadcast_object_list(box, group=pg, group_src=o)
-        layout = box[0]
-    rows = [(p, None, p.dtype) for p in owned]
-    rows += [(p, k, dtype) for p, entries in zip(owned, layout) for k, kind, dtype in entries if kind == "rows"]
+        dist.all_gather_object(layouts, layout, group=pg)
+    # what each owner sends, in one order on every rank: (parameter, state key or None, whole shape, rows?, dtype)
+    sends = [
+        [(p, None, p.shape, True, p.dtype) for p in owned[o]]
+        + [
+            (p, k, p.shape if kind == "rows" else spec[0], kind == "rows", spec if kind == "rows" else spec[1])
+            for p, entries in zip(owned[o], layouts[o])
+            for k, kind, spec in entries
+            if kind != "value"
+        ]
+        for o in range(group.size)
+    ]
     got: dict[tuple, torch.Tensor] = {}
-    for dtype in sorted({dtype for _, _, dtype in rows}, key=str):
-        these = [(p, k) for p, k, d in rows if d == dtype]
-        sent = [whole_of[p] if k is None else stepped[whole_of[p]][k] for p, k in these] if mine else None
-        got.update(zip(these, scatter_rows(sent, [p.shape for p, _ in these], dtype, owned[0].device, group, o)))
+    for dtype in sorted({e[4] for owned_sends in sends for e in owned_sends}, key=str):
+        these = [[e for e in owned_sends if e[4] == dtype] for owned_sends in sends]
+        sent = [whole_of[p] if k is None else stepped[whole_of[p]][k] for p, k, *_ in these[me]]
+        expect = [[(shape, rows) for _, _, shape, rows, _ in owned_sends] for owned_sends in these]
+        received = from_owners(sent, expect, dtype, ps[0].device, group)
+        got.update({(e[0], e[1]): t for owned_sends, ts in zip(these, received) for e, t in zip(owned_sends, ts)})
     state = optimizer.state
-    for p, entries in zip(owned, layout):
-        p._local_tensor.copy_(got[(p, None)])
-        before, after = state.get(p, {}), {}
-        for k, kind, value in entries:
-            if kind != "rows":  # the owner keeps its own object; the others their copy, where it lives
-                if mine:
-                    after[k] = stepped[whole_of[p]][k]
-                elif kind == "tensor":
-                    after[k] = value[0].to(p.device) if value[1] else value[0]
+    for o in range(group.size):
+        mine = o == me
+        for p, entries in zip(owned[o], layouts[o]):
+            p._local_tensor.copy_(got[(p, None)])
+            before, after = state.get(p, {}), {}
+            for k, kind, value in entries:
+                if kind != "rows":  # the owner keeps its own object; the others their copy, where it lives
+                    if mine:
+                        after[k] = stepped[whole_of[p]][k]
+                    elif kind == "tensor":  # a copy of its own, not a view of the exchange's buffer
+                        after[k] = got[(p, k)].to(p.device if value[2] else "cpu", copy=True)
+                    else:
+                        after[k] = value
+                    continue
+                old, mine_rows = before.get(k), got[(p, k)]
+                if isinstance(old, DTensor) and old.dtype == value and old._local_tensor.shape == mine_rows.shape:
+                    old._local_tensor.copy_(mine_rows)
+                    after[k] = old
                 else:
-                    after[k] = value
-                continue
-            old, mine_rows = before.get(k), got[(p, k)]
-            if isinstance(old, DTensor) and old.dtype == value and old._local_tensor.shape == mine_rows.shape:
-                old._local_tensor.copy_(mine_rows)
-                after[k] = old
-            else:
-                after[k] = DTensor.from_local(
-                    mine_rows.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-                )
-        state[p] = after
-        if mine:
-            whole_of[p].grad = None
+                    after[k] = DTensor.from_local(
+                        mine_rows.clone(),
+                        p.device_mesh,
+                        p.placements,
+                        run_check=False,
+                        shape=p.shape,
+                        stride=p.stride(),
+                    )
+            state[p] = after
+            if mine:
+                whole_of[p].grad = None
