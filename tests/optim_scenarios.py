@@ -298,14 +298,19 @@ def _failing_whole_step(mesh, rank) -> dict:
     return {"raised": raised, "unchanged": unchanged, "moved": moved, "hooks_seen": seen}
 
 
-def _lbfgs(mesh, rank, stage: int) -> dict:
+def _lbfgs(mesh, rank, stage: int, poke: bool = False) -> dict:
     """Two LBFGS steps (a closure evaluated several times per step, between updates) on a
     sharded GPT; the closure averages the loss over the ranks, so that every rank's line search
-    decides alike. Stages 1-2 read whole copies the step's own updates made stale."""
+    decides alike. Stages 1-2 read whole copies the step's own updates made stale. ``poke``:
+    write one shard in place on this rank alone first, changing no value (its copy is stale
+    here only)."""
     import torch.distributed as dist
 
     torch.manual_seed(0)
     model = zerofx.shard(GPT(GPT_CFG), mesh, stage=stage)
+    if poke:
+        with torch.no_grad():
+            next(iter(model.parameters())).to_local().mul_(1)
     opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=3)
     gen = torch.Generator().manual_seed(100 + rank)
     calls = []
@@ -326,10 +331,11 @@ def _lbfgs(mesh, rank, stage: int) -> dict:
 
 
 def _lbfgs_stages(mesh, rank) -> dict:
-    a, b = _lbfgs(mesh, rank, 3), _lbfgs(mesh, rank, 2)
+    a, b, c = _lbfgs(mesh, rank, 3), _lbfgs(mesh, rank, 2), _lbfgs(mesh, rank, 2, poke=rank == 1)
     return {
-        "calls": (a["calls"], b["calls"]),
+        "calls": (a["calls"], b["calls"], c["calls"]),
         "params_equal": all(torch.equal(p, q) for p, q in zip(a["params"], b["params"])),
+        "poked_params_equal": all(torch.equal(p, q) for p, q in zip(a["params"], c["params"])),
     }
 
 

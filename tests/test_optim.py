@@ -115,10 +115,20 @@ def test_lbfgs_at_stage_2_steps_like_stage_3(results):
     the refresh zerofx's stale-copy check stops the forward), so it takes the same steps as at
     stage 3, which gathers the shards in every forward."""
     for r in scenario_results(results, "lbfgs"):
-        stage3, stage2 = r["calls"]
+        stage3, stage2, _ = r["calls"]
         assert len(stage2) > 2  # evaluated between updates
         assert stage2 == stage3
         assert r["params_equal"]
+
+
+def test_lbfgs_refreshes_on_every_rank_when_one_ranks_copies_are_stale(results):
+    """Whether the closure refreshes the whole copies is decided by every rank together: a shard
+    written in place on rank 1 alone (no value changed) makes rank 1's copy stale only, and
+    rank 1 refreshing alone would pair its all-gather with rank 0's next collective."""
+    for r in scenario_results(results, "lbfgs"):
+        stage3, _, poked = r["calls"]
+        assert poked == stage3
+        assert r["poked_params_equal"]
 
 
 def test_a_whole_tensor_step_that_raises_on_one_rank_raises_on_every_rank_and_changes_nothing(results):

@@ -148,7 +148,8 @@ def _refreshing_closure(optimizer: torch.optim.Optimizer, state: Any, args: tupl
     search evaluates the model between updates) would have stages 1-2 read whole copies older
     than the shards it just changed; zerofx's stale-copy check would stop the forward. So such a
     closure refreshes the stale whole copies first (a collective: every rank calls the closure
-    as often, as the optimizer's own collectives through DTensor require anyway). The local and
+    as often, as the optimizer's own collectives through DTensor require anyway), when they are
+    stale on any rank (one small all-reduce per call decides it for all). The local and
     whole-tensor steps run the closure before changing anything: left as they are."""
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if closure is None or state.local_step or state.whole:
@@ -164,7 +165,10 @@ def _refreshing_closure(optimizer: torch.optim.Optimizer, state: Any, args: tupl
 
     def refreshing() -> Any:
         for runtime in runtimes.values():
-            if any(s.versions() != s.synced_version for s in runtime.whole_copies):
+            stale = any(s.versions() != s.synced_version for s in runtime.whole_copies)
+            if runtime.lockstep is not None:  # every rank refreshes, or none: a write on one rank alone
+                stale = runtime.lockstep.any_everywhere(stale)  # would leave the others waiting
+            if stale:
                 runtime.refresh()
         return closure()
 

@@ -125,6 +125,13 @@ class Lockstep:
         )
 
     @torch.no_grad()
+    def any_everywhere(self, flag: bool) -> bool:
+        """Whether ``flag`` is True on any rank of the meshes' own groups (a collective of them):
+        for a decision that would otherwise be each rank's own, before a collective it decides."""
+        value = torch.tensor([int(flag)], dtype=torch.uint8, device=self.device)
+        return bool(self._max_everywhere(value, self.mesh_groups).item())
+
+    @torch.no_grad()
     def pend_everywhere(self, states: list) -> None:
         """Before the accumulation boundary's reduce (a collective over the parameters with a
         pending local gradient): give a zero pending gradient to every parameter that another
