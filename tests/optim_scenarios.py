@@ -157,8 +157,22 @@ def _hf_adafactor(ps):
     return Adafactor(ps, lr=None, beta1=0.9)  # relative step, scaled by each parameter's RMS, with momentum
 
 
-def _whole(t):
+def global_value(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def state_mismatches(opt, ref_opt) -> list:
+    """The state entries of ``opt`` (sharded; gathered whole) that differ from ``ref_opt``'s at
+    all, by (parameter index, key), and the parameters only one of them holds state for."""
+    sd, ref_sd = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    return sorted(sd.keys() ^ ref_sd.keys()) + [  # in one order on every rank: each gather of a DTensor is a collective
+        (j, k)
+        for j in sorted(sd.keys() & ref_sd.keys())
+        for k in sorted(sd[j].keys() | ref_sd[j].keys())
+        if k not in sd[j]
+        or k not in ref_sd[j]
+        or not torch.equal(torch.as_tensor(global_value(sd[j][k])), torch.as_tensor(ref_sd[j][k]))
+    ]
 
 
 def _against_unsharded(mesh, rank, make_opt, stage: int = 3, path: str | None = None, cfg=GPT_CFG) -> dict:
@@ -185,7 +199,7 @@ def _against_unsharded(mesh, rank, make_opt, stage: int = 3, path: str | None = 
             loss = model(x, y)
             loss.backward()
             for p, q in zip(model.parameters(), ref.parameters()):
-                q.grad = None if p.grad is None else _whole(p.grad).clone()
+                q.grad = None if p.grad is None else global_value(p.grad).clone()
             return loss
 
         if path is not None and i == STEPS - 1:
@@ -220,20 +234,9 @@ def _against_unsharded(mesh, rank, make_opt, stage: int = 3, path: str | None = 
         opt.zero_grad()
         ref_opt.zero_grad()
         mismatched_params.append(
-            [n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(_whole(p), q)]
+            [n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(global_value(p), q)]
         )
-        sd, ref_sd = opt.state_dict()["state"], ref_opt.state_dict()["state"]
-        mismatched_state.append(
-            sorted(sd.keys() ^ ref_sd.keys())
-            + [  # in one order on every rank: each gather of a DTensor is a collective
-                (j, k)
-                for j in sorted(sd.keys() & ref_sd.keys())
-                for k in sorted(sd[j].keys() | ref_sd[j].keys())
-                if k not in sd[j]
-                or k not in ref_sd[j]
-                or not torch.equal(torch.as_tensor(_whole(sd[j][k])), torch.as_tensor(ref_sd[j][k]))
-            ]
-        )
+        mismatched_state.append(state_mismatches(opt, ref_opt))
     x, y = random_batch(cfg, 2, gen)
     with torch.no_grad():
         last = (model(x, y).item(), ref(x, y).item())  # stages 1 and 2 read their refreshed whole copies
@@ -241,7 +244,7 @@ def _against_unsharded(mesh, rank, make_opt, stage: int = 3, path: str | None = 
     return {
         "mismatched_params": mismatched_params,
         "mismatched_state": mismatched_state,
-        "moved": any(not torch.equal(_whole(p), q) for p, q in zip(model.parameters(), GPT(cfg).parameters())),
+        "moved": any(not torch.equal(global_value(p), q) for p, q in zip(model.parameters(), GPT(cfg).parameters())),
         "closure_losses": closure_losses,
         "hook_saw_changed": hook_saw_changed,
         "last_losses": last,
@@ -384,19 +387,19 @@ def _few_rows(mesh, rank) -> dict:
         x = torch.randn(4, 8, generator=gen)
         model(x).square().mean().backward()
         for p, q in zip(model.parameters(), ref.parameters()):
-            q.grad = _whole(p.grad).clone()
+            q.grad = global_value(p.grad).clone()
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
         sd, ref_sd = opt.state_dict()["state"], ref_opt.state_dict()["state"]
         mismatched.append(
-            [n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(_whole(p), q)]
+            [n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(global_value(p), q)]
             + [
                 (j, k)
                 for j in sorted(ref_sd)
                 for k in sorted(ref_sd[j])
-                if not torch.equal(torch.as_tensor(_whole(sd[j][k])), torch.as_tensor(ref_sd[j][k]))
+                if not torch.equal(torch.as_tensor(global_value(sd[j][k])), torch.as_tensor(ref_sd[j][k]))
             ]
         )
     return {"mismatched": mismatched, "rows": [p.to_local().shape[0] for p in model.parameters()]}

@@ -34,6 +34,10 @@ CALLS = [
     ("errors", {}),
     ("explain", {"model": "gpt"}),
     ("gathered", {"model": "gpt"}),
+    ("whole_step", {"model": "gpt", "optimizer": "adafactor"}),
+    ("whole_step", {"model": "gpt", "optimizer": "muon"}),
+    ("whole_step", {"model": "gpt", "optimizer": "adafactor", "persistence_threshold": 128}),
+    ("whole_step", {"model": "llama", "optimizer": "muon", "stage": 2}),
 ]
 
 
@@ -192,3 +196,49 @@ def test_inference_inside_gathered_reads_each_rank_tp_share(results):
         assert r["shape"] == [2, 16, 64]  # the logits of this rank's sequences, the whole vocabulary
         assert r["max_diff"] == 0.0  # eager DTensor ops vs the compiled graphs (aten executor): the same kernels
         assert r["nbytes"] > 0
+
+
+WHOLE = [
+    {"model": "gpt", "optimizer": "adafactor"},
+    {"model": "gpt", "optimizer": "muon"},
+    {"model": "gpt", "optimizer": "adafactor", "persistence_threshold": 128},
+    {"model": "llama", "optimizer": "muon", "stage": 2},
+]
+
+
+@pytest.mark.parametrize("kwargs", WHOLE, ids=lambda k: "-".join(f"{v}" for v in k.values()))
+def test_whole_tensor_steps_over_tensor_parallel_shares_match_the_unsharded_step(results, kwargs):
+    """Adafactor and Muon (zerofx/runtime/whole_step.py, NOTE: whole-tensor steps with tensor
+    parallelism) on the TP model sharded over dp: each parameter's TP shares meet on one rank,
+    which steps the global tensor, so after each of 3 steps every parameter and every state
+    entry equals the unsharded optimizer's given the same global gradients, bit for bit. With
+    a persistence threshold some TP-sharded biases are whole over dp; at stage 2 the next
+    forward reads refreshed whole copies."""
+    for r in _ok(results, "whole_step", **kwargs):
+        assert r["tp_sharded"]  # tensor parallelism splits some of them
+        assert all(r["moved"])
+        assert r["params"] == [[], [], []]
+        assert r["state"] == [[], [], []]
+        if "persistence_threshold" in kwargs:
+            assert set(r["dp_whole"]) & set(r["tp_sharded"])
+
+
+def test_the_planner_counts_muons_momentum_over_dp_and_tp():
+    """``zerofx.plan`` of Muon on the 2x2 TP model (a fake process group): its one moment per
+    matrix stays laid out like the matrix, 1/(dp·tp) of it per rank (every matrix of the GPT
+    plan is TP-sharded)."""
+    import torch
+
+    from zerofx.planner import plan
+
+    matrices = [p for p in tp_scenarios.gpt().parameters() if p.dim() == 2]
+    p = plan(
+        tp_scenarios.gpt,
+        (2,),
+        tensor_parallel=2,
+        batch=tp_scenarios.PER_DP_RANK,
+        seq=16,
+        device="cpu",
+        optimizer=lambda ps: torch.optim.Muon([q for q in ps if q.dim() == 2]),
+    )
+    assert p.per_rank.optimizer_bytes == sum(q.numel() * q.element_size() for q in matrices) // 4

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerofx
+from tests.optim_scenarios import global_value, state_mismatches
 from zerofx.ir.collectives import COLLECTIVE_OPS, collective_group_size, wire_bytes
 from zerofx.models import GPT, GPTConfig
 from zerofx.tensor_parallel import gpt_plan, hf_plan, parallelize
@@ -303,6 +304,51 @@ def gathered(model: str) -> dict:
     compiled = compiled.logits if hasattr(compiled, "logits") else compiled
     eager = eager.logits if hasattr(eager, "logits") else eager
     return {"max_diff": float((compiled - eager).abs().max()), "nbytes": g.nbytes, "shape": list(eager.shape)}
+
+
+WHOLE_OPTIMIZERS: dict[str, Callable] = {
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+    "muon": lambda ps: torch.optim.Muon([p for p in ps if p.dim() == 2], lr=2e-2),
+}
+
+
+def whole_step(model: str, optimizer: str, steps: int = 3, **options: Any) -> dict:
+    """An optimizer zerofx steps over whole tensors (zerofx/runtime/whole_step.py) on the TP
+    model sharded over dp, against the same optimizer stepping the unsharded model's parameters
+    given the zerofx model's global gradients: after each step, which parameters (global
+    values) and which state entries differ at all. The step's arithmetic then runs on the same
+    global tensors on both sides, so nothing may. ``options``: zerofx.shard's."""
+    factory, plan, loss_fn = MODELS[model]
+    mesh = mesh_2x2()
+    dp_rank = mesh.get_local_rank("dp")
+    base = factory()
+    ref = copy.deepcopy(base)
+    ours = zerofx.shard(_tp_copy(base, plan, mesh), mesh["dp"], **options)
+    make = WHOLE_OPTIMIZERS[optimizer]
+    opt, ref_opt = make(list(ours.parameters())), make(list(ref.parameters()))
+    out: dict[str, Any] = {"params": [], "state": [], "moved": [], "layouts": {}}
+    for x, y in batches(steps, mesh.size(0)):
+        loss_fn(ours, _mine(x, dp_rank), _mine(y, dp_rank)).backward()
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            q.grad = None if p.grad is None else global_value(p.grad).clone()
+        before = [p.to_local().clone() for p in ours.parameters()]
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out["moved"].append(any(not torch.equal(p.to_local(), b) for p, b in zip(ours.parameters(), before)))
+        out["params"].append(
+            [n for (n, p), q in zip(ours.named_parameters(), ref.parameters()) if not torch.equal(global_value(p), q)]
+        )
+        out["state"].append(state_mismatches(opt, ref_opt))
+    names = [n for n, _ in ours.named_parameters()]
+    out["layouts"] = {
+        names[j]: {k: str(v.placements) if isinstance(v, DTensor) else type(v).__name__ for k, v in entry.items()}
+        for j, entry in opt.state_dict()["state"].items()
+    }
+    out["tp_sharded"] = sorted(n for n, p in ours.named_parameters() if p.placements[1].is_shard())
+    out["dp_whole"] = sorted(n for n, p in ours.named_parameters() if p.placements[0].is_replicate())
+    return out
 
 
 def errors() -> dict:

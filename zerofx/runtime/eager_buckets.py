@@ -178,7 +178,7 @@ def from_owners(
     for t, (shape, rows) in zip(sent, expect[me]):
         t = t.to(device)  # (torch keeps its step counts on the host)
         if rows:
-            for r, part in enumerate(pad_rows(t, padded_rows(shape[0], n) * n).view(n, -1).unbind(0)):
+            for r, part in enumerate(pad_rows(t, padded_rows(shape[0], n) * n).reshape(n, -1).unbind(0)):
                 pieces[r].append(part)
         else:
             for r in range(n):

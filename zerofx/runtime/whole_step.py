@@ -41,6 +41,22 @@ Which optimizers: ``whole_step_class`` (torch's Adafactor and Muon, transformers
 their subclasses: the step runs their own code, whatever it adds). Optimizers that call the
 closure more than once in a step (LBFGS) cannot: the closure's forward would read parameters
 the step has not written back yet.
+
+# NOTE: whole-tensor steps with tensor parallelism
+Over a model that torch's tensor parallelism split (zerofx/sharding.py, NOTE: ZeRO with tensor
+parallelism), what the data-parallel owner gathers is the parameter's TP share: a block of rows
+or columns of the global tensor. Adafactor's factors and Muon's orthogonalization need the
+global tensor, so a second exchange follows over the TP group: ownership over dp is the same on
+every TP rank (the same parameters, the same global sizes), so the TP ranks that own a parameter
+over dp form one TP group, and one of them (``_owners`` again) receives the others' shares,
+concatenated along the TP placement's dim (``Shard(dim)``: moved first, where the exchange
+splits), and steps the global tensor. Back, it sends each of them its share of the parameter
+and of state shaped like it, and the rest whole; each then sends its data-parallel group its
+rows. A parameter kept whole over dp takes the TP exchange on every data-parallel rank alike.
+A TP-replicated one (``Replicate()``: sequence-parallel norms) is whole on every TP rank, with
+the same gradient, so each steps it as without tensor parallelism. Other TP layouts (a 2-D TP
+mesh, strided shards) are refused before the first step. The parameters and state are bit for
+bit those of the unsharded step on the global gradients (tests/test_tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -51,11 +67,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from zerofx.errors import ZeroFXError
 from zerofx.ir.layout import pack_consecutive
 from zerofx.runtime.eager_buckets import from_owners, to_owners
+from zerofx.runtime.params import GroupInfo
 
 __all__ = ["WINDOW_BYTES", "check_steppable", "stand_in", "step_whole", "whole_step_class"]
 
@@ -96,7 +113,7 @@ def _as_held(value: Any, before: Any, param: torch.Tensor, s: Any) -> Any:
     held before, when it was one), anything else as it is."""
     if s is None or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
         return value
-    if value.dim() == 0 or value.shape != param.shape:
+    if value.dim() == 0 or value.shape != _local_shape(param):
         return value
     if isinstance(before, DTensor) and before._local_tensor is value:
         return before
@@ -133,11 +150,12 @@ def check_steppable(optimizer: torch.optim.Optimizer) -> None:
     for g in optimizer.param_groups:
         for p in g["params"]:
             s = getattr(p, "_zerofx_state", None)
-            if s is not None and s.tp is not None:
+            if s is not None and s.tp is not None and not _steppable_tp(s.tp.placements):
                 raise ZeroFXError(
                     f"{name} steps over whole tensors (zerofx/runtime/whole_step.py, NOTE: whole-tensor "
-                    f"steps), which zerofx does not yet do for tensor-parallel parameters ({s.qualname}). "
-                    "Use an elementwise optimizer (AdamW, Adam, SGD, ...) with tensor parallelism"
+                    f"steps), which zerofx does for tensor-parallel parameters laid out Shard(dim) or Replicate() "
+                    f"on a 1-D TP mesh; {s.qualname} is {s.tp.placements}. Use an elementwise optimizer "
+                    "(AdamW, Adam, SGD, ...) with that layout"
                 )
             if (
                 s is not None
@@ -149,6 +167,10 @@ def check_steppable(optimizer: torch.optim.Optimizer) -> None:
                     f"({type(p.grad).__name__}), so {name}'s whole-tensor step cannot gather it. "
                     "Set gradients of zerofx parameters as DTensors of the parameter's placements"
                 )
+
+
+def _steppable_tp(placements: tuple) -> bool:
+    return len(placements) == 1 and (placements[0].is_replicate() or type(placements[0]) is Shard)
 
 
 def step_whole(optimizer: torch.optim.Optimizer, step_fn: Callable[[torch.optim.Optimizer], Any]) -> None:
@@ -166,8 +188,8 @@ def step_whole(optimizer: torch.optim.Optimizer, step_fn: Callable[[torch.optim.
     # each window's ranks agree whether its step raised anywhere (``_agree``)
     agree: dict[str, tuple] = {}
     for p in stepped:
-        s = getattr(p, "_zerofx_state", None)
-        for g in (s.shard_group, s.replicate_group) if s is not None else ():
+        s, tp = getattr(p, "_zerofx_state", None), _tp(p)
+        for g in (s.shard_group, s.replicate_group, tp and tp[0]) if s is not None else ():
             if g is not None and g.size > 1:
                 agree.setdefault(g.name, (g, p.device))
     for window in pack_consecutive(stepped, whole_bytes, WINDOW_BYTES):
@@ -181,6 +203,27 @@ def _local_of(optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str | None
     return p.grad._local_tensor if key == "grad" else optimizer.state[p][key]._local_tensor
 
 
+def _tp(p: torch.Tensor) -> tuple[GroupInfo, int] | None:
+    """(its TP group, the dim its TP placement splits) for a zerofx parameter that tensor
+    parallelism shards; None for any other (no TP, or a TP-replicated one: every TP rank holds
+    it whole and steps it alike)."""
+    s = getattr(p, "_zerofx_state", None)
+    if s is None or s.tp is None or not s.tp.placements[0].is_shard():
+        return None
+    mesh = s.tp.mesh
+    return GroupInfo(mesh.size(), mesh.get_group().group_name, mesh.get_local_rank()), s.tp.placements[0].dim
+
+
+def _local_shape(p: torch.Tensor) -> torch.Size:
+    """The shape of ``p``'s whole value over the data-parallel dimension: the parameter's, or for
+    a tensor-parallel one its TP share's (zerofx/sharding.py, NOTE: ZeRO with tensor parallelism)."""
+    s = getattr(p, "_zerofx_state", None)
+    if s is None or s.tp is None:
+        return p.shape
+    local = p._local_tensor.shape
+    return local if s.whole else torch.Size((s.full_rows, *local[1:]))
+
+
 def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: list[torch.Tensor], agree: list) -> None:
     state = optimizer.state
     by_group: dict[str, list[torch.Tensor]] = {}  # in window order: the same on every rank
@@ -188,9 +231,14 @@ def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: li
         if _sharded(p) is not None:
             by_group.setdefault(p._zerofx_state.shard_group.name, []).append(p)
     owner = {p: o for ps in by_group.values() for p, o in zip(ps, _owners(ps, ps[0]._zerofx_state.shard_group))}
-    held = {p: sorted(k for k, v in state.get(p, {}).items() if isinstance(v, DTensor)) for p in owner}
+    held = {
+        p: sorted(k for k, v in state.get(p, {}).items() if isinstance(v, DTensor))
+        for p in window
+        if hasattr(p, "_zerofx_state")
+    }
 
     # 1. each sharded parameter's whole value, gradient and parameter-shaped state, on its owner
+    # (for a tensor-parallel parameter, its TP share's)
     wholes: dict[tuple, torch.Tensor] = {}
     for ps in by_group.values():
         group = ps[0]._zerofx_state.shard_group
@@ -203,6 +251,34 @@ def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: li
             parts = [[(_local_of(optimizer, p, k), p._zerofx_state.full_rows) for p, k in owned] for owned in these]
             wholes.update(zip(these[group.rank], to_owners(parts, group)))
 
+    def share(p: torch.Tensor, k: str | None) -> torch.Tensor:  # this rank's whole over the data-parallel dim
+        return wholes[(p, k)] if p in owner else _local_of(optimizer, p, k)
+
+    # 1b. tensor-parallel parameters whose TP share this rank holds whole: the TP ranks holding
+    # them (one data-parallel owner per TP rank: ownership is the same on each) send their shares
+    # to one of them, which then holds the parameter's global value (NOTE: whole-tensor steps
+    # with tensor parallelism)
+    tp_of: dict[torch.Tensor, tuple[GroupInfo, int]] = {}
+    for p in window:
+        t = _tp(p)
+        if t is not None and (p not in owner or owner[p] == p._zerofx_state.shard_group.rank):
+            tp_of[p] = t
+    tp_groups: dict[str, list[torch.Tensor]] = {}
+    for p in tp_of:
+        tp_groups.setdefault(tp_of[p][0].name, []).append(p)
+    tp_owner = {p: o for ps in tp_groups.values() for p, o in zip(ps, _owners(ps, tp_of[ps[0]][0]))}
+    full: dict[tuple, torch.Tensor] = {}
+    for ps in tp_groups.values():
+        group = tp_of[ps[0]][0]
+        keys = [(p, k) for p in ps for k in (None, "grad", *held[p])]
+        for dtype in sorted({share(p, k).dtype for p, k in keys}, key=str):
+            these = [
+                [(p, k) for p, k in keys if tp_owner[p] == o and share(p, k).dtype == dtype] for o in range(group.size)
+            ]
+            parts = [[(share(p, k).movedim(tp_of[p][1], 0), p.shape[tp_of[p][1]]) for p, k in owned] for owned in these]
+            got = to_owners(parts, group)
+            full.update({(p, k): t.movedim(0, tp_of[p][1]).contiguous() for (p, k), t in zip(these[group.rank], got)})
+
     # 2. one step of what this rank steps: the parameters it owns, and whole or plain ones (every rank)
     whole_of: dict[torch.Tensor, torch.Tensor] = {}
     stepped: defaultdict = defaultdict(dict)
@@ -213,16 +289,21 @@ def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: li
         with torch.no_grad():
             for p in window:
                 s = getattr(p, "_zerofx_state", None)
-                if p in owner and owner[p] != s.shard_group.rank:
+                if p in tp_of and tp_owner[p] != tp_of[p][0].rank:
                     continue
-                if p in owner:  # its other state copied: a step that fails leaves the optimizer's as it was
-                    w, grad = wholes[(p, None)].detach(), wholes[(p, "grad")]
+                if p not in tp_of and p in owner and owner[p] != s.shard_group.rank:
+                    continue
+                if (
+                    p in tp_of or p in owner
+                ):  # its other state copied: a step that fails leaves the optimizer's as it was
+                    got = full if p in tp_of else wholes
+                    w, grad = got[(p, None)].detach(), got[(p, "grad")]
                     parts = {
                         k: v.clone()
                         for k, v in state.get(p, {}).items()
                         if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
                     }
-                    parts.update({k: wholes[(p, k)] for k in held[p]})
+                    parts.update({k: got[(p, k)] for k in held[p]})
                 elif s is not None:  # kept whole: its local tensors are whole
                     w, grad = p._local_tensor.detach(), p.grad._local_tensor
                     parts = {k: v._local_tensor for k, v in state.get(p, {}).items() if isinstance(v, DTensor)}
@@ -242,17 +323,32 @@ def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: li
     for g, wg in zip(groups, window_groups):  # what the step set in a group (not its parameters)
         g.update({k: v for k, v in wg.items() if k != "params"})
 
-    # 3. back to the shards: whole or plain parameters hold their result already; each owner sends
-    # every rank of its group its rows of the parameter and of parameter-shaped state, and the rest
+    # 3. back to the shards: whole or plain parameters hold their result already; each TP owner
+    # sends every rank holding a TP share its share, then each data-parallel owner sends every
+    # rank of its group its rows of the parameter and of parameter-shaped state, and the rest
     with torch.no_grad():
         for p, w in whole_of.items():
-            if p in owner:
+            if p in owner or p in tp_of:
                 continue
             if w is not p:
                 w.grad = None
             if w in stepped:
                 before, s = state.get(p, {}), getattr(p, "_zerofx_state", None)
                 state[p] = {k: _as_held(v, before.get(k), p, s) for k, v in stepped[w].items()}
+        for ps in tp_groups.values():
+            group = tp_of[ps[0]][0]
+            back = _exchange_back(ps, tp_owner, group, whole_of, stepped, lambda p: tp_of[p][1], lambda p: p.shape)
+            for p, (value, entries, mine) in back.items():
+                if mine:
+                    whole_of[p].grad = None
+                local = {k: (v.contiguous() if kind == "rows" else _kept(v, kind, mine, p)) for k, kind, v in entries}
+                if p in owner:  # then to its data-parallel group, as the share it steps
+                    whole_of[p] = value.contiguous()
+                    stepped[whole_of[p]] = local
+                    continue
+                s, before = p._zerofx_state, state.get(p, {})
+                p._local_tensor.copy_(value)
+                state[p] = {k: _as_held(v, before.get(k), p, s) for k, v in local.items()}
         for ps in by_group.values():
             _back_to_shards(optimizer, ps, owner, whole_of, stepped)
 
@@ -278,20 +374,25 @@ def _agree(optimizer: torch.optim.Optimizer, agree: list, failed: BaseException 
         )
 
 
-def _back_to_shards(optimizer: torch.optim.Optimizer, ps: list, owner: dict, whole_of: dict, stepped: dict) -> None:
-    """Each rank of the group of ``ps`` stepped the parameters it owns (``owner``): every rank of
-    the group takes its rows of each parameter and of its parameter-shaped state, and a copy of
-    the rest of its state (the entries the owner's step left, in their order, on every rank).
-    One exchange of what each owner's step left (keys, shapes, plain values: no tensor is
-    pickled), then one all-to-all per dtype of the rows and of the small tensors."""
-    group = ps[0]._zerofx_state.shard_group
+def _exchange_back(
+    ps: list, owner: dict, group: GroupInfo, whole_of: dict, stepped: dict, dim: Callable, shape: Callable
+) -> dict:
+    """The exchange after a step over ``group``: each rank stepped the parameters of ``ps`` it
+    owns (``owner``), whose whole values split over ``group`` along ``dim(p)`` into torch.chunk's
+    parts (the data-parallel rows, or a tensor-parallel share) and have the whole shape
+    ``shape(p)``. One exchange of what each owner's step left (keys, shapes, plain values: no
+    tensor is pickled), then one all-to-all per dtype: every rank gets its part of each
+    parameter and of its state shaped like it, and the rest of its state whole. Returns, per
+    parameter, ``(its part, [(key, kind, value)], whether this rank stepped it)``: kind "rows"
+    (this rank's part), "tensor" (whole, a view of the exchange's buffer on the owner's device
+    where this rank did not step it; where it lives: ``_kept``) or "value"."""
     me = group.rank
     owned = [[p for p in ps if owner[p] == o] for o in range(group.size)]
     # per parameter: [(key, "rows", dtype), (key, "tensor", (shape, dtype, on the device?)) or (key, "value", value)]
     layout = [
         [
             (k, "rows", v.dtype)
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == shape(p)
             # small (factored moments, counts): whole on every rank, and whether it lives with
             # the parameter or on the host (torch's step counts)
             else (k, "tensor", (v.shape, v.dtype, v.device == whole_of[p].device))
@@ -305,11 +406,21 @@ def _back_to_shards(optimizer: torch.optim.Optimizer, ps: list, owner: dict, who
     layouts: list[Any] = [layout if o == me else [] for o in range(group.size)]
     if dist.get_backend(pg) != "fake":  # (on the fake group this rank owns all: see _owners)
         dist.all_gather_object(layouts, layout, group=pg)
+
+    def first(size: torch.Size, d: int) -> torch.Size:  # the split dim first
+        return torch.Size((size[d], *size[:d], *size[d + 1 :]))
+
     # what each owner sends, in one order on every rank: (parameter, state key or None, whole shape, rows?, dtype)
     sends = [
-        [(p, None, p.shape, True, p.dtype) for p in owned[o]]
+        [(p, None, first(shape(p), dim(p)), True, p.dtype) for p in owned[o]]
         + [
-            (p, k, p.shape if kind == "rows" else spec[0], kind == "rows", spec if kind == "rows" else spec[1])
+            (
+                p,
+                k,
+                first(shape(p), dim(p)) if kind == "rows" else spec[0],
+                kind == "rows",
+                spec if kind == "rows" else spec[1],
+            )
             for p, entries in zip(owned[o], layouts[o])
             for k, kind, spec in entries
             if kind != "value"
@@ -317,40 +428,69 @@ def _back_to_shards(optimizer: torch.optim.Optimizer, ps: list, owner: dict, who
         for o in range(group.size)
     ]
     got: dict[tuple, torch.Tensor] = {}
+    device = ps[0].device
     for dtype in sorted({e[4] for owned_sends in sends for e in owned_sends}, key=str):
         these = [[e for e in owned_sends if e[4] == dtype] for owned_sends in sends]
-        sent = [whole_of[p] if k is None else stepped[whole_of[p]][k] for p, k, *_ in these[me]]
-        expect = [[(shape, rows) for _, _, shape, rows, _ in owned_sends] for owned_sends in these]
-        received = from_owners(sent, expect, dtype, ps[0].device, group)
-        got.update({(e[0], e[1]): t for owned_sends, ts in zip(these, received) for e, t in zip(owned_sends, ts)})
-    state = optimizer.state
+        sent = [
+            (whole_of[p] if k is None else stepped[whole_of[p]][k]).movedim(dim(p), 0)
+            if rows
+            else stepped[whole_of[p]][k]
+            for p, k, _, rows, _ in these[me]
+        ]
+        expect = [[(size, rows) for _, _, size, rows, _ in owned_sends] for owned_sends in these]
+        received = from_owners(sent, expect, dtype, device, group)
+        for owned_sends, ts in zip(these, received):
+            for (p, k, _, rows, _), t in zip(owned_sends, ts):
+                got[(p, k)] = t.movedim(0, dim(p)) if rows else t
+    out = {}
     for o in range(group.size):
-        mine = o == me
         for p, entries in zip(owned[o], layouts[o]):
-            p._local_tensor.copy_(got[(p, None)])
-            before, after = state.get(p, {}), {}
-            for k, kind, value in entries:
-                if kind != "rows":  # the owner keeps its own object; the others their copy, where it lives
-                    if mine:
-                        after[k] = stepped[whole_of[p]][k]
-                    elif kind == "tensor":  # a copy of its own, not a view of the exchange's buffer
-                        after[k] = got[(p, k)].to(p.device if value[2] else "cpu", copy=True)
-                    else:
-                        after[k] = value
-                    continue
-                old, mine_rows = before.get(k), got[(p, k)]
-                if isinstance(old, DTensor) and old.dtype == value and old._local_tensor.shape == mine_rows.shape:
-                    old._local_tensor.copy_(mine_rows)
-                    after[k] = old
+            mine = o == me
+            values = []
+            for k, kind, spec in entries:
+                if kind == "rows":
+                    values.append((k, kind, got[(p, k)]))
+                elif kind == "tensor":  # with where it lives: with the parameter, or on the host
+                    values.append((k, kind, (stepped[whole_of[p]][k] if mine else got[(p, k)], spec[2])))
                 else:
-                    after[k] = DTensor.from_local(
-                        mine_rows.clone(),
-                        p.device_mesh,
-                        p.placements,
-                        run_check=False,
-                        shape=p.shape,
-                        stride=p.stride(),
-                    )
-            state[p] = after
-            if mine:
-                whole_of[p].grad = None
+                    values.append((k, kind, stepped[whole_of[p]][k] if mine else spec))
+            out[p] = (got[(p, None)], values, mine)
+    return out
+
+
+def _kept(value: Any, kind: str, mine: bool, p: torch.Tensor) -> Any:
+    """A state entry that is not the parameter's part, as this rank keeps it: the stepping rank
+    its own object; the others a copy of a small tensor of their own (not a view of the
+    exchange's buffer) where the owner kept it (with the parameter, or on the host)."""
+    if kind != "tensor":
+        return value
+    tensor, on_device = value
+    return tensor if mine else tensor.to(p.device if on_device else "cpu", copy=True)
+
+
+def _back_to_shards(optimizer: torch.optim.Optimizer, ps: list, owner: dict, whole_of: dict, stepped: dict) -> None:
+    """Each rank of the group of ``ps`` stepped the parameters it owns (``owner``; for a
+    tensor-parallel one, its TP share): every rank of the group takes its rows of each
+    parameter and of its parameter-shaped state, and a copy of the rest of its state (the
+    entries the owner's step left, in their order, on every rank)."""
+    group = ps[0]._zerofx_state.shard_group
+    back = _exchange_back(ps, owner, group, whole_of, stepped, lambda p: 0, _local_shape)
+    state = optimizer.state
+    for p, (rows, entries, mine) in back.items():
+        p._local_tensor.copy_(rows)
+        before, after = state.get(p, {}), {}
+        for k, kind, value in entries:
+            if kind != "rows":
+                after[k] = _kept(value, kind, mine, p)
+                continue
+            old = before.get(k)
+            if isinstance(old, DTensor) and old.dtype == value.dtype and old._local_tensor.shape == value.shape:
+                old._local_tensor.copy_(value)
+                after[k] = old
+            else:
+                after[k] = DTensor.from_local(
+                    value.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
+        state[p] = after
+        if mine:
+            whole_of[p].grad = None
