@@ -266,6 +266,45 @@ class _Flaky(torch.optim.Adafactor):
         return super().step(closure)
 
 
+class _Counting(torch.optim.Adafactor):
+    """Adafactor counting its steps on itself and in each param group (a subclass's own state)."""
+
+    runs: list = []  # one entry per run of this step function, on any object (a class attribute)
+
+    def step(self, closure=None):
+        type(self).runs.append(len(self.param_groups[0]["params"]))
+        self.calls = getattr(self, "calls", 0) + 1
+        for g in self.param_groups:
+            g["steps_seen"] = g.get("steps_seen", 0) + 1
+        return super().step(closure)
+
+
+def _counting_whole_step(mesh, rank) -> dict:
+    """Three whole-tensor steps in windows of a few parameters each: what the step sets on the
+    optimizer and in its groups is set once per step, not once per window."""
+    import zerofx.runtime.whole_step as whole_step
+
+    torch.manual_seed(0)
+    model = zerofx.shard(GPT(GPT_CFG), mesh)
+    opt = _Counting(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(100 + rank)
+    window, whole_step.WINDOW_BYTES = whole_step.WINDOW_BYTES, 16 << 10
+    _Counting.runs.clear()
+    try:
+        for _ in range(3):
+            x, y = random_batch(GPT_CFG, 2, gen)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        whole_step.WINDOW_BYTES = window
+    return {
+        "calls": getattr(opt, "calls", None),
+        "steps_seen": [g.get("steps_seen") for g in opt.param_groups],
+        "windows": sum(1 for n in _Counting.runs if n) / 3,  # runs on parameters (not torch's empty one) per step
+    }
+
+
 def _failing_whole_step(mesh, rank) -> dict:
     """A whole-tensor step that raises on one rank only (each rank steps other parameters):
     every rank raises, no shard or state changes, and the next step runs on every rank."""
@@ -350,6 +389,7 @@ def scenarios(rank: int, world: int, path: str | None = None) -> dict:
     attempt(out, "whole_adafactor_stage2", lambda: _against_unsharded(mesh, rank, WHOLE["adafactor"], stage=2))
     attempt(out, "lbfgs", lambda: _lbfgs_stages(mesh, rank))
     attempt(out, "whole_failing_step", lambda: _failing_whole_step(mesh, rank))
+    attempt(out, "whole_counting_step", lambda: _counting_whole_step(mesh, rank))
     odd = dataclasses.replace(GPT_CFG, vocab_size=GPT_CFG.vocab_size + 1)
     attempt(out, "whole_muon_uneven", lambda: _against_unsharded(mesh, rank, WHOLE["muon"], cfg=odd))
     for name in ("hf_adafactor", "muon"):

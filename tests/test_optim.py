@@ -131,6 +131,16 @@ def test_lbfgs_refreshes_on_every_rank_when_one_ranks_copies_are_stale(results):
         assert r["poked_params_equal"]
 
 
+def test_what_a_whole_tensor_step_sets_on_the_optimizer_is_set_once_per_step(results):
+    """A subclass counting its steps on itself and in its param groups, stepped in windows of a
+    few parameters: every window starts from the optimizer as it was before the step, and what
+    the step set is kept once (before: once per window, and on the optimizer itself not at all)."""
+    for r in scenario_results(results, "whole_counting_step"):
+        assert r["windows"] > 1  # the step ran over several windows
+        assert r["calls"] == 3
+        assert r["steps_seen"] == [3]
+
+
 def test_a_whole_tensor_step_that_raises_on_one_rank_raises_on_every_rank_and_changes_nothing(results):
     r0, r1 = scenario_results(results, "whole_failing_step")
     assert r1["raised"] == ("RuntimeError", "boom")

@@ -62,6 +62,7 @@ bit those of the unsharded step on the global gradients (tests/test_tensor_paral
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -92,12 +93,20 @@ def whole_step_class(optimizer: torch.optim.Optimizer) -> type | None:
     return None
 
 
-def stand_in(optimizer: torch.optim.Optimizer, groups: list[dict], state: Any) -> torch.optim.Optimizer:
-    """An object of ``optimizer``'s class sharing every attribute with it but ``param_groups``
-    and ``state``: what the class's step function runs on, so that the real optimizer never
-    holds anything but its own parameters (a step that raises leaves it as it was)."""
+_STAND_IN_OWN = frozenset(
+    {"param_groups", "state", "_zerofx_stand_in", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"}
+)
+
+
+def stand_in(
+    optimizer: torch.optim.Optimizer, groups: list[dict], state: Any, attrs: dict | None = None
+) -> torch.optim.Optimizer:
+    """An object of ``optimizer``'s class sharing every attribute with it (or those of ``attrs``,
+    a copy of its ``vars`` from before) but ``param_groups`` and ``state``: what the class's
+    step function runs on, so that the real optimizer never holds anything but its own
+    parameters (a step that raises leaves it as it was)."""
     other = object.__new__(type(optimizer))  # no __init__ / __setstate__: nothing is re-checked or changed
-    other.__dict__.update(optimizer.__dict__)
+    other.__dict__.update(optimizer.__dict__ if attrs is None else attrs)
     other.param_groups = groups
     other.state = state
     other._zerofx_stand_in = True  # zerofx's step hooks leave it alone (zerofx/runtime/local_step.py)
@@ -192,8 +201,21 @@ def step_whole(optimizer: torch.optim.Optimizer, step_fn: Callable[[torch.optim.
         for g in (s.shard_group, s.replicate_group, tp and tp[0]) if s is not None else ():
             if g is not None and g.size > 1:
                 agree.setdefault(g.name, (g, p.device))
+    # every window steps from the groups and attributes as they were before the step, so that
+    # what the step sets in them (a subclass counting its steps) is set once, not once per window
+    before = _Before(
+        [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups], dict(vars(optimizer))
+    )
     for window in pack_consecutive(stepped, whole_bytes, WINDOW_BYTES):
-        _step_window(optimizer, step_fn, window, list(agree.values()))
+        _step_window(optimizer, step_fn, window, list(agree.values()), before)
+
+
+@dataclass
+class _Before:
+    """The optimizer's param groups (without their parameters) and attributes before a step."""
+
+    groups: list[dict]
+    attrs: dict
 
 
 def _local_of(optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str | None) -> torch.Tensor:
@@ -224,7 +246,9 @@ def _local_shape(p: torch.Tensor) -> torch.Size:
     return local if s.whole else torch.Size((s.full_rows, *local[1:]))
 
 
-def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: list[torch.Tensor], agree: list) -> None:
+def _step_window(
+    optimizer: torch.optim.Optimizer, step_fn: Callable, window: list[torch.Tensor], agree: list, before: _Before
+) -> None:
     state = optimizer.state
     by_group: dict[str, list[torch.Tensor]] = {}  # in window order: the same on every rank
     for p in window:
@@ -315,13 +339,19 @@ def _step_window(optimizer: torch.optim.Optimizer, step_fn: Callable, window: li
                 whole_of[p] = w
                 if p in state:
                     stepped[w] = {**state[p], **parts}
-        window_groups = [{**g, "params": [whole_of[p] for p in g["params"] if p in whole_of]} for g in groups]
-        step_fn(stand_in(optimizer, window_groups, stepped))
+        window_groups = [
+            {**b, "params": [whole_of[p] for p in g["params"] if p in whole_of]} for b, g in zip(before.groups, groups)
+        ]
+        other = stand_in(optimizer, window_groups, stepped, before.attrs)
+        step_fn(other)
     except Exception as e:  # every rank must learn it before anything is sent
         failed = e
     _agree(optimizer, agree, failed)
     for g, wg in zip(groups, window_groups):  # what the step set in a group (not its parameters)
         g.update({k: v for k, v in wg.items() if k != "params"})
+    for k, v in vars(other).items():  # and in the optimizer's attributes
+        if k not in _STAND_IN_OWN and (k not in before.attrs or before.attrs[k] is not v):
+            vars(optimizer)[k] = v
 
     # 3. back to the shards: whole or plain parameters hold their result already; each TP owner
     # sends every rank holding a TP share its share, then each data-parallel owner sends every
