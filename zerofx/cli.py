@@ -169,7 +169,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("--device", default="h100", help="rates to price the step with: cpu, a100, h100, h200")
     plan.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GiB: solve for what fits")
-    plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
+    plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "adafactor"), default="adamw")
     plan.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default nccl (gloo for cpu)")
     plan.add_argument("--compare", action="store_true", help="also plan each memory option that changes the answer")
     plan.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for MODULE:FUNCTION")

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerofx.errors import ZeroFXError
 from zerofx.passes.cost_model import hint
@@ -167,6 +168,31 @@ class PerRank:
     def model_state_bytes(self) -> int:
         """Parameters, gradients and optimizer state (ZeRO's "model states"), by storage."""
         return self.params_bytes + self.whole_copy_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+# NOTE: optimizer steps that read values
+# The plan runs one optimizer step on fake tensors for the state it leaves (its shapes, dtypes
+# and where it lives). Some steps read values: both Adafactors scale their update by root mean
+# squares (``.item()``) and clamp with comparisons, which fake tensors cannot answer. What such
+# a step allocates depends on shapes only, so the plan's step runs with every value read that
+# fake tensors cannot answer answered by a placeholder (1, 1.0, True): the state is that of a
+# real step, its values meaningless, as every value in a plan is. A step that would allocate
+# differently by value would be planned for the placeholder's branch.
+
+
+class _PlaceholderScalars(TorchDispatchMode):
+    """Answers each value read of a tensor that fake tensors cannot answer
+    (``aten._local_scalar_dense``: ``.item()``, ``bool()``) with a placeholder of its kind
+    (NOTE: optimizer steps that read values)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        try:
+            return func(*args, **(kwargs or {}))
+        except DataDependentOutputException:  # (a fake tensor that is a known constant still answers)
+            if func is not torch.ops.aten._local_scalar_dense.default:
+                raise
+            dtype = args[0].dtype
+            return True if dtype == torch.bool else 1.0 if dtype.is_floating_point or dtype.is_complex else 1
 
 
 @dataclass
@@ -361,10 +387,17 @@ def _max_positions(model: nn.Module) -> int | None:
 def _make_optimizer(params: list, optimizer: str | Callable) -> torch.optim.Optimizer:
     if callable(optimizer):
         return optimizer(params)
-    table = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    table = {
+        "adamw": lambda: torch.optim.AdamW(params, lr=1e-3),
+        "adam": lambda: torch.optim.Adam(params, lr=1e-3),
+        "sgd": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+        "adafactor": lambda: torch.optim.Adafactor(params, lr=1e-2),
+    }
     if optimizer not in table:
-        raise ZeroFXError(f"optimizer {optimizer!r}: give adamw, adam, sgd or a callable(params) -> Optimizer")
-    return table[optimizer](params, lr=1e-3) if optimizer != "sgd" else table[optimizer](params, lr=1e-3, momentum=0.9)
+        raise ZeroFXError(
+            f"optimizer {optimizer!r}: give adamw, adam, sgd, adafactor or a callable(params) -> Optimizer"
+        )
+    return table[optimizer]()
 
 
 def plan(
@@ -689,14 +722,8 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
         finally:
             fx_config.use_duck_shape = duck
         state = model_state_bytes(model, opt)  # the backward's gradients still held: the step's peak
-        try:
+        with _PlaceholderScalars():  # NOTE: optimizer steps that read values
             opt.step()
-        except DataDependentOutputException as e:
-            raise ZeroFXError(
-                f"{type(opt).__name__}'s step reads values of tensors (.item(), a comparison), which planning on "
-                "fake tensors has none of (Adafactor does): plan with an optimizer whose step does not, such as "
-                "optimizer='adamw' (its state is larger than Adafactor's factored moments)"
-            ) from e
     runtime = runtime_of(model)
     compiled = runtime.compiled
     whole = sum({id(s.full): local_nbytes(s.full) for s in runtime.states if s.full is not None}.values())

@@ -137,9 +137,13 @@ def to_owners(parts: list[list[tuple[torch.Tensor, int]]], group: Any) -> list[t
     wire, dtype = _wire(sent)
     mine = sizes[group.rank]
     received = template.new_empty(n * mine, dtype=wire)
-    dist.all_to_all_single(received, sent.view(wire), [mine] * n, sizes, group=_resolve_process_group(group.name))
+    pg = _resolve_process_group(group.name)
+    dist.all_to_all_single(received, sent.view(wire), [mine] * n, sizes, group=pg)
     elem = sent.element_size()
-    record_collectives([("all_to_all", (sum(sizes) - sizes[group.rank]) * elem, group.name)])
+    # on torch's fake group (zerofx.plan) this one rank owns every tensor: count what a rank of a
+    # real run moves, its share less the part it owns itself (whole_step.py: ``_owners``)
+    sent_bytes = sum(sizes) * (n - 1) // n if dist.get_backend(pg) == "fake" else sum(sizes) - sizes[group.rank]
+    record_collectives([("all_to_all", sent_bytes * elem, group.name)])
     rows_of = received.view(dtype).view(n, mine)
     out, offset = [], 0
     for (t, whole), rows in zip(parts[group.rank], padded[group.rank]):
@@ -190,7 +194,9 @@ def from_owners(
     dist.all_to_all_single(
         received, outgoing.view(wire), sizes, [sizes[me]] * n, group=_resolve_process_group(group.name)
     )
-    record_collectives([("all_to_all", sizes[me] * (n - 1) * outgoing.element_size(), group.name)])
+    # on torch's fake group (zerofx.plan) this one rank owns every tensor: a real rank owns 1/n of them
+    owned = sizes[me] // n if dist.get_backend(_resolve_process_group(group.name)) == "fake" else sizes[me]
+    record_collectives([("all_to_all", owned * (n - 1) * outgoing.element_size(), group.name)])
     received = received.view(dtype)
     out: list[list[torch.Tensor]] = []
     offset = 0
