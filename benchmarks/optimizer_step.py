@@ -14,7 +14,9 @@ benchmark GPT (benchmarks/peers.py's sizes) sharded over all ranks, runs one for
 for gradients and one step (the step that adopts the optimizer), then ``--repeats`` steps are
 timed interleaved across variants (median, the slowest rank's, ranks starting each step
 together). The optimizer's own arithmetic is the same in every variant; what differs is the
-per-op DTensor dispatch. Ratios are to FSDP2. Compare within one run only.
+per-op DTensor dispatch. Ratios are to FSDP2. Compare within one run only. Each cell also
+gives what one more (untimed) step allocated above its start at its peak, on the rank where
+that is largest (+MiB: the step's transient memory).
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._launch import launch_local, markdown_table, write_json  # noqa: E402
-from benchmarks.peers import SIZES  # noqa: E402
+from benchmarks.peers import SIZES as PEER_SIZES  # noqa: E402
+
+# the peers' GPTs, and one whose embedding dwarfs every other parameter (as a real LM's
+# vocabulary does): the transient memory of a whole-tensor step is its owner's
+SIZES = {**PEER_SIZES, "vocab": dict(vocab_size=32768, seq_len=64, n_layer=2, n_head=4, d_model=256)}
 
 OPTIMIZERS = {
     "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
@@ -81,6 +87,21 @@ def _built(variant: str, size: str, mesh, make_opt):
         return None
 
 
+def _transient(opt) -> float:
+    """Bytes one more step allocates above what was live at its start, at its peak (the
+    allocator's view, zerofx.measure.AllocationTrace); NaN where the variant cannot step."""
+    from zerofx.measure.allocations import AllocationTrace
+
+    if opt is None:
+        return float("nan")
+    dist.barrier()
+    with AllocationTrace() as trace:
+        start = trace.mark()
+        opt.step()
+        end = trace.mark()
+    return float(trace.peak_between(start, end) - trace.live_at(start))
+
+
 def _rank_main(sizes: list[str], repeats: int, whole: bool) -> dict:
     from zerofx.runtime.local_step import steps_locally
 
@@ -105,9 +126,12 @@ def _rank_main(sizes: list[str], repeats: int, whole: bool) -> dict:
                         opt.step()
                         times[v].append(time.perf_counter() - start)
                 for v in variants:
-                    t = torch.tensor([statistics.median(times[v]) if times[v] else float("nan")], dtype=torch.float64)
+                    t = torch.tensor(
+                        [statistics.median(times[v]) if times[v] else float("nan"), _transient(opts[v])],
+                        dtype=torch.float64,
+                    )
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                    out[(size, opt_name, v)] = t.item()
+                    out[(size, opt_name, v)] = tuple(t.tolist())
     finally:
         dist.destroy_process_group()
     return out
@@ -125,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for world in args.world_sizes:
         times = launch_local(_rank_main, world, args.sizes, args.repeats, args.whole)[0]
-        for (size, opt_name, v), t in times.items():
+        for (size, opt_name, v), (t, transient) in times.items():
             rows.append(
                 {
                     "world": world,
@@ -133,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                     "optimizer": opt_name,
                     "variant": v,
                     "ms": None if t != t else t * 1e3,  # NaN: the variant cannot step it
-                    "ratio": None if t != t else t / times[(size, opt_name, variants[0])],
+                    "ratio": None if t != t else t / times[(size, opt_name, variants[0])][0],
+                    "step_transient_mib": None if transient != transient else transient / 2**20,
                 }
             )
     lines = []
@@ -146,7 +171,12 @@ def main(argv: list[str] | None = None) -> int:
                         str(world),
                         size,
                         opt_name,
-                        *("n/a" if r["ms"] is None else f"{r['ms']:.2f} ms ({r['ratio']:.2f}x)" for r in cells),
+                        *(
+                            "n/a"
+                            if r["ms"] is None
+                            else f"{r['ms']:.2f} ms ({r['ratio']:.2f}x), +{r['step_transient_mib']:.1f} MiB"
+                            for r in cells
+                        ),
                     ]
                 )
     print(markdown_table(["N", "GPT", "optimizer", *variants], lines))

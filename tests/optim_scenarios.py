@@ -253,6 +253,18 @@ def _against_unsharded(mesh, rank, make_opt, stage: int = 3, path: str | None = 
     }
 
 
+def alone(run, nbytes: int = 1 << 10):
+    """``run()`` with every tensor of at least ``nbytes`` in an exchange of its own
+    (zerofx/runtime/whole_step.py, ``ALONE_BYTES``: the test models' are smaller than the default)."""
+    import zerofx.runtime.whole_step as whole_step
+
+    before, whole_step.ALONE_BYTES = whole_step.ALONE_BYTES, nbytes
+    try:
+        return run()
+    finally:
+        whole_step.ALONE_BYTES = before
+
+
 class _Flaky(torch.optim.Adafactor):
     """Adafactor whose step raises on rank ``fail_on`` (a subclass calling its parent's step)."""
 
@@ -392,6 +404,12 @@ def scenarios(rank: int, world: int, path: str | None = None) -> dict:
     attempt(out, "whole_counting_step", lambda: _counting_whole_step(mesh, rank))
     odd = dataclasses.replace(GPT_CFG, vocab_size=GPT_CFG.vocab_size + 1)
     attempt(out, "whole_muon_uneven", lambda: _against_unsharded(mesh, rank, WHOLE["muon"], cfg=odd))
+    for name in ("adafactor", "hf_adafactor", "muon"):  # most tensors in an exchange of their own
+        attempt(
+            out,
+            f"whole_{name}_alone",
+            lambda name=name: alone(lambda: _against_unsharded(mesh, rank, WHOLE[name], cfg=odd)),
+        )
     for name in ("hf_adafactor", "muon"):
         attempt(
             out,

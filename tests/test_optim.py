@@ -66,7 +66,9 @@ def _assert_matches_the_unsharded_step(r: dict) -> None:
     assert a == b  # the next forward reads the stepped parameters (stage 2: its refreshed whole copies)
 
 
-@pytest.mark.parametrize("name", [*WHOLE, "adafactor_stage2", "muon_uneven"])
+@pytest.mark.parametrize(
+    "name", [*WHOLE, "adafactor_stage2", "muon_uneven", "adafactor_alone", "hf_adafactor_alone", "muon_alone"]
+)
 def test_whole_tensor_steps_match_the_unsharded_step_bit_for_bit(results, name):
     for r in scenario_results(results, f"whole_{name}"):
         _assert_matches_the_unsharded_step(r)

@@ -38,6 +38,7 @@ CALLS = [
     ("whole_step", {"model": "gpt", "optimizer": "muon"}),
     ("whole_step", {"model": "gpt", "optimizer": "adafactor", "persistence_threshold": 128}),
     ("whole_step", {"model": "llama", "optimizer": "muon", "stage": 2}),
+    ("whole_step", {"model": "gpt", "optimizer": "adafactor", "alone_bytes": 1024}),
 ]
 
 
@@ -203,6 +204,7 @@ WHOLE = [
     {"model": "gpt", "optimizer": "muon"},
     {"model": "gpt", "optimizer": "adafactor", "persistence_threshold": 128},
     {"model": "llama", "optimizer": "muon", "stage": 2},
+    {"model": "gpt", "optimizer": "adafactor", "alone_bytes": 1024},
 ]
 
 
@@ -213,7 +215,8 @@ def test_whole_tensor_steps_over_tensor_parallel_shares_match_the_unsharded_step
     which steps the global tensor, so after each of 3 steps every parameter and every state
     entry equals the unsharded optimizer's given the same global gradients, bit for bit. With
     a persistence threshold some TP-sharded biases are whole over dp; at stage 2 the next
-    forward reads refreshed whole copies."""
+    forward reads refreshed whole copies; with ``alone_bytes`` most tensors travel in
+    exchanges of their own (whole_step.ALONE_BYTES)."""
     for r in _ok(results, "whole_step", **kwargs):
         assert r["tp_sharded"]  # tensor parallelism splits some of them
         assert all(r["moved"])

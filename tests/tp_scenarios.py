@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerofx
-from tests.optim_scenarios import global_value, state_mismatches
+from tests.optim_scenarios import alone, global_value, state_mismatches
 from zerofx.ir.collectives import COLLECTIVE_OPS, collective_group_size, wire_bytes
 from zerofx.models import GPT, GPTConfig
 from zerofx.tensor_parallel import gpt_plan, hf_plan, parallelize
@@ -312,12 +312,15 @@ WHOLE_OPTIMIZERS: dict[str, Callable] = {
 }
 
 
-def whole_step(model: str, optimizer: str, steps: int = 3, **options: Any) -> dict:
+def whole_step(model: str, optimizer: str, steps: int = 3, alone_bytes: int | None = None, **options: Any) -> dict:
     """An optimizer zerofx steps over whole tensors (zerofx/runtime/whole_step.py) on the TP
     model sharded over dp, against the same optimizer stepping the unsharded model's parameters
     given the zerofx model's global gradients: after each step, which parameters (global
     values) and which state entries differ at all. The step's arithmetic then runs on the same
-    global tensors on both sides, so nothing may. ``options``: zerofx.shard's."""
+    global tensors on both sides, so nothing may. ``options``: zerofx.shard's; ``alone_bytes``:
+    whole_step.ALONE_BYTES for the run."""
+    if alone_bytes is not None:
+        return alone(lambda: whole_step(model, optimizer, steps, **options), alone_bytes)
     factory, plan, loss_fn = MODELS[model]
     mesh = mesh_2x2()
     dp_rank = mesh.get_local_rank("dp")

@@ -188,7 +188,10 @@ def from_owners(
             for r in range(n):
                 pieces[r].append(t.reshape(-1))
     flat = [p for r in range(n) for p in pieces[r]]
-    outgoing = _flat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    if len(sent) == 1 and expect[me][0][1]:  # one tensor's rows alone: in rank order they are the message
+        outgoing = pad_rows(sent[0].to(device), padded_rows(expect[me][0][0][0], n) * n).reshape(-1)
+    else:
+        outgoing = _flat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
     wire, _ = _wire(outgoing)
     received = torch.empty(sum(sizes), dtype=wire, device=device)
     dist.all_to_all_single(

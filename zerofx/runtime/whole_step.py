@@ -32,7 +32,9 @@ divided by the group size; each rank runs the step's arithmetic for about 1/N of
 parameters; per window and process group, an all-to-all per dtype each way and an object
 all-gather; one small all-reduce per group and window, so that a step raising on one rank
 raises on all before any row is sent (``_agree``); and at most one window of whole tensors
-(``WINDOW_BYTES``) above the shards, spread over the owners. docs/measurements.md,
+(``WINDOW_BYTES``) above the shards, spread over the owners; a tensor of at least
+``ALONE_BYTES`` (an embedding) travels in an exchange of its own, so that its owner holds it
+once, in the exchange's buffer, not also in a copy out of a shared one. docs/measurements.md,
 "whole_step", has the numbers. The optimizer's step pre-hooks see the shards, as for any other
 optimizer (they run first: zerofx/runtime/local_step.py, NOTE: the last pre-hook); its step
 function sees the whole tensors.
@@ -61,6 +63,7 @@ bit those of the unsharded step on the global gradients (tests/test_tensor_paral
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -78,6 +81,9 @@ from zerofx.runtime.params import GroupInfo
 __all__ = ["WINDOW_BYTES", "check_steppable", "stand_in", "step_whole", "whole_step_class"]
 
 WINDOW_BYTES = 64 << 20  # whole parameters, gradients and parameter-shaped state gathered at once
+# a tensor at least this large travels in an all-to-all of its own: its owner then receives it
+# whole in the exchange's buffer (rows in rank order), with no copy out of a shared one
+ALONE_BYTES = 4 << 20
 
 # torch's classes stepped over whole tensors (Muon is newer than some torch zerofx admits), and
 # others by (module, qualified name), so that transformers is never imported for the check
@@ -265,15 +271,16 @@ def _step_window(
     # (for a tensor-parallel parameter, its TP share's)
     wholes: dict[tuple, torch.Tensor] = {}
     for ps in by_group.values():
-        group = ps[0]._zerofx_state.shard_group
         keys = [(p, k) for p in ps for k in (None, "grad", *held[p])]
-        for dtype in sorted({_local_of(optimizer, p, k).dtype for p, k in keys}, key=str):
-            these = [
-                [(p, k) for p, k in keys if owner[p] == o and _local_of(optimizer, p, k).dtype == dtype]
-                for o in range(group.size)
-            ]
-            parts = [[(_local_of(optimizer, p, k), p._zerofx_state.full_rows) for p, k in owned] for owned in these]
-            wholes.update(zip(these[group.rank], to_owners(parts, group)))
+        wholes.update(
+            _to_owners(
+                keys,
+                owner,
+                ps[0]._zerofx_state.shard_group,
+                lambda p, k: _local_of(optimizer, p, k),
+                lambda p: p._zerofx_state.full_rows,
+            )
+        )
 
     def share(p: torch.Tensor, k: str | None) -> torch.Tensor:  # this rank's whole over the data-parallel dim
         return wholes[(p, k)] if p in owner else _local_of(optimizer, p, k)
@@ -293,15 +300,15 @@ def _step_window(
     tp_owner = {p: o for ps in tp_groups.values() for p, o in zip(ps, _owners(ps, tp_of[ps[0]][0]))}
     full: dict[tuple, torch.Tensor] = {}
     for ps in tp_groups.values():
-        group = tp_of[ps[0]][0]
         keys = [(p, k) for p in ps for k in (None, "grad", *held[p])]
-        for dtype in sorted({share(p, k).dtype for p, k in keys}, key=str):
-            these = [
-                [(p, k) for p, k in keys if tp_owner[p] == o and share(p, k).dtype == dtype] for o in range(group.size)
-            ]
-            parts = [[(share(p, k).movedim(tp_of[p][1], 0), p.shape[tp_of[p][1]]) for p, k in owned] for owned in these]
-            got = to_owners(parts, group)
-            full.update({(p, k): t.movedim(0, tp_of[p][1]).contiguous() for (p, k), t in zip(these[group.rank], got)})
+        got = _to_owners(
+            keys,
+            tp_owner,
+            tp_of[ps[0]][0],
+            lambda p, k: share(p, k).movedim(tp_of[p][1], 0),
+            lambda p: p.shape[tp_of[p][1]],
+        )
+        full.update({(p, k): t.movedim(0, tp_of[p][1]).contiguous() for (p, k), t in got.items()})
 
     # 2. one step of what this rank steps: the parameters it owns, and whole or plain ones (every rank)
     whole_of: dict[torch.Tensor, torch.Tensor] = {}
@@ -383,6 +390,31 @@ def _step_window(
             _back_to_shards(optimizer, ps, owner, whole_of, stepped)
 
 
+def _batches(items: list, dtype: Callable, nbytes: Callable) -> list[list]:
+    """``items`` (in one order on every rank) in the order their exchanges run: each of at least
+    ``ALONE_BYTES`` in one of its own, then the others together, one exchange per dtype."""
+    alone = [[item] for item in items if nbytes(item) >= ALONE_BYTES]
+    rest = [item for item in items if nbytes(item) < ALONE_BYTES]
+    return alone + [[i for i in rest if dtype(i) == d] for d in sorted({dtype(i) for i in rest}, key=str)]
+
+
+def _to_owners(keys: list, owner: dict, group: GroupInfo, local: Callable, whole_rows: Callable) -> dict:
+    """The whole tensors of ``keys`` (``(parameter, key)``, in one order on every rank) that this
+    rank owns (``owner[parameter]``), from every rank's dim-0 rows (``local(p, key)``; the whole
+    has ``whole_rows(p)`` rows): an all-to-all per batch (``_batches``)."""
+
+    def nbytes(pk: tuple) -> int:  # the same on every rank: whole rows, the rows' shape and dtype
+        t = local(*pk)
+        return whole_rows(pk[0]) * math.prod(t.shape[1:]) * t.element_size()
+
+    out = {}
+    for batch in _batches(keys, lambda pk: local(*pk).dtype, nbytes):
+        these = [[pk for pk in batch if owner[pk[0]] == o] for o in range(group.size)]
+        parts = [[(local(*pk), whole_rows(pk[0])) for pk in owned] for owned in these]
+        out.update(zip(these[group.rank], to_owners(parts, group)))
+    return out
+
+
 def _agree(optimizer: torch.optim.Optimizer, agree: list, failed: BaseException | None) -> None:
     """Raise on every rank if the window's step raised on any (each rank steps other parameters,
     so one may raise alone), before any of the window's rows is sent. One small all-reduce per
@@ -459,8 +491,12 @@ def _exchange_back(
     ]
     got: dict[tuple, torch.Tensor] = {}
     device = ps[0].device
-    for dtype in sorted({e[4] for owned_sends in sends for e in owned_sends}, key=str):
-        these = [[e for e in owned_sends if e[4] == dtype] for owned_sends in sends]
+    everything = [e for owned_sends in sends for e in owned_sends]  # (in one order on every rank)
+    nbytes = lambda e: math.prod(e[2]) * e[4].itemsize  # noqa: E731
+    for batch in _batches(everything, lambda e: e[4], nbytes):
+        in_batch = {id(e) for e in batch}
+        these = [[e for e in owned_sends if id(e) in in_batch] for owned_sends in sends]
+        dtype = batch[0][4]
         sent = [
             (whole_of[p] if k is None else stepped[whole_of[p]][k]).movedim(dim(p), 0)
             if rows
