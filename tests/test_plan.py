@@ -95,6 +95,27 @@ def test_adafactor_plans_its_factored_moments_whole_and_its_vector_moments_shard
         assert p.comm_bytes_per_step["all_to_all"] == {"shard": 4 * (there + back)}
 
 
+class _SkipsNonFinite(torch.optim.SGD):
+    """SGD that skips a step whose gradients are not all finite (a tensor test in the step)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            return None
+        return super().step(closure)
+
+
+def test_a_step_whose_state_depends_on_a_tensor_test_is_a_clear_error():
+    """A truth test fake tensors cannot answer: planned with one answer, checked with the other
+    (NOTE: optimizer steps that read values). Skipping the step leaves no momentum, stepping
+    leaves it: the plan refuses to pick a branch."""
+    with pytest.raises(ZeroFXError, match="_SkipsNonFinite's step tests tensor values"):
+        zerofx.plan(
+            build, (4,), batch=2, seq=32, device="cpu", optimizer=lambda ps: _SkipsNonFinite(ps, lr=0.1, momentum=0.9)
+        )
+
+
 def test_mixed_precision_model_state_is_16_bytes_per_element_and_gathers_bf16():
     p = zerofx.plan(build, (4,), batch=2, seq=32, device="cpu", param_dtype="bf16")
     fp32 = zerofx.plan(build, (4,), batch=2, seq=32, device="cpu")

@@ -33,6 +33,7 @@ kernels save, so activation bytes agree up to the kernels' own workspace.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import importlib
@@ -175,15 +176,25 @@ class PerRank:
 # and where it lives). Some steps read values: both Adafactors scale their update by root mean
 # squares (``.item()``) and clamp with comparisons, which fake tensors cannot answer. What such
 # a step allocates depends on shapes only, so the plan's step runs with every value read that
-# fake tensors cannot answer answered by a placeholder (1, 1.0, True): the state is that of a
-# real step, its values meaningless, as every value in a plan is. A step that would allocate
-# differently by value would be planned for the placeholder's branch.
+# fake tensors cannot answer answered by a placeholder (1, 1.0, False): the state is that of a
+# real step, its values meaningless, as every value in a plan is. A truth test can choose what
+# the step allocates (a step skipped when a gradient is not finite leaves no state), so a step
+# that tested one runs again with the other answer (outside the collective count) and the two
+# must leave the same state layout; where they do not, the plan is a clear error, not one
+# branch's guess. transformers' Adafactor tests tensors (``max`` of a float and its RMS) and
+# leaves the same state either way.
 
 
 class _PlaceholderScalars(TorchDispatchMode):
     """Answers each value read of a tensor that fake tensors cannot answer
-    (``aten._local_scalar_dense``: ``.item()``, ``bool()``) with a placeholder of its kind
-    (NOTE: optimizer steps that read values)."""
+    (``aten._local_scalar_dense``: ``.item()``, ``bool()``) with a placeholder of its kind: 1,
+    1.0, and ``test`` for a truth value (NOTE: optimizer steps that read values). ``tested``:
+    whether it answered a truth value."""
+
+    def __init__(self, test: bool) -> None:
+        super().__init__()
+        self.test = test
+        self.tested = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         try:
@@ -192,7 +203,51 @@ class _PlaceholderScalars(TorchDispatchMode):
             if func is not torch.ops.aten._local_scalar_dense.default:
                 raise
             dtype = args[0].dtype
-            return True if dtype == torch.bool else 1.0 if dtype.is_floating_point or dtype.is_complex else 1
+            if dtype == torch.bool:
+                self.tested = True
+                return self.test
+            return 1.0 if dtype.is_floating_point or dtype.is_complex else 1
+
+
+def _state_layout(opt: torch.optim.Optimizer) -> list:
+    """What the optimizer's state holds, value by value, without the values: per parameter (in
+    the groups' order), each entry's key and kind, and a tensor's shape, dtype and placements."""
+
+    def kind(v: Any) -> tuple:
+        if not isinstance(v, torch.Tensor):
+            return (type(v).__name__,)
+        return (type(v).__name__, tuple(v.shape), v.dtype, tuple(getattr(v, "placements", ())))
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return [sorted((k, kind(v)) for k, v in opt.state.get(p, {}).items()) for p in params]
+
+
+def _step_planned(opt: torch.optim.Optimizer) -> bool:
+    """Run ``opt``'s step on fake tensors (NOTE: optimizer steps that read values); whether it
+    tested a tensor's truth (then ``_same_state_either_way`` must hold)."""
+    answers = _PlaceholderScalars(test=False)
+    with answers:
+        opt.step()
+    return answers.tested
+
+
+def _same_state_either_way(opt: torch.optim.Optimizer) -> None:
+    """Run the step again from empty state with the other answer to every truth test (outside
+    any collective count): the state it leaves must not differ from the planned step's, or the
+    plan would be one branch's."""
+    planned, opt.state = opt.state, collections.defaultdict(dict)  # as torch.optim.Optimizer's
+    try:
+        with _PlaceholderScalars(test=True):
+            opt.step()
+        other = _state_layout(opt)
+    finally:
+        opt.state = planned
+    if other != _state_layout(opt):
+        raise ZeroFXError(
+            f"{type(opt).__name__}'s step tests tensor values (a condition on a tensor) and leaves other state "
+            "by their outcome, which planning on fake tensors cannot know: plan with an optimizer whose state "
+            "does not depend on values, such as optimizer='adamw'"
+        )
 
 
 @dataclass
@@ -722,8 +777,9 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
         finally:
             fx_config.use_duck_shape = duck
         state = model_state_bytes(model, opt)  # the backward's gradients still held: the step's peak
-        with _PlaceholderScalars():  # NOTE: optimizer steps that read values
-            opt.step()
+        tested = _step_planned(opt)  # NOTE: optimizer steps that read values
+    if tested:
+        _same_state_either_way(opt)
     runtime = runtime_of(model)
     compiled = runtime.compiled
     whole = sum({id(s.full): local_nbytes(s.full) for s in runtime.states if s.full is not None}.values())
