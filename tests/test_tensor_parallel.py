@@ -39,6 +39,10 @@ CALLS = [
     ("whole_step", {"model": "gpt", "optimizer": "adafactor", "persistence_threshold": 128}),
     ("whole_step", {"model": "llama", "optimizer": "muon", "stage": 2}),
     ("whole_step", {"model": "gpt", "optimizer": "adafactor", "alone_bytes": 1024}),
+    ("whole_step", {"model": "narrow", "optimizer": "adafactor"}),
+    ("whole_step", {"model": "narrow", "optimizer": "adafactor", "persistence_threshold": 10000}),
+    ("whole_step", {"model": "uneven", "optimizer": "adafactor"}),
+    ("whole_step", {"model": "uneven", "optimizer": "adafactor", "persistence_threshold": 30}),
 ]
 
 
@@ -205,6 +209,12 @@ WHOLE = [
     {"model": "gpt", "optimizer": "adafactor", "persistence_threshold": 128},
     {"model": "llama", "optimizer": "muon", "stage": 2},
     {"model": "gpt", "optimizer": "adafactor", "alone_bytes": 1024},
+    # TP shares shaped like Adafactor's factors: the factors stay whole, not cut into rows
+    {"model": "narrow", "optimizer": "adafactor"},
+    {"model": "narrow", "optimizer": "adafactor", "persistence_threshold": 10000},
+    # uneven TP shares; a threshold between their sizes: every TP rank keeps it whole or none does
+    {"model": "uneven", "optimizer": "adafactor"},
+    {"model": "uneven", "optimizer": "adafactor", "persistence_threshold": 30},
 ]
 
 
@@ -222,7 +232,7 @@ def test_whole_tensor_steps_over_tensor_parallel_shares_match_the_unsharded_step
         assert all(r["moved"])
         assert r["params"] == [[], [], []]
         assert r["state"] == [[], [], []]
-        if "persistence_threshold" in kwargs:
+        if "persistence_threshold" in kwargs and kwargs["model"] != "uneven":
             assert set(r["dp_whole"]) & set(r["tp_sharded"])
 
 

@@ -70,6 +70,32 @@ def llama(seed: int = 0, kv_heads: int = 2):
     return LlamaForCausalLM(config)
 
 
+def _narrow(seed: int = 0) -> torch.nn.Module:
+    """A width-2 hidden layer: its TP shares, (1, 8) and (8, 1), have the shapes of Adafactor's
+    column and row factors of the whole matrices."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(64, 8), torch.nn.Linear(8, 2), torch.nn.ReLU(), torch.nn.Linear(2, 8))
+
+
+def _narrow_plan(model) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"1": ColwiseParallel(), "3": RowwiseParallel()}
+
+
+def _uneven(seed: int = 0) -> torch.nn.Module:
+    """A 7-row embedding split over 2 TP ranks: shares of 4 and 3 rows (32 and 24 elements)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(7, 8), torch.nn.Linear(8, 8))
+
+
+def _uneven_plan(model) -> dict:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    return {"0": RowwiseParallel(input_layouts=Replicate())}
+
+
 MODELS: dict[str, tuple[Callable, Callable, Callable]] = {
     # name -> (factory, TP plan, loss(model, x, y))
     "gpt": (gpt, gpt_plan, lambda m, x, y: m(x, y)),
@@ -77,6 +103,9 @@ MODELS: dict[str, tuple[Callable, Callable, Callable]] = {
     "llama": (llama, hf_plan, lambda m, x, y: m(input_ids=x, labels=y).loss),
     # as many KV heads as query heads: HF's plan shards whole KV heads, so tp=4 needs 4 of them
     "llama-kv4": (lambda seed=0: llama(seed, kv_heads=4), hf_plan, lambda m, x, y: m(input_ids=x, labels=y).loss),
+    # toys for the whole-tensor step: TP shares shaped like factors, uneven TP shares
+    "narrow": (_narrow, _narrow_plan, lambda m, x, y: m(x).square().mean()),
+    "uneven": (_uneven, _uneven_plan, lambda m, x, y: m(x % 7).square().mean()),
 }
 
 

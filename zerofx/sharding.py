@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 import types
 import weakref
 from typing import Any
@@ -500,7 +501,11 @@ def _make_state(
     hybrid = mesh.ndim == 2
     shard_group = _group(mesh, 1 if hybrid else 0)
     replicate_group = _group(mesh, 0) if hybrid and mesh.size(0) > 1 else None
-    whole = param.dim() == 0 or (opts.stage == 3 and param.numel() < opts.persistence_threshold)
+    # a TP share's size is its TP rank's (uneven splits differ): every TP rank decides by the
+    # largest share, so that all of them keep a parameter whole or all shard it (the
+    # whole-tensor step's TP exchange pairs them up: zerofx/runtime/whole_step.py)
+    size = param.numel() if tp is None else _largest_share(tp)
+    whole = param.dim() == 0 or (opts.stage == 3 and size < opts.persistence_threshold)
     placements = [Replicate() if whole else Shard(0)]
     if hybrid:
         placements = [Replicate(), *placements]
@@ -799,6 +804,16 @@ def _spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
         with unset_fake_temporarily():  # the meshes' rank tensors are real, also under zerofx.plan's fake mode
             _SPMD_MESHES[key] = (dp_mesh, tp_mesh, DeviceMesh._concatenate([dp_mesh, tp_mesh]))
     return _SPMD_MESHES[key][2]
+
+
+def _largest_share(tp: TensorParallel) -> int:
+    """Elements of the largest TP share of a tensor-parallel parameter (torch.chunk's split: the
+    first shares are the largest)."""
+    shape = list(tp.shape)
+    for i, placement in enumerate(tp.placements):
+        if placement.is_shard():
+            shape[placement.dim] = -(-shape[placement.dim] // tp.mesh.size(i))
+    return math.prod(shape)
 
 
 def _on_dp_and_tp(

@@ -372,6 +372,7 @@ def _step_window(
             if w in stepped:
                 before, s = state.get(p, {}), getattr(p, "_zerofx_state", None)
                 state[p] = {k: _as_held(v, before.get(k), p, s) for k, v in stepped[w].items()}
+        tp_kinds: dict = {}  # what the TP exchange found each state entry to be (its shape may mislead later)
         for ps in tp_groups.values():
             group = tp_of[ps[0]][0]
             back = _exchange_back(ps, tp_owner, group, whole_of, stepped, lambda p: tp_of[p][1], lambda p: p.shape)
@@ -379,15 +380,18 @@ def _step_window(
                 if mine:
                     whole_of[p].grad = None
                 local = {k: (v.contiguous() if kind == "rows" else _kept(v, kind, mine, p)) for k, kind, v in entries}
+                tp_kinds[p] = {k: kind for k, kind, _ in entries}
                 if p in owner:  # then to its data-parallel group, as the share it steps
                     whole_of[p] = value.contiguous()
                     stepped[whole_of[p]] = local
                     continue
                 s, before = p._zerofx_state, state.get(p, {})
                 p._local_tensor.copy_(value)
-                state[p] = {k: _as_held(v, before.get(k), p, s) for k, v in local.items()}
+                state[p] = {
+                    k: _as_held(v, before.get(k), p, s) if tp_kinds[p][k] == "rows" else v for k, v in local.items()
+                }
         for ps in by_group.values():
-            _back_to_shards(optimizer, ps, owner, whole_of, stepped)
+            _back_to_shards(optimizer, ps, owner, whole_of, stepped, tp_kinds)
 
 
 def _batches(items: list, dtype: Callable, nbytes: Callable) -> list[list]:
@@ -437,7 +441,14 @@ def _agree(optimizer: torch.optim.Optimizer, agree: list, failed: BaseException 
 
 
 def _exchange_back(
-    ps: list, owner: dict, group: GroupInfo, whole_of: dict, stepped: dict, dim: Callable, shape: Callable
+    ps: list,
+    owner: dict,
+    group: GroupInfo,
+    whole_of: dict,
+    stepped: dict,
+    dim: Callable,
+    shape: Callable,
+    kinds: dict | None = None,
 ) -> dict:
     """The exchange after a step over ``group``: each rank stepped the parameters of ``ps`` it
     owns (``owner``), whose whole values split over ``group`` along ``dim(p)`` into torch.chunk's
@@ -447,23 +458,24 @@ def _exchange_back(
     parameter and of its state shaped like it, and the rest of its state whole. Returns, per
     parameter, ``(its part, [(key, kind, value)], whether this rank stepped it)``: kind "rows"
     (this rank's part), "tensor" (whole, a view of the exchange's buffer on the owner's device
-    where this rank did not step it; where it lives: ``_kept``) or "value"."""
+    where this rank did not step it; where it lives: ``_kept``) or "value". A tensor is "rows"
+    when shaped like the whole (``shape(p)``), unless ``kinds[p][key]`` says otherwise: after
+    the TP exchange a global factor may have the shape of a TP share by chance."""
     me = group.rank
     owned = [[p for p in ps if owner[p] == o] for o in range(group.size)]
+
     # per parameter: [(key, "rows", dtype), (key, "tensor", (shape, dtype, on the device?)) or (key, "value", value)]
-    layout = [
-        [
-            (k, "rows", v.dtype)
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == shape(p)
-            # small (factored moments, counts): whole on every rank, and whether it lives with
-            # the parameter or on the host (torch's step counts)
-            else (k, "tensor", (v.shape, v.dtype, v.device == whole_of[p].device))
-            if isinstance(v, torch.Tensor)
-            else (k, "value", v)
-            for k, v in stepped.get(whole_of[p], {}).items()
-        ]
-        for p in owned[me]
-    ]
+    def entry(p: torch.Tensor, k: str, v: Any) -> tuple:
+        if not isinstance(v, torch.Tensor):
+            return (k, "value", v)
+        known = (kinds or {}).get(p, {}).get(k)  # what an earlier exchange found (a TP share's state)
+        if known == "rows" or (known is None and v.dim() > 0 and v.shape == shape(p)):
+            return (k, "rows", v.dtype)
+        # small (factored moments, counts): whole on every rank, and whether it lives with the
+        # parameter or on the host (torch's step counts)
+        return (k, "tensor", (v.shape, v.dtype, v.device == whole_of[p].device))
+
+    layout = [[entry(p, k, v) for k, v in stepped.get(whole_of[p], {}).items()] for p in owned[me]]
     pg = _resolve_process_group(group.name)
     layouts: list[Any] = [layout if o == me else [] for o in range(group.size)]
     if dist.get_backend(pg) != "fake":  # (on the fake group this rank owns all: see _owners)
@@ -534,13 +546,15 @@ def _kept(value: Any, kind: str, mine: bool, p: torch.Tensor) -> Any:
     return tensor if mine else tensor.to(p.device if on_device else "cpu", copy=True)
 
 
-def _back_to_shards(optimizer: torch.optim.Optimizer, ps: list, owner: dict, whole_of: dict, stepped: dict) -> None:
+def _back_to_shards(
+    optimizer: torch.optim.Optimizer, ps: list, owner: dict, whole_of: dict, stepped: dict, kinds: dict
+) -> None:
     """Each rank of the group of ``ps`` stepped the parameters it owns (``owner``; for a
     tensor-parallel one, its TP share): every rank of the group takes its rows of each
     parameter and of its parameter-shaped state, and a copy of the rest of its state (the
     entries the owner's step left, in their order, on every rank)."""
     group = ps[0]._zerofx_state.shard_group
-    back = _exchange_back(ps, owner, group, whole_of, stepped, lambda p: 0, _local_shape)
+    back = _exchange_back(ps, owner, group, whole_of, stepped, lambda p: 0, _local_shape, kinds)
     state = optimizer.state
     for p, (rows, entries, mine) in back.items():
         p._local_tensor.copy_(rows)
