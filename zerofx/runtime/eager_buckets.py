@@ -120,8 +120,9 @@ def to_owners(parts: list[list[tuple[torch.Tensor, int]]], group: Any) -> list[t
     this rank's dim-0 rows (a parameter's shard, its gradient's, or a state tensor sharded like
     it) of each tensor rank ``o`` owns, with its whole number of rows; all of one dtype, the same
     list structure on every rank. Returns the whole tensors of ``parts[group.rank]``, contiguous
-    (a reduction over a strided view may round differently from the unsharded tensor's), views
-    of one buffer. One ``all_to_all_single`` of the padded rows, flat; a collective of the group.
+    (a reduction over a strided view may round differently from the unsharded tensor's): copies
+    out of the received buffer, or for a lone tensor the buffer itself. One ``all_to_all_single``
+    of the padded rows, flat; a collective of the group.
     For the optimizer's whole-tensor step (zerofx/runtime/whole_step.py)."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -178,28 +179,27 @@ def from_owners(
 
     sizes = [sum(size(*e) for e in owned) for owned in expect]
     me = group.rank
-    pieces: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for t, (shape, rows) in zip(sent, expect[me]):
-        t = t.to(device)  # (torch keeps its step counts on the host)
-        if rows:
-            for r, part in enumerate(pad_rows(t, padded_rows(shape[0], n) * n).reshape(n, -1).unbind(0)):
-                pieces[r].append(part)
-        else:
-            for r in range(n):
-                pieces[r].append(t.reshape(-1))
-    flat = [p for r in range(n) for p in pieces[r]]
     if len(sent) == 1 and expect[me][0][1]:  # one tensor's rows alone: in rank order they are the message
         outgoing = pad_rows(sent[0].to(device), padded_rows(expect[me][0][0][0], n) * n).reshape(-1)
     else:
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        for t, (shape, rows) in zip(sent, expect[me]):
+            t = t.to(device)  # (torch keeps its step counts on the host)
+            if rows:
+                for r, part in enumerate(pad_rows(t, padded_rows(shape[0], n) * n).reshape(n, -1).unbind(0)):
+                    pieces[r].append(part)
+            else:
+                for r in range(n):
+                    pieces[r].append(t.reshape(-1))
+        flat = [p for r in range(n) for p in pieces[r]]
         outgoing = _flat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
     wire, _ = _wire(outgoing)
     received = torch.empty(sum(sizes), dtype=wire, device=device)
-    dist.all_to_all_single(
-        received, outgoing.view(wire), sizes, [sizes[me]] * n, group=_resolve_process_group(group.name)
-    )
+    pg = _resolve_process_group(group.name)
+    dist.all_to_all_single(received, outgoing.view(wire), sizes, [sizes[me]] * n, group=pg)
     # on torch's fake group (zerofx.plan) this one rank owns every tensor: a real rank owns 1/n of them
-    owned = sizes[me] // n if dist.get_backend(_resolve_process_group(group.name)) == "fake" else sizes[me]
-    record_collectives([("all_to_all", owned * (n - 1) * outgoing.element_size(), group.name)])
+    sending = sizes[me] // n if dist.get_backend(pg) == "fake" else sizes[me]
+    record_collectives([("all_to_all", sending * (n - 1) * outgoing.element_size(), group.name)])
     received = received.view(dtype)
     out: list[list[torch.Tensor]] = []
     offset = 0

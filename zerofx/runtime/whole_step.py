@@ -324,9 +324,8 @@ def _step_window(
                     continue
                 if p not in tp_of and p in owner and owner[p] != s.shard_group.rank:
                     continue
-                if (
-                    p in tp_of or p in owner
-                ):  # its other state copied: a step that fails leaves the optimizer's as it was
+                if p in tp_of or p in owner:
+                    # its other state copied: a step that fails leaves the optimizer's as it was
                     got = full if p in tp_of else wholes
                     w, grad = got[(p, None)].detach(), got[(p, "grad")]
                     parts = {
@@ -370,8 +369,8 @@ def _step_window(
             if w is not p:
                 w.grad = None
             if w in stepped:
-                before, s = state.get(p, {}), getattr(p, "_zerofx_state", None)
-                state[p] = {k: _as_held(v, before.get(k), p, s) for k, v in stepped[w].items()}
+                old, s = state.get(p, {}), getattr(p, "_zerofx_state", None)
+                state[p] = {k: _as_held(v, old.get(k), p, s) for k, v in stepped[w].items()}
         tp_kinds: dict = {}  # what the TP exchange found each state entry to be (its shape may mislead later)
         for ps in tp_groups.values():
             group = tp_of[ps[0]][0]
@@ -385,10 +384,10 @@ def _step_window(
                     whole_of[p] = value.contiguous()
                     stepped[whole_of[p]] = local
                     continue
-                s, before = p._zerofx_state, state.get(p, {})
+                s, old = p._zerofx_state, state.get(p, {})
                 p._local_tensor.copy_(value)
                 state[p] = {
-                    k: _as_held(v, before.get(k), p, s) if tp_kinds[p][k] == "rows" else v for k, v in local.items()
+                    k: _as_held(v, old.get(k), p, s) if tp_kinds[p][k] == "rows" else v for k, v in local.items()
                 }
         for ps in by_group.values():
             _back_to_shards(optimizer, ps, owner, whole_of, stepped, tp_kinds)
