@@ -116,6 +116,105 @@ def test_a_step_whose_state_depends_on_a_tensor_test_is_a_clear_error():
         )
 
 
+def test_transient_bytes_counts_what_a_region_frees_not_what_it_keeps():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerofx.measure.transient import TransientBytes
+
+    with FakeTensorMode():
+        a = torch.empty(1024)  # 4 KiB, from before: never counted
+        with TransientBytes() as held:
+            b = a * 2  # freed below: transient
+            kept = b + 1  # survives the region: state, not transient
+            del b
+            view = kept.view(32, 32)  # shares kept's storage: nothing
+            pair = torch._foreach_mul([a, kept], 2.0)  # two at once: the peak
+            del pair
+            a.mul_(3)  # in place: nothing
+            small = torch.empty(10)  # 40 bytes, freed later than the pair, alone
+            del small
+        assert held.peak == 2 * 4096
+        assert view.untyped_storage().nbytes() == 4096
+
+
+# the embedding (8192 x 128 fp32, 4 MiB) travels alone in a whole-tensor step; the rest share windows
+TRANSIENT_CFG = dict(vocab_size=8192, seq_len=32, n_layer=2, n_head=4, d_model=128)
+TRANSIENT_OPTIMIZERS = {
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+    "muon": lambda ps: torch.optim.Muon([p for p in ps if p.dim() == 2], lr=2e-2),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+}
+
+
+def _measured_step_transient(rank: int, world: int) -> dict[str, int]:
+    """Per optimizer: what a step after the first allocated above its start at its peak, as the
+    allocator saw it (the least of three steps: a collective's buffer freed on gloo's thread is
+    seen late, never early)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerofx.measure.allocations import AllocationTrace
+    from zerofx.models import random_batch
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name, make in TRANSIENT_OPTIMIZERS.items():
+        cfg = GPTConfig(**TRANSIENT_CFG)
+        torch.manual_seed(0)
+        model = zerofx.shard(GPT(cfg), mesh)
+        opt = make(list(model.parameters()))
+        x, y = random_batch(cfg, 2, torch.Generator().manual_seed(rank))
+        model(x, y).backward()
+        opt.step()
+        seen = []
+        for _ in range(3):
+            dist.barrier()
+            with AllocationTrace() as trace:
+                start = trace.mark()
+                opt.step()
+                end = trace.mark()
+            seen.append(trace.peak_between(start, end) - trace.live_at(start))
+        out[name] = min(seen)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_plan_counts_the_optimizer_steps_transient_as_rank_0_of_a_real_run_holds_it(world):
+    """NOTE: the optimizer step's transient memory: the planned transient of a whole-tensor step
+    (Adafactor, Muon: the owner's whole tensors, the exchanges' buffers, the step's own
+    temporaries) and of foreach AdamW (a temporary per state tensor) is what rank 0 of a real
+    gloo run allocates, within 2% (the profiler sees some of gloo's frees late); and the plan's
+    peak holds it."""
+    from tests.multirank import run_ranks
+
+    planned = {
+        name: zerofx.plan(lambda: GPT(GPTConfig(**TRANSIENT_CFG)), (world,), batch=2, device="cpu", optimizer=make)
+        for name, make in TRANSIENT_OPTIMIZERS.items()
+    }
+    measured = run_ranks(_measured_step_transient, world)[0]
+    for name, p in planned.items():
+        r = p.per_rank
+        assert r.optimizer_step_bytes == pytest.approx(measured[name], rel=0.02), name
+        assert r.peak_bytes >= r.at_rest_bytes + r.grad_bytes + r.optimizer_step_bytes
+    # a whole-tensor step's owner holds the embedding and its gradient whole
+    embedding = TRANSIENT_CFG["vocab_size"] * TRANSIENT_CFG["d_model"] * 4
+    assert planned["adafactor"].per_rank.optimizer_step_bytes > 2 * embedding
+
+
+def test_a_plan_whose_optimizer_step_does_not_fit_says_so():
+    """The forward/backward fits, the optimizer step's transient (a whole-tensor step holding the
+    embedding whole on its owner) does not: no batch fits, and the plan says it does not fit."""
+    common = dict(batch=1, seq=8, device="cpu", optimizer="adafactor")
+    p = zerofx.plan(lambda: GPT(GPTConfig(**TRANSIENT_CFG)), (4,), **common)
+    r = p.per_rank
+    graph_peak = r.at_rest_bytes + r.step_peak_bytes
+    assert r.optimizer_step_peak_bytes > graph_peak
+    memory = (graph_peak + r.optimizer_step_peak_bytes) // 2
+    tight = zerofx.plan(lambda: GPT(GPTConfig(**TRANSIENT_CFG)), (4,), device_memory=memory, **common)
+    assert tight.fits is False and tight.max_batch == 0 and tight.max_seq == 0
+    assert "optimizer step transient" in tight.report()
+
+
 def test_mixed_precision_model_state_is_16_bytes_per_element_and_gathers_bf16():
     p = zerofx.plan(build, (4,), batch=2, seq=32, device="cpu", param_dtype="bf16")
     fp32 = zerofx.plan(build, (4,), batch=2, seq=32, device="cpu")
@@ -269,6 +368,8 @@ def test_planning_by_depth_matches_tracing_every_block():
     assert by_depth.traced_depths == (3, 4) and full.traced_depths is None
     for f in ("params_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "activation_bytes", "step_peak_bytes"):
         assert getattr(by_depth.per_rank, f) == getattr(full.per_rank, f), f
+    assert by_depth.per_rank.optimizer_step_bytes == full.per_rank.optimizer_step_bytes
+    assert by_depth.per_rank.peak_bytes == full.per_rank.peak_bytes
     assert by_depth.comm_bytes_per_step == full.comm_bytes_per_step
     assert (by_depth.max_batch, by_depth.max_seq, by_depth.parameters) == (
         full.max_batch,

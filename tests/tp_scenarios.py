@@ -383,6 +383,30 @@ def whole_step(model: str, optimizer: str, steps: int = 3, alone_bytes: int | No
     return out
 
 
+def step_transient(optimizer: str) -> int:
+    """What a step after the first allocates above its start at its peak on this rank, as the
+    allocator sees it (the least of three steps: a buffer freed on gloo's thread is seen late),
+    for an optimizer zerofx steps over whole tensors on the TP GPT sharded over dp."""
+    from zerofx.measure.allocations import AllocationTrace
+
+    mesh = mesh_2x2()
+    dp_rank = mesh.get_local_rank("dp")
+    ours = zerofx.shard(_tp_copy(gpt(), gpt_plan, mesh), mesh["dp"])
+    opt = WHOLE_OPTIMIZERS[optimizer](list(ours.parameters()))
+    x, y = batches(1, mesh.size(0))[0]
+    ours(_mine(x, dp_rank), _mine(y, dp_rank)).backward()
+    opt.step()
+    seen = []
+    for _ in range(3):
+        dist.barrier()
+        with AllocationTrace() as trace:
+            start = trace.mark()
+            opt.step()
+            end = trace.mark()
+        seen.append(trace.peak_between(start, end) - trace.live_at(start))
+    return min(seen)
+
+
 def errors() -> dict:
     """Each bad input, and the first line of the error it raised (or 'no error')."""
     results = {}

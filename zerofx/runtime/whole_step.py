@@ -63,10 +63,11 @@ bit those of the unsharded step on the global gradients (tests/test_tensor_paral
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,7 +79,7 @@ from zerofx.ir.layout import pack_consecutive
 from zerofx.runtime.eager_buckets import from_owners, to_owners
 from zerofx.runtime.params import GroupInfo
 
-__all__ = ["WINDOW_BYTES", "check_steppable", "stand_in", "step_whole", "whole_step_class"]
+__all__ = ["WINDOW_BYTES", "as_a_rank", "check_steppable", "stand_in", "step_whole", "whole_step_class"]
 
 WINDOW_BYTES = 64 << 20  # whole parameters, gradients and parameter-shaped state gathered at once
 # a tensor at least this large travels in an all-to-all of its own: its owner then receives it
@@ -143,12 +144,31 @@ def _sharded(p: torch.Tensor) -> Any:
     return s if s is not None and not s.whole and s.shard_group.size > 1 else None
 
 
+_AS_A_RANK = False  # set by as_a_rank
+
+
+@contextlib.contextmanager
+def as_a_rank() -> Iterator[None]:
+    """On torch's fake process group (``zerofx.plan``), step as this rank of a real run would: own
+    what ``_owners`` gives it, and take what the other owners' steps leave (keys, kinds, shapes)
+    from the optimizer's state, which a step after the first leaves as it found it. What the
+    plan measures the step's transient memory on (zerofx/planner.py, NOTE: the optimizer step's
+    transient memory); the values are meaningless, and a first step (no state yet) cannot."""
+    global _AS_A_RANK
+    _AS_A_RANK = True
+    try:
+        yield
+    finally:
+        _AS_A_RANK = False
+
+
 def _owners(params: list[torch.Tensor], group: Any) -> list[int]:
     """The rank of ``group`` that steps each parameter: the largest first, each to the rank with
     the fewest elements so far (lowest rank on ties). The same on every rank. On torch's fake
     process group (``zerofx.plan``: one process stands for every rank, and no data moves) this
-    rank steps them all, so that it ends with the state layout a real step leaves."""
-    if dist.get_backend(_resolve_process_group(group.name)) == "fake":
+    rank steps them all, so that it ends with the state layout a real step leaves (within
+    ``as_a_rank``: what a real rank owns)."""
+    if dist.get_backend(_resolve_process_group(group.name)) == "fake" and not _AS_A_RANK:
         return [group.rank] * len(params)
     size = group.size
     load = [0] * size
@@ -374,7 +394,9 @@ def _step_window(
         tp_kinds: dict = {}  # what the TP exchange found each state entry to be (its shape may mislead later)
         for ps in tp_groups.values():
             group = tp_of[ps[0]][0]
-            back = _exchange_back(ps, tp_owner, group, whole_of, stepped, lambda p: tp_of[p][1], lambda p: p.shape)
+            back = _exchange_back(
+                ps, tp_owner, group, whole_of, stepped, lambda p: tp_of[p][1], lambda p: p.shape, current=state
+            )
             for p, (value, entries, mine) in back.items():
                 if mine:
                     whole_of[p].grad = None
@@ -448,6 +470,7 @@ def _exchange_back(
     dim: Callable,
     shape: Callable,
     kinds: dict | None = None,
+    current: dict | None = None,
 ) -> dict:
     """The exchange after a step over ``group``: each rank stepped the parameters of ``ps`` it
     owns (``owner``), whose whole values split over ``group`` along ``dim(p)`` into torch.chunk's
@@ -459,7 +482,9 @@ def _exchange_back(
     (this rank's part), "tensor" (whole, a view of the exchange's buffer on the owner's device
     where this rank did not step it; where it lives: ``_kept``) or "value". A tensor is "rows"
     when shaped like the whole (``shape(p)``), unless ``kinds[p][key]`` says otherwise: after
-    the TP exchange a global factor may have the shape of a TP share by chance."""
+    the TP exchange a global factor may have the shape of a TP share by chance. ``current``: the
+    optimizer's state, where the other owners' layouts come from on the fake group within
+    ``as_a_rank``."""
     me = group.rank
     owned = [[p for p in ps if owner[p] == o] for o in range(group.size)]
 
@@ -479,6 +504,18 @@ def _exchange_back(
     layouts: list[Any] = [layout if o == me else [] for o in range(group.size)]
     if dist.get_backend(pg) != "fake":  # (on the fake group this rank owns all: see _owners)
         dist.all_gather_object(layouts, layout, group=pg)
+    elif _AS_A_RANK:  # what the others' steps leave: the layout their state has (as_a_rank)
+
+        def held(p: torch.Tensor, k: str, v: Any) -> tuple:
+            if isinstance(v, DTensor):
+                return (k, "rows", v.dtype)
+            if isinstance(v, torch.Tensor):
+                return (k, "tensor", (v.shape, v.dtype, v.device == p.device))
+            return (k, "value", v)
+
+        for o in range(group.size):
+            if o != me:
+                layouts[o] = [[held(p, k, v) for k, v in (current or {}).get(p, {}).items()] for p in owned[o]]
 
     def first(size: torch.Size, d: int) -> torch.Size:  # the split dim first
         return torch.Size((size[d], *size[:d], *size[d + 1 :]))
@@ -553,7 +590,7 @@ def _back_to_shards(
     parameter and of its parameter-shaped state, and a copy of the rest of its state (the
     entries the owner's step left, in their order, on every rank)."""
     group = ps[0]._zerofx_state.shard_group
-    back = _exchange_back(ps, owner, group, whole_of, stepped, lambda p: 0, _local_shape, kinds)
+    back = _exchange_back(ps, owner, group, whole_of, stepped, lambda p: 0, _local_shape, kinds, optimizer.state)
     state = optimizer.state
     for p, (rows, entries, mine) in back.items():
         p._local_tensor.copy_(rows)
