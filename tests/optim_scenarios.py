@@ -463,6 +463,39 @@ def _few_rows(mesh, rank) -> dict:
     return {"mismatched": mismatched, "rows": [p.to_local().shape[0] for p in model.parameters()]}
 
 
+def _exact_splits(mesh, rank) -> dict:
+    """``to_owners`` / ``from_owners`` over 4 ranks with tensors of fewer rows than ranks, or not
+    divisible by them (eager_buckets.py, NOTE: exact splits): rank 0 owns a (2, 1000) tensor
+    alone, rank 1 a (3, 10) and a (5, 7) one. What each owner gets: the whole tensors, and for
+    the lone one the received buffer holds exactly its bytes (no padding rows); back, every rank
+    gets its rows of each (plus 1) and rank 0's small tensor whole."""
+    from zerofx.ir.layout import local_rows, row_offset
+    from zerofx.runtime.eager_buckets import from_owners, to_owners
+    from zerofx.runtime.params import GroupInfo
+
+    n = mesh.size()
+    group = GroupInfo(n, mesh.get_group().group_name, rank)
+    wholes = [torch.arange(2 * 1000.0).view(2, 1000), torch.arange(30.0).view(3, 10), -torch.arange(35.0).view(5, 7)]
+
+    def mine(t):  # this rank's rows, as a Shard(0) DTensor holds them
+        first = row_offset(t.shape[0], n, rank)
+        return t[first : first + local_rows(t.shape[0], n, rank)].clone()
+
+    owned = [[wholes[0]], [wholes[1], wholes[2]], [], []]
+    got = to_owners([[(mine(t), t.shape[0]) for t in ts] for ts in owned], group)
+    small = torch.tensor([7.0, 8.0])
+    sent = [t + 1 for t in got] + ([small] if rank == 0 else [])
+    expect = [[(t.shape, True) for t in ts] for ts in owned]
+    expect[0].append((small.shape, False))
+    back = from_owners(sent, expect, torch.float32, torch.device("cpu"), group)
+    return {
+        "got_equal": [torch.equal(a, b) for a, b in zip(got, owned[rank])],
+        "got_bytes": [a.untyped_storage().nbytes() for a in got],
+        "back_equal": [torch.equal(a, mine(t + 1)) for a, t in zip(back[0][:1] + back[1], wholes)],
+        "small_back": back[0][-1].tolist(),
+    }
+
+
 def hybrid_scenarios(rank: int, world: int) -> dict:
     """The whole-tensor steps on a 2x2 hybrid mesh (replicate x shard): each parameter gathered
     over its shard dimension only."""
@@ -472,4 +505,5 @@ def hybrid_scenarios(rank: int, world: int) -> dict:
         attempt(out, f"whole_{name}", lambda name=name: _against_unsharded(mesh, rank, WHOLE[name]))
     flat = init_device_mesh("cpu", (world,))
     attempt(out, "few_rows", lambda: _few_rows(flat, rank))
+    attempt(out, "exact_splits", lambda: _exact_splits(flat, rank))
     return out

@@ -157,3 +157,15 @@ def test_whole_tensor_steps_of_layers_with_fewer_rows_than_ranks_match_the_unsha
     for rank, r in enumerate(scenario_results(hybrid_results, "few_rows")):
         assert r["rows"][2] == (1 if rank < 2 else 0)  # the (2, 16) weight over 4 ranks
         assert r["mismatched"] == [[]] * 3
+
+
+def test_owners_get_exactly_their_tensors_whatever_the_rows_per_rank(hybrid_results):
+    """eager_buckets.py, NOTE: exact splits: each rank sends its real rows only, so an owner's
+    lone tensor is the received buffer, exactly its bytes (a (2, 1000) tensor over 4 ranks would
+    otherwise arrive padded to 4 rows), and the way back gives every rank its rows."""
+    for rank, r in enumerate(scenario_results(hybrid_results, "exact_splits")):
+        assert r["got_equal"] == [True] * {0: 1, 1: 2}.get(rank, 0)
+        if rank == 0:
+            assert r["got_bytes"] == [2 * 1000 * 4]
+        assert r["back_equal"] == [True, True, True]
+        assert r["small_back"] == [7.0, 8.0]

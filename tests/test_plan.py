@@ -91,7 +91,7 @@ def test_adafactor_plans_its_factored_moments_whole_and_its_vector_moments_shard
         shards = sum(padded_rows(q.shape[0], 4) * q[0].numel() for q in params)
         vector_shards = sum(padded_rows(q.shape[0], 4) for q in params if q.dim() == 1)
         there = 2 * shards * 3 // 4
-        back = (shards + vector_shards + factored + len(params)) // 4 * 3
+        back = (shards + vector_shards + factored + len(params)) * 3 // 4
         assert p.comm_bytes_per_step["all_to_all"] == {"shard": 4 * (there + back)}
 
 

@@ -30,7 +30,7 @@ from zerofx.ir.collectives import (
     record_collectives,
     wire_bytes,
 )
-from zerofx.ir.layout import local_rows, pad_rows, padded_rows
+from zerofx.ir.layout import local_rows, pad_rows, padded_rows, row_offset
 
 __all__ = ["BUCKET_BYTES", "from_owners", "refresh", "reduce_pending", "reduce_transient_bytes", "to_owners"]
 
@@ -113,6 +113,22 @@ def refresh(states: list) -> None:
             offset += n
 
 
+# NOTE: exact splits
+# ``to_owners`` / ``from_owners`` move each rank's real rows only. A Shard(0) tensor's rows are
+# split as torch.chunk splits them: ranks in order, ceil(rows / N) each, the last ones short or
+# empty. Padding every rank's part to ceil(rows / N) rows, as the graphs' all-gathers do (their
+# collectives take equal parts), would have the owner receive and hold N * ceil(rows / N) rows:
+# for a tensor with fewer rows than ranks (a mixture of experts' [experts, ffn, d] weights over
+# more ranks than experts) N / rows times the tensor, mostly zeros. ``all_to_all_single`` takes a
+# size per peer, so each rank sends its real rows and the owner receives exactly the tensor:
+# in rank order a tensor's parts are its rows in order, so a lone tensor arrives whole, in place.
+
+
+def _rows_of(whole_rows: int, n: int, rank: int) -> tuple[int, int]:
+    """(first row, rows) of ``rank``'s part of a tensor of ``whole_rows`` rows split over ``n``."""
+    return row_offset(whole_rows, n, rank), local_rows(whole_rows, n, rank)
+
+
 @stress.eager
 @torch.no_grad()
 def to_owners(parts: list[list[tuple[torch.Tensor, int]]], group: Any) -> list[torch.Tensor]:
@@ -120,37 +136,51 @@ def to_owners(parts: list[list[tuple[torch.Tensor, int]]], group: Any) -> list[t
     this rank's dim-0 rows (a parameter's shard, its gradient's, or a state tensor sharded like
     it) of each tensor rank ``o`` owns, with its whole number of rows; all of one dtype, the same
     list structure on every rank. Returns the whole tensors of ``parts[group.rank]``, contiguous
-    (a reduction over a strided view may round differently from the unsharded tensor's): copies
-    out of the received buffer, or for a lone tensor the buffer itself. One ``all_to_all_single``
-    of the padded rows, flat; a collective of the group.
-    For the optimizer's whole-tensor step (zerofx/runtime/whole_step.py)."""
+    (a reduction over a strided view may round differently from the unsharded tensor's): each
+    assembled from every rank's rows, or for a lone tensor the received buffer itself. One
+    ``all_to_all_single`` of every rank's real rows, flat (NOTE: exact splits); a collective of
+    the group. For the optimizer's whole-tensor step (zerofx/runtime/whole_step.py)."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    n = group.size
-    padded = [[padded_rows(rows, n) for _, rows in owned] for owned in parts]
-    sizes = [sum(r * math.prod(t.shape[1:]) for (t, _), r in zip(owned, rs)) for owned, rs in zip(parts, padded)]
-    chunks = [pad_rows(t, r) for owned, rs in zip(parts, padded) for (t, _), r in zip(owned, rs)]
+    n, me = group.size, group.rank
     template = next((t for owned in parts for t, _ in owned), None)
     if template is None:
         return []
+    chunks = [t[: local_rows(whole, n, me)] for owned in parts for t, whole in owned]  # (a shard is never padded)
+    send = [sum(c.numel() for c in chunks_of) for chunks_of in _split_by(chunks, [len(owned) for owned in parts])]
+    mine = parts[me]
+    row = [math.prod(t.shape[1:]) for t, _ in mine]
+    recv = [sum(_rows_of(whole, n, r)[1] * k for (_, whole), k in zip(mine, row)) for r in range(n)]
     sent = _flat(chunks) if chunks else template.new_empty(0)
     wire, dtype = _wire(sent)
-    mine = sizes[group.rank]
-    received = template.new_empty(n * mine, dtype=wire)
+    received = template.new_empty(sum(recv), dtype=wire)
     pg = _resolve_process_group(group.name)
-    dist.all_to_all_single(received, sent.view(wire), [mine] * n, sizes, group=pg)
-    elem = sent.element_size()
+    dist.all_to_all_single(received, sent.view(wire), recv, send, group=pg)
     # on torch's fake group (zerofx.plan) this one rank owns every tensor: count what a rank of a
     # real run moves, its share less the part it owns itself (whole_step.py: ``_owners``)
-    sent_bytes = sum(sizes) * (n - 1) // n if dist.get_backend(pg) == "fake" else sum(sizes) - sizes[group.rank]
-    record_collectives([("all_to_all", sent_bytes * elem, group.name)])
-    rows_of = received.view(dtype).view(n, mine)
-    out, offset = [], 0
-    for (t, whole), rows in zip(parts[group.rank], padded[group.rank]):
-        size = rows * math.prod(t.shape[1:])
-        out.append(rows_of[:, offset : offset + size].reshape(-1, *t.shape[1:])[:whole].contiguous())
-        offset += size
+    sent_elems = sum(send) * (n - 1) // n if dist.get_backend(pg) == "fake" else sum(send) - send[me]
+    record_collectives([("all_to_all", sent_elems * sent.element_size(), group.name)])
+    received = received.view(dtype)
+    if len(mine) == 1:  # a lone tensor's parts in rank order are its rows in order
+        return [received.view(-1, *mine[0][0].shape[1:])]
+    pieces: list[list[torch.Tensor]] = [[] for _ in mine]  # per tensor, every rank's rows in rank order
+    for r, buffer in enumerate(received.split(recv)):
+        offset = 0
+        for (t, whole), k, got in zip(mine, row, pieces):
+            rows = _rows_of(whole, n, r)[1]
+            got.append(buffer[offset : offset + rows * k].view(rows, *t.shape[1:]))
+            offset += rows * k
+    out = [torch.cat(got) for got in pieces]
+    return out
+
+
+def _split_by(items: list, counts: list[int]) -> list[list]:
+    """``items`` cut into consecutive runs of ``counts`` items."""
+    out, at = [], 0
+    for c in counts:
+        out.append(items[at : at + c])
+        at += c
     return out
 
 
@@ -168,49 +198,53 @@ def from_owners(
     dim-0-sharded parameter (``rows`` True: every rank gets its rows, torch.chunk's split as a
     Shard(0) DTensor's) or a small one every rank gets whole. ``sent``: this rank's tensors,
     those of ``expect[group.rank]``. Returns, per owner, what this rank got of each of its
-    tensors: views of one buffer. One ``all_to_all_single``, flat; a collective of the group."""
+    tensors: views of one buffer. One ``all_to_all_single`` of exactly those rows (NOTE: exact
+    splits), flat; a collective of the group."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    n = group.size
+    n, me = group.size, group.rank
 
-    def size(shape: torch.Size, rows: bool) -> int:
-        return padded_rows(shape[0], n) * math.prod(shape[1:]) if rows else math.prod(shape)
+    def size(shape: torch.Size, rows: bool, r: int) -> int:  # what rank r gets of it
+        return _rows_of(shape[0], n, r)[1] * math.prod(shape[1:]) if rows else math.prod(shape)
 
-    sizes = [sum(size(*e) for e in owned) for owned in expect]
-    me = group.rank
+    send = [sum(size(*e, r) for e in expect[me]) for r in range(n)]
+    recv = [sum(size(*e, me) for e in owned) for owned in expect]
     if len(sent) == 1 and expect[me][0][1]:  # one tensor's rows alone: in rank order they are the message
-        outgoing = pad_rows(sent[0].to(device), padded_rows(expect[me][0][0][0], n) * n).reshape(-1)
+        outgoing = sent[0].to(device).reshape(-1)
     else:
         pieces: list[list[torch.Tensor]] = [[] for _ in range(n)]
         for t, (shape, rows) in zip(sent, expect[me]):
             t = t.to(device)  # (torch keeps its step counts on the host)
-            if rows:
-                for r, part in enumerate(pad_rows(t, padded_rows(shape[0], n) * n).reshape(n, -1).unbind(0)):
-                    pieces[r].append(part)
-            else:
-                for r in range(n):
+            for r in range(n):
+                if rows:
+                    first, count = _rows_of(shape[0], n, r)
+                    pieces[r].append(t[first : first + count].reshape(-1))
+                else:
                     pieces[r].append(t.reshape(-1))
         flat = [p for r in range(n) for p in pieces[r]]
         outgoing = _flat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
     wire, _ = _wire(outgoing)
-    received = torch.empty(sum(sizes), dtype=wire, device=device)
+    received = torch.empty(sum(recv), dtype=wire, device=device)
     pg = _resolve_process_group(group.name)
-    dist.all_to_all_single(received, outgoing.view(wire), sizes, [sizes[me]] * n, group=pg)
+    dist.all_to_all_single(received, outgoing.view(wire), recv, send, group=pg)
     # on torch's fake group (zerofx.plan) this one rank owns every tensor: a real rank owns 1/n of them
-    sending = sizes[me] // n if dist.get_backend(pg) == "fake" else sizes[me]
-    record_collectives([("all_to_all", sending * (n - 1) * outgoing.element_size(), group.name)])
+    sending = sum(send) - send[me]
+    if dist.get_backend(pg) == "fake":
+        sending //= n
+    record_collectives([("all_to_all", sending * outgoing.element_size(), group.name)])
     received = received.view(dtype)
     out: list[list[torch.Tensor]] = []
     offset = 0
     for owned in expect:
         got = []
         for shape, rows in owned:
-            k = size(shape, rows)
-            if rows:
-                got.append(received[offset : offset + k].view(-1, *shape[1:])[: local_rows(shape[0], n, me)])
-            else:
-                got.append(received[offset : offset + k].view(shape))
+            k = size(shape, rows, me)
+            got.append(
+                received[offset : offset + k].view(-1, *shape[1:])
+                if rows
+                else received[offset : offset + k].view(shape)
+            )
             offset += k
         out.append(got)
     return out
