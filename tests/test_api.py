@@ -642,3 +642,33 @@ def test_gloo_twins_are_made_once_per_group_and_forgotten_with_their_process_gro
         assert [t for _, t in lockstep._TWINS.values()] == [fresh]
         with pytest.raises(KeyError):
             dist.get_process_group_ranks(sub_twin)
+
+
+class _Experts(nn.Module):
+    """A mixture of experts' weights stacked as [experts, ffn, d], and a small 2-output head."""
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(experts, 1024, 256))  # 1 MiB per expert
+        self.head = nn.Linear(16, 2)
+
+
+def test_sharding_weights_with_fewer_rows_than_ranks_warns_naming_them():
+    """Over 4 ranks a [2, 1024, 256] weight puts a whole expert on ranks 0 and 1 and nothing on 2
+    and 3, and every gather moves 4 padded rows: a warning names it. A [4, ...] one and a
+    2-output head (padding under FEW_ROWS_WASTE_BYTES) are quiet. torch's fake process group
+    stands in for the 4 ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        with pytest.warns(UserWarning, match=r"w \[2, 1024, 256\]: fewer rows \(dim 0\) than the 4 ranks") as seen:
+            zerofx.shard(_Experts(2), mesh, persistence_threshold=0)
+        assert not any("head" in str(w.message) for w in seen)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*fewer rows.*")
+            zerofx.shard(_Experts(4), mesh, persistence_threshold=0)
+    finally:
+        dist.destroy_process_group()

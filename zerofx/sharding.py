@@ -37,6 +37,7 @@ import functools
 import logging
 import math
 import types
+import warnings
 import weakref
 from typing import Any
 
@@ -699,6 +700,37 @@ def _refuse_added_parameters(model: nn.Module, args: Any) -> None:
         raise added_after_sharding(added)
 
 
+# a parameter whose padded shards exceed it by at least this many bytes is worth a warning
+FEW_ROWS_WASTE_BYTES = 1 << 20
+
+
+def _warn_few_rows(states: list) -> None:
+    """Warn about sharded parameters with fewer rows than their shard group has ranks (a mixture
+    of experts' [experts, ffn, d] weights over more ranks than experts), where the padding costs
+    at least ``FEW_ROWS_WASTE_BYTES``. Shard(0), as torch.chunk splits, gives the first ranks a
+    whole row each and the others nothing: those ranks hold up to ranks/rows times an even share,
+    and every all-gather and reduce-scatter of the graphs moves each rank's padded row, ranks/rows
+    times the parameter (FSDP2's default Shard(0) does the same). The same on every rank."""
+    few = []
+    for s in states:
+        n = s.shard_group.size
+        if s.whole or s.full_rows >= n or s.param.dim() == 0:
+            continue
+        row_bytes = math.prod(s.param.shape[1:]) * s.param.element_size()
+        if (n - s.full_rows) * row_bytes >= FEW_ROWS_WASTE_BYTES:
+            few.append((s.qualname, list(s.param.shape), n))
+    if few:
+        warnings.warn(
+            f"zerofx: {some_names([f'{name} {shape}' for name, shape, _ in few])}: fewer rows (dim 0) than the "
+            f"{max(n for _, _, n in few)} ranks sharding them, so the first ranks hold a whole row each and the "
+            "others none (those ranks hold up to ranks/rows times an even share) and each gather and "
+            "reduce-scatter moves ranks/rows times their bytes, padding included. Lay such weights out with "
+            "their largest dimension first (experts as [experts * ffn, d]), or shard them over a mesh "
+            "dimension of at most that many ranks; `zerofx plan` shows the per-rank bytes",
+            stacklevel=3,
+        )
+
+
 def mark_loaded(model: nn.Module, names) -> None:
     """Record that ``names`` (state_dict keys or buffer names) of a model built on the meta
     device now hold their values (the loaders call this; so does a user who sets a buffer no
@@ -1068,6 +1100,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
             module._parameters[name] = module._zerofx_params[name].param
         module.__class__ = _sharded_class(type(module), names)
     runtime.states = list(states.values())
+    _warn_few_rows(runtime.states)
     for module in model.modules():  # an instance attribute: containers hold no parameter to swap a class for
         module.get_parameter = types.MethodType(_get_parameter, module)
     if on_meta:
