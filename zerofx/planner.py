@@ -166,6 +166,7 @@ class PerRank:
     peak_node: str  # where the forward/backward's peak is
     offloaded_bytes: int = 0  # parameter shards and optimizer state in host memory or on disk
     optimizer_step_bytes: int = 0  # the optimizer step's transient (NOTE: the optimizer step's transient memory)
+    optimizer_step_grad_bytes: int = 0  # the gradients it steps with (stage 1: shards, after the boundary reduce)
 
     @property
     def at_rest_bytes(self) -> int:
@@ -177,7 +178,7 @@ class PerRank:
     @property
     def optimizer_step_peak_bytes(self) -> int:
         """The device's bytes at the optimizer step's highest point: at rest, gradients, transient."""
-        return self.at_rest_bytes + self.grad_bytes + self.optimizer_step_bytes
+        return self.at_rest_bytes + self.optimizer_step_grad_bytes + self.optimizer_step_bytes
 
     def device_peak(self) -> int:
         """``peak_bytes`` from the other fields: the forward/backward's peak or the optimizer step's."""
@@ -862,12 +863,14 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     offloaded = params_bytes + opt_bytes if options.get("offload_optimizer", "none") != "none" else 0
     opt_s = 2 * (state.params + state.grads + opt_bytes) / rates.memory_bytes_per_s
     boundary = reduce_transient_bytes(runtime.states) if runtime.stage == 1 else 0  # stage 1 reduces at the end
-    # NOTE: the optimizer step's transient memory (last: it steps the optimizer once more)
+    # NOTE: the optimizer step's transient memory (last: it steps the optimizer once more); the
+    # gradients it starts from (stage 1: the shards the end-of-backward reduce left)
+    step_grads = model_state_bytes(model, opt).grads
     step_bytes = 0 if offloaded else _step_transient(opt)
     per_rank, act, timeline, sym_peak, (max_batch, max_seq, bindings) = _memory(
         compiled, symbolic, batch, seq, params_bytes + whole + opt_bytes + buffers - offloaded, memory, boundary
     )
-    timeline.append(("optimizer step", state.grads + step_bytes))
+    timeline.append(("optimizer step", step_grads + step_bytes))
     if limit is not None and max_seq is not None and max_seq > limit:
         max_seq = limit  # memory would allow more; the model has no more positions
     result = Plan(
@@ -891,6 +894,7 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
             peak_node=per_rank[1],
             offloaded_bytes=offloaded,
             optimizer_step_bytes=step_bytes,
+            optimizer_step_grad_bytes=step_grads,
         ),
         comm_bytes_per_step=comm_bytes,
         step_time_s=time_parts[0] + opt_s,
