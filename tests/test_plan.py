@@ -213,6 +213,13 @@ def test_a_plan_whose_optimizer_step_does_not_fit_says_so():
     tight = zerofx.plan(lambda: GPT(GPTConfig(**TRANSIENT_CFG)), (4,), device_memory=memory, **common)
     assert tight.fits is False and tight.max_batch == 0 and tight.max_seq == 0
     assert "optimizer step transient" in tight.report()
+    advice = tight.advice()
+    assert "the optimizer step alone peaks at" in advice and "smaller batch" not in advice
+    # fewer saved activations leave the step's peak as it is; the host runs the step instead
+    assert "activation_budget=0 (at most) alone" not in advice and "or activation_budget" not in advice
+    assert "offload_optimizer='host' alone would fit" in advice
+    build = lambda: GPT(GPTConfig(**TRANSIENT_CFG))  # noqa: E731
+    assert zerofx.plan(build, (4,), device_memory=memory, offload_optimizer="host", **common).fits is True
 
 
 def test_mixed_precision_model_state_is_16_bytes_per_element_and_gathers_bf16():

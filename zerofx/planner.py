@@ -338,21 +338,31 @@ class Plan:
         if self.fits is not False:
             return None
         r, over = self.per_rank, self.per_rank.peak_bytes - self.device_memory
+        graph_peak = r.at_rest_bytes + r.step_peak_bytes
+        # (bytes off the forward/backward's peak, bytes off the optimizer step's, the option)
         frees = []
         if self.options.get("offload_optimizer") in (None, "none") and r.optimizer_bytes:
-            frees.append((r.optimizer_bytes + r.params_bytes, "offload_optimizer='host'"))
+            moved = r.optimizer_bytes + r.params_bytes  # and the step, with its transient, runs on the host
+            frees.append((moved, moved + r.optimizer_step_bytes, "offload_optimizer='host'"))
         if self.options.get("stage", 3) != 3 and r.whole_copy_bytes:
-            frees.append((r.whole_copy_bytes, "stage=3"))
+            frees.append((r.whole_copy_bytes, r.whole_copy_bytes, "stage=3"))
         if (
             self.options.get("activation_budget") is None
             and not self.options.get("checkpoint_modules")
             and r.activation_bytes
         ):
-            frees.append((r.activation_bytes, "activation_budget=0 (at most)"))
-        listed = ", ".join(f"{what} {_gib(n)}" for n, what in sorted(frees, reverse=True)) or "nothing"
-        enough = [what for n, what in frees if n >= over]
+            frees.append((r.activation_bytes, 0, "activation_budget=0 (at most)"))
+        listed = ", ".join(f"{what} {_gib(a)}" for a, _, what in sorted(frees, reverse=True)) or "nothing"
+        enough = [
+            what for a, b, what in frees if max(graph_peak - a, r.optimizer_step_peak_bytes - b) <= self.device_memory
+        ]
         verdict = f"{' or '.join(enough)} alone would fit" if enough else "no single option is enough: combine them"
-        if self.batch > 1:
+        if r.optimizer_step_peak_bytes > self.device_memory:
+            verdict += (
+                f"; the optimizer step alone peaks at {_gib(r.optimizer_step_peak_bytes)} "
+                f"({_gib(r.optimizer_step_bytes)} of it transient), whatever the batch"
+            )
+        elif self.batch > 1:
             verdict += f", or a smaller batch (the largest that fits: {self.max_batch})"
         step = r.peak_bytes - r.model_state_bytes + r.grad_bytes  # what does not shrink with more ranks
         ranks = ""
