@@ -312,8 +312,9 @@ def test_cli_writes_json_with_the_documented_keys(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     data = json.loads(out.read_text())
-    for key in ("model_state_bytes", "peak_bytes", "activation_bytes"):
+    for key in ("model_state_bytes", "peak_bytes", "activation_bytes", "optimizer_step_peak_bytes"):
         assert data["per_rank"][key] > 0
+    assert data["per_rank"]["optimizer_step_bytes"] >= 0
     assert data["comm_bytes_per_step"]["all_gather"]["shard"] > 0
     assert data["step_time_s"] > 0 and data["max_batch"] > 0 and data["max_seq"] == 32
     assert "step peak above its start" in run.stdout

@@ -377,6 +377,7 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["per_rank"]["model_state_bytes"] = self.per_rank.model_state_bytes
+        out["per_rank"]["optimizer_step_peak_bytes"] = self.per_rank.optimizer_step_peak_bytes
         out["fits"] = self.fits
         out["advice"] = self.advice()
         out["options"] = {k: str(v) if isinstance(v, torch.dtype) else v for k, v in self.options.items()}
