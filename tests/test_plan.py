@@ -148,8 +148,8 @@ TRANSIENT_OPTIMIZERS = {
 
 def _measured_step_transient(rank: int, world: int) -> dict[str, int]:
     """Per optimizer: what a step after the first allocated above its start at its peak, as the
-    allocator saw it (the least of three steps: a collective's buffer freed on gloo's thread is
-    seen late, never early)."""
+    allocator saw it (the least of five steps: a collective's buffer freed on gloo's thread is
+    seen late, never early, and under load a step now and then reads up to 13% high)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -167,7 +167,7 @@ def _measured_step_transient(rank: int, world: int) -> dict[str, int]:
         model(x, y).backward()
         opt.step()
         seen = []
-        for _ in range(3):
+        for _ in range(5):
             dist.barrier()
             with AllocationTrace() as trace:
                 start = trace.mark()
@@ -183,8 +183,9 @@ def test_plan_counts_the_optimizer_steps_transient_as_rank_0_of_a_real_run_holds
     """NOTE: the optimizer step's transient memory: the planned transient of a whole-tensor step
     (Adafactor, Muon: the owner's whole tensors, the exchanges' buffers, the step's own
     temporaries) and of foreach AdamW (a temporary per state tensor) is what rank 0 of a real
-    gloo run allocates, within 2% (the profiler sees some of gloo's frees late); and the plan's
-    peak holds it."""
+    gloo run allocates, up to 2% less (the allocator's view also counts the state a step
+    replaces, 0.26% here, and sees some of gloo's frees late; never less than the plan); and the
+    plan's peak holds it."""
     from tests.multirank import run_ranks
 
     planned = {
@@ -194,7 +195,7 @@ def test_plan_counts_the_optimizer_steps_transient_as_rank_0_of_a_real_run_holds
     measured = run_ranks(_measured_step_transient, world)[0]
     for name, p in planned.items():
         r = p.per_rank
-        assert r.optimizer_step_bytes == pytest.approx(measured[name], rel=0.02), name
+        assert r.optimizer_step_bytes <= measured[name] <= 1.02 * r.optimizer_step_bytes, (name, measured[name])
         assert r.peak_bytes >= r.at_rest_bytes + r.optimizer_step_grad_bytes + r.optimizer_step_bytes
     # a whole-tensor step's owner holds the embedding and its gradient whole
     embedding = TRANSIENT_CFG["vocab_size"] * TRANSIENT_CFG["d_model"] * 4

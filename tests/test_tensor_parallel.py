@@ -266,8 +266,8 @@ def test_the_planner_counts_muons_momentum_over_dp_and_tp():
 def test_the_planned_whole_step_transient_is_rank_0s_over_dp_and_tp(results, optimizer):
     """planner.py, NOTE: the optimizer step's transient memory: within ``whole_step.as_a_rank``
     the fake group's rank owns and exchanges, over dp and then over tp, what rank 0 of the real
-    2x2 run does, so the planned transient is what that rank allocates (within 2%: the profiler
-    sees some of gloo's frees late). Another rank may hold up to a tensor's share more."""
+    2x2 run does, so the planned transient is what that rank allocates (up to 2% less: the
+    allocator's view sees some of gloo's frees late, never early). Another rank may hold up to a tensor's share more."""
     measured = _ok(results, "step_transient", optimizer=optimizer)
     p = _plan_tp_gpt(tp_scenarios.WHOLE_OPTIMIZERS[optimizer])
-    assert p.per_rank.optimizer_step_bytes == pytest.approx(measured[0], rel=0.02)
+    assert p.per_rank.optimizer_step_bytes <= measured[0] <= 1.02 * p.per_rank.optimizer_step_bytes

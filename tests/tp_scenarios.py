@@ -385,7 +385,7 @@ def whole_step(model: str, optimizer: str, steps: int = 3, alone_bytes: int | No
 
 def step_transient(optimizer: str) -> int:
     """What a step after the first allocates above its start at its peak on this rank, as the
-    allocator sees it (the least of three steps: a buffer freed on gloo's thread is seen late),
+    allocator sees it (the least of five steps: a buffer freed on gloo's thread is seen late),
     for an optimizer zerofx steps over whole tensors on the TP GPT sharded over dp."""
     from zerofx.measure.allocations import AllocationTrace
 
@@ -397,7 +397,7 @@ def step_transient(optimizer: str) -> int:
     ours(_mine(x, dp_rank), _mine(y, dp_rank)).backward()
     opt.step()
     seen = []
-    for _ in range(3):
+    for _ in range(5):
         dist.barrier()
         with AllocationTrace() as trace:
             start = trace.mark()
