@@ -161,6 +161,7 @@ def to_owners(parts: list[list[tuple[torch.Tensor, int]]], group: Any) -> list[t
     # real run moves, its share less the part it owns itself (whole_step.py: ``_owners``)
     sent_elems = sum(send) * (n - 1) // n if dist.get_backend(pg) == "fake" else sum(send) - send[me]
     record_collectives([("all_to_all", sent_elems * sent.element_size(), group.name)])
+    del sent, chunks  # the flat copy is spent: not held while the owned tensors are assembled
     received = received.view(dtype)
     if len(mine) == 1:  # a lone tensor's parts in rank order are its rows in order
         return [received.view(-1, *mine[0][0].shape[1:])]
@@ -210,20 +211,7 @@ def from_owners(
 
     send = [sum(size(*e, r) for e in expect[me]) for r in range(n)]
     recv = [sum(size(*e, me) for e in owned) for owned in expect]
-    if len(sent) == 1 and expect[me][0][1]:  # one tensor's rows alone: in rank order they are the message
-        outgoing = sent[0].to(device).reshape(-1)
-    else:
-        pieces: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        for t, (shape, rows) in zip(sent, expect[me]):
-            t = t.to(device)  # (torch keeps its step counts on the host)
-            for r in range(n):
-                if rows:
-                    first, count = _rows_of(shape[0], n, r)
-                    pieces[r].append(t[first : first + count].reshape(-1))
-                else:
-                    pieces[r].append(t.reshape(-1))
-        flat = [p for r in range(n) for p in pieces[r]]
-        outgoing = _flat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    outgoing = _outgoing(sent, expect[me], n, dtype, device)
     wire, _ = _wire(outgoing)
     received = torch.empty(sum(recv), dtype=wire, device=device)
     pg = _resolve_process_group(group.name)
@@ -233,6 +221,7 @@ def from_owners(
     if dist.get_backend(pg) == "fake":
         sending //= n
     record_collectives([("all_to_all", sending * outgoing.element_size(), group.name)])
+    del outgoing  # the flat copy is spent: not held while the caller takes its parts
     received = received.view(dtype)
     out: list[list[torch.Tensor]] = []
     offset = 0
@@ -248,6 +237,26 @@ def from_owners(
             offset += k
         out.append(got)
     return out
+
+
+def _outgoing(
+    sent: list[torch.Tensor], expect: list[tuple[torch.Size, bool]], n: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """What ``from_owners`` sends, flat in rank order: each rank's rows of each tensor laid out
+    as rows (``expect``: ``(whole shape, rows?)``), every other tensor whole to every rank."""
+    if len(sent) == 1 and expect[0][1]:  # one tensor's rows alone: in rank order they are the message
+        return sent[0].to(device).reshape(-1)
+    pieces: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for t, (shape, rows) in zip(sent, expect):
+        t = t.to(device)  # (torch keeps its step counts on the host)
+        for r in range(n):
+            if rows:
+                first, count = _rows_of(shape[0], n, r)
+                pieces[r].append(t[first : first + count].reshape(-1))
+            else:
+                pieces[r].append(t.reshape(-1))
+    flat = [p for r in range(n) for p in pieces[r]]
+    return _flat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
 
 
 def _wire(t: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:

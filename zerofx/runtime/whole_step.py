@@ -378,6 +378,14 @@ def _step_window(
     for k, v in vars(other).items():  # and in the optimizer's attributes
         if k not in _STAND_IN_OWN and (k not in before.attrs or before.attrs[k] is not v):
             vars(optimizer)[k] = v
+    # the whole gradients are spent: not held through the exchanges back
+    grad = None
+    for got in (wholes, full):
+        for key in [key for key in got if key[1] == "grad"]:
+            del got[key]
+    for p, w in whole_of.items():
+        if (p in owner or p in tp_of) and w is not p:
+            w.grad = None
 
     # 3. back to the shards: whole or plain parameters hold their result already; each TP owner
     # sends every rank holding a TP share its share, then each data-parallel owner sends every
