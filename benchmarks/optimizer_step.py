@@ -90,16 +90,12 @@ def _built(variant: str, size: str, mesh, make_opt):
 def _transient(opt) -> float:
     """Bytes one more step allocates above what was live at its start, at its peak (the
     allocator's view, zerofx.measure.AllocationTrace); NaN where the variant cannot step."""
-    from zerofx.measure.allocations import AllocationTrace
+    from zerofx.measure.allocations import allocated_above_start
 
     if opt is None:
         return float("nan")
     dist.barrier()
-    with AllocationTrace() as trace:
-        start = trace.mark()
-        opt.step()
-        end = trace.mark()
-    return float(trace.peak_between(start, end) - trace.live_at(start))
+    return float(allocated_above_start(opt.step))
 
 
 def _rank_main(sizes: list[str], repeats: int, whole: bool) -> dict:

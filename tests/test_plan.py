@@ -153,7 +153,7 @@ def _measured_step_transient(rank: int, world: int) -> dict[str, int]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zerofx.measure.allocations import AllocationTrace
+    from zerofx.measure.allocations import allocated_above_start
     from zerofx.models import random_batch
 
     mesh = init_device_mesh("cpu", (world,))
@@ -167,13 +167,9 @@ def _measured_step_transient(rank: int, world: int) -> dict[str, int]:
         model(x, y).backward()
         opt.step()
         seen = []
-        for _ in range(5):
+        for _ in range(5):  # ranks start each step together
             dist.barrier()
-            with AllocationTrace() as trace:
-                start = trace.mark()
-                opt.step()
-                end = trace.mark()
-            seen.append(trace.peak_between(start, end) - trace.live_at(start))
+            seen.append(allocated_above_start(opt.step))
         out[name] = min(seen)
     return out
 

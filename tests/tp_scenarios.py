@@ -387,7 +387,7 @@ def step_transient(optimizer: str) -> int:
     """What a step after the first allocates above its start at its peak on this rank, as the
     allocator sees it (the least of five steps: a buffer freed on gloo's thread is seen late),
     for an optimizer zerofx steps over whole tensors on the TP GPT sharded over dp."""
-    from zerofx.measure.allocations import AllocationTrace
+    from zerofx.measure.allocations import allocated_above_start
 
     mesh = mesh_2x2()
     dp_rank = mesh.get_local_rank("dp")
@@ -397,13 +397,9 @@ def step_transient(optimizer: str) -> int:
     ours(_mine(x, dp_rank), _mine(y, dp_rank)).backward()
     opt.step()
     seen = []
-    for _ in range(5):
+    for _ in range(5):  # ranks start each step together
         dist.barrier()
-        with AllocationTrace() as trace:
-            start = trace.mark()
-            opt.step()
-            end = trace.mark()
-        seen.append(trace.peak_between(start, end) - trace.live_at(start))
+        seen.append(allocated_above_start(opt.step))
     return min(seen)
 
 

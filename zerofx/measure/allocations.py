@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
-__all__ = ["AllocationTrace", "rss_bytes", "peak_rss_bytes", "reset_peak_rss"]
+__all__ = ["AllocationTrace", "allocated_above_start", "rss_bytes", "peak_rss_bytes", "reset_peak_rss"]
 
 
 class AllocationTrace:
@@ -138,6 +138,17 @@ def _status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def allocated_above_start(fn: Callable[[], object]) -> int:
+    """The most bytes ``fn()`` allocated above what was live at its start, as the allocator saw
+    it (``AllocationTrace``: frees on a backend's thread are seen late, so never less than the
+    truth): what a step adds at its peak."""
+    with AllocationTrace() as trace:
+        start = trace.mark()
+        fn()
+        end = trace.mark()
+    return trace.peak_between(start, end) - trace.live_at(start)
 
 
 def rss_bytes() -> int:

@@ -148,7 +148,7 @@ def to_owners(parts: list[list[tuple[torch.Tensor, int]]], group: Any) -> list[t
     if template is None:
         return []
     chunks = [t[: local_rows(whole, n, me)] for owned in parts for t, whole in owned]  # (a shard is never padded)
-    send = [sum(c.numel() for c in chunks_of) for chunks_of in _split_by(chunks, [len(owned) for owned in parts])]
+    send = [sum(local_rows(whole, n, me) * math.prod(t.shape[1:]) for t, whole in owned) for owned in parts]
     mine = parts[me]
     row = [math.prod(t.shape[1:]) for t, _ in mine]
     recv = [sum(_rows_of(whole, n, r)[1] * k for (_, whole), k in zip(mine, row)) for r in range(n)]
@@ -173,15 +173,6 @@ def to_owners(parts: list[list[tuple[torch.Tensor, int]]], group: Any) -> list[t
             got.append(buffer[offset : offset + rows * k].view(rows, *t.shape[1:]))
             offset += rows * k
     out = [torch.cat(got) for got in pieces]
-    return out
-
-
-def _split_by(items: list, counts: list[int]) -> list[list]:
-    """``items`` cut into consecutive runs of ``counts`` items."""
-    out, at = [], 0
-    for c in counts:
-        out.append(items[at : at + c])
-        at += c
     return out
 
 

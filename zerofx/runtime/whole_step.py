@@ -406,8 +406,6 @@ def _step_window(
                 ps, tp_owner, group, whole_of, stepped, lambda p: tp_of[p][1], lambda p: p.shape, current=state
             )
             for p, (value, entries, mine) in back.items():
-                if mine:
-                    whole_of[p].grad = None
                 local = {k: (v.contiguous() if kind == "rows" else _kept(v, kind, mine, p)) for k, kind, v in entries}
                 tp_kinds[p] = {k: kind for k, kind, _ in entries}
                 if p in owner:  # then to its data-parallel group, as the share it steps
@@ -616,5 +614,3 @@ def _back_to_shards(
                     value.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
                 )
         state[p] = after
-        if mine:
-            whole_of[p].grad = None
