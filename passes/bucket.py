@@ -187,6 +187,16 @@ class _Builder:
         known = math.prod(d for d in shape if d != -1)
         return self.call(aten._unsafe_view.default, (copy, [val.numel() // known if d == -1 else d for d in shape]))
 
+    def contiguous_reshape(self, x: fx.Node, shape: list[int]) -> fx.Node:
+        """``x.contiguous().reshape(shape)``: a view of a contiguous ``x``, else a copy. What a
+        member's gathered result must be: the collective it replaces returned a fresh contiguous
+        tensor, and the graph after it was traced on those strides (a reshape of a column of the
+        gathered grid is a strided view where each rank holds one row)."""
+        if x.meta["val"].is_contiguous():
+            return self.call(aten.view.default, (x, shape))
+        copy = self.call(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+        return self.call(aten._unsafe_view.default, (copy, shape))
+
     def undo(self) -> None:
         for node in reversed(self.nodes):
             self.gm.graph.erase_node(node)
@@ -280,7 +290,7 @@ def _merge_gathers(
         grid = build.reshape(wait, [world, -1])
         split = build.call(aten.split_with_sizes.default, (grid, numels, 1))
         parts = [build.call(operator.getitem, (split, k)) for k in range(len(members))]
-        outs = [build.reshape(p, [v.shape[0] * world, *v.shape[1:]]) for p, v in zip(parts, vals)]
+        outs = [build.contiguous_reshape(p, [v.shape[0] * world, *v.shape[1:]]) for p, v in zip(parts, vals)]
     return _finish(gm, members, inputs, build, outs)
 
 
