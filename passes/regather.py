@@ -5,7 +5,7 @@ freed as soon as the last op reading it has run. What remains is the partitioner
 AOTAutograd's min-cut partitioner happily saves the full weight for the backward (it is an
 input of ``mm`` backward), which would keep every gathered parameter alive from forward to
 backward: ZeRO-3 would hold the whole model unsharded at the peak. This pass marks the gather
-chain — each ``zerofx::unshard`` marker and the pure views of its output — as MUST_RECOMPUTE in
+chain — each ``zerofx::unshard`` marker and the pure views and layout copies of its output — as MUST_RECOMPUTE in
 the joint graph, so the backward re-runs the marker (a re-gather) wherever it needs the weight
 and the forward saves only shards and activations. The markers of values a rank holds whole
 (``read_full``, ``sync_grad``, ``local_grad``: stages 1 and 2, small parameters, no-sync
@@ -23,6 +23,7 @@ a gathered parameter and data (``x @ w.T``) are activations and are of course al
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -34,14 +35,23 @@ from zerofx.passes.contract import Pass, PassContext
 from zerofx.passes.cost_model import CostModel, saved_values, tensor_bytes
 from zerofx.passes.graph import is_view
 
+aten = torch.ops.aten
+
+
+def _same_values(node: fx.Node) -> bool:
+    """A view, or a layout copy (``aten.clone``: a parameter split along another dim than 0 is
+    gathered with that dim first and copied to its own layout, zerofx/ir/layout.py NOTE: the
+    sharded dim): the gathered parameter itself, re-run in the backward rather than saved."""
+    return is_view(node) or (node.op == "call_function" and node.target is aten.clone.default)
+
 
 def gather_chain(graph: fx.Graph) -> list[fx.Node]:
-    """Every forward marker (``unshard`` and the markers of whole values) and every view
-    reachable from one only through views."""
+    """Every forward marker (``unshard`` and the markers of whole values) and every view or
+    layout copy reachable from one only through views and layout copies."""
     chain: list[fx.Node] = []
     in_chain: set[fx.Node] = set()
     for node in graph.nodes:  # topological order: producers come first
-        if node.target in FORWARD_MARKERS or (is_view(node) and node.args and node.args[0] in in_chain):
+        if node.target in FORWARD_MARKERS or (_same_values(node) and node.args and node.args[0] in in_chain):
             chain.append(node)
             in_chain.add(node)
     return chain
@@ -63,7 +73,7 @@ def chain_of(marker: fx.Node) -> list[fx.Node]:
     while stack:
         n = stack.pop()
         chain.append(n)
-        stack.extend(u for u in n.users if is_view(u))
+        stack.extend(u for u in n.users if _same_values(u))
     return chain
 
 

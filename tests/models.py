@@ -124,6 +124,28 @@ class UnevenNet(nn.Module):
         return F.mse_loss(out, y)
 
 
+class ExpertsNet(nn.Module):
+    """Stacked experts, as HF's mixture-of-experts layers hold them ([experts, ffn, d]), with
+    fewer experts than 4 ranks (and a [1, ...] router bias, fewer rows than 2): zerofx splits
+    those along another dim (zerofx/ir/layout.py, NOTE: the sharded dim). Every token goes
+    through every expert, weighted by a softmax router: dense, so every rank runs the same graph."""
+
+    def __init__(self, d: int = 8, ffn: int = 12, experts: int = 2):
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)  # weight (2, 8)
+        self.router_bias = nn.Parameter(torch.zeros(1, experts))  # (1, 2)
+        self.w_in = nn.Parameter(torch.randn(experts, ffn, d) / d**0.5)  # (2, 12, 8)
+        self.w_out = nn.Parameter(torch.randn(experts, d, ffn) / ffn**0.5)  # (2, 8, 12)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x, y):
+        weights = torch.softmax(self.router(x) + self.router_bias, dim=-1)  # [batch, experts]
+        h = F.gelu(torch.einsum("bd,efd->bef", x, self.w_in))
+        out = torch.einsum("bef,edf->bed", h, self.w_out)
+        mixed = (weights.unsqueeze(-1) * out).sum(1)
+        return F.mse_loss(self.head(mixed), y)
+
+
 GPT_CFG = GPTConfig(vocab_size=96, seq_len=16, n_layer=2, n_head=4, d_model=32)
 
 
@@ -159,4 +181,5 @@ CASES: dict[str, Case] = {
     "graph_break": Case(GraphBreakNet, _dense(12, 4)),
     "frozen_buffers": Case(FrozenBufferNet, _tokens(20, 5, 4)),
     "uneven": Case(UnevenNet, _dense(6, 3)),
+    "experts": Case(ExpertsNet, _dense(8, 4)),
 }

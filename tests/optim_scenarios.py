@@ -425,11 +425,14 @@ def scenarios(rank: int, world: int, path: str | None = None) -> dict:
     return out
 
 
-def _few_rows(mesh, rank) -> dict:
-    """transformers' Adafactor on a layer with fewer output rows than ranks (2 rows over 4: one
-    padded row per rank, some ranks hold none) against the unsharded step on the same gradients:
-    the whole tensors the owner steps must be laid out as the unsharded ones (contiguous), or
-    its norms round differently."""
+def _few_rows(mesh, rank, by_rows: bool = False) -> dict:
+    """transformers' Adafactor on a layer with fewer output rows than ranks (2 rows over 4)
+    against the unsharded step on the same gradients. zerofx splits its weight along dim 1
+    (zerofx/ir/layout.py, NOTE: the sharded dim); ``by_rows`` (``shard_placement_fn``) keeps
+    dim 0: one padded row per rank, some ranks hold none. Either way the whole tensors the owner
+    steps must be laid out as the unsharded ones (contiguous), or its norms round differently."""
+    from torch.distributed.tensor import Shard
+
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     torch.manual_seed(0)
@@ -437,6 +440,7 @@ def _few_rows(mesh, rank) -> dict:
         torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)),
         mesh,
         persistence_threshold=0,
+        shard_placement_fn=(lambda p: Shard(0)) if by_rows else None,
     )
     opt, ref_opt = _hf_adafactor(list(model.parameters())), _hf_adafactor(list(ref.parameters()))
     gen = torch.Generator().manual_seed(100 + rank)
@@ -460,7 +464,7 @@ def _few_rows(mesh, rank) -> dict:
                 if not torch.equal(torch.as_tensor(global_value(sd[j][k])), torch.as_tensor(ref_sd[j][k]))
             ]
         )
-    return {"mismatched": mismatched, "rows": [p.to_local().shape[0] for p in model.parameters()]}
+    return {"mismatched": mismatched, "local_shapes": [list(p.to_local().shape) for p in model.parameters()]}
 
 
 def _exact_splits(mesh, rank) -> dict:
@@ -505,5 +509,6 @@ def hybrid_scenarios(rank: int, world: int) -> dict:
         attempt(out, f"whole_{name}", lambda name=name: _against_unsharded(mesh, rank, WHOLE[name]))
     flat = init_device_mesh("cpu", (world,))
     attempt(out, "few_rows", lambda: _few_rows(flat, rank))
+    attempt(out, "few_rows_by_rows", lambda: _few_rows(flat, rank, by_rows=True))
     attempt(out, "exact_splits", lambda: _exact_splits(flat, rank))
     return out

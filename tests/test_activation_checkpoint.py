@@ -223,6 +223,23 @@ def test_disk_store_pages_out(tmp_path):
     assert torch.equal(t, expected * 2)
 
 
+def test_disk_store_keeps_a_permuted_shard_in_storage_order(tmp_path):
+    """A shard split along dim 1 is its contiguous rows seen permuted (zerofx/ir/layout.py, NOTE:
+    the sharded dim): the file holds its storage as it is, and the tensor keeps its strides. A
+    strided slice (not dense) is refused."""
+    store = DiskStore(str(tmp_path))
+    rows = torch.randn(3, 2, 5)
+    shard = rows.movedim(0, 1)  # [2, 3, 5], strides (5, 10, 1)
+    expected, strides = shard.clone(), shard.stride()
+    store.adopt(shard)
+    assert shard in store and shard.stride() == strides and torch.equal(shard, expected)
+    shard.mul_(2)
+    store.page_out(shard)
+    assert torch.equal(shard, expected * 2)
+    with pytest.raises(ZeroFXError, match="disk offload keeps dense CPU tensors; got a strided tensor"):
+        store.adopt(torch.randn(4, 6)[:, ::2])
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 

@@ -653,22 +653,35 @@ class _Experts(nn.Module):
         self.head = nn.Linear(16, 2)
 
 
-def test_sharding_weights_with_fewer_rows_than_ranks_warns_naming_them():
-    """Over 4 ranks a [2, 1024, 256] weight puts a whole expert on ranks 0 and 1 and nothing on 2
-    and 3, and every gather moves 4 padded rows: a warning names it. A [4, ...] one and a
-    2-output head (padding under FEW_ROWS_WASTE_BYTES) are quiet. torch's fake process group
-    stands in for the 4 ranks."""
+def test_weights_with_fewer_rows_than_ranks_split_along_another_dim_or_warn():
+    """zerofx/ir/layout.py, NOTE: the sharded dim. Over 4 ranks a [2, 1024, 256] weight split by
+    rows would put a whole expert on ranks 0 and 1 and nothing on 2 and 3: zerofx splits it
+    along dim 1 (256 rows each, quietly) and the 2-output head along dim 1 too. Forced onto dim 0
+    (``shard_placement_fn``), a warning names it; the head's padding is under
+    FEW_ROWS_WASTE_BYTES. A bad ``shard_placement_fn`` is an error naming the parameter. torch's
+    fake process group stands in for the 4 ranks."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     assert not dist.is_initialized()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         mesh = init_device_mesh("cpu", (4,))
-        with pytest.warns(UserWarning, match=r"w \[2, 1024, 256\]: fewer rows \(dim 0\) than the 4 ranks") as seen:
-            zerofx.shard(_Experts(2), mesh, persistence_threshold=0)
-        assert not any("head" in str(w.message) for w in seen)
         with warnings.catch_warnings():
-            warnings.filterwarnings("error", message=".*fewer rows.*")
-            zerofx.shard(_Experts(4), mesh, persistence_threshold=0)
+            warnings.filterwarnings("error", message=".*fewer slices.*")
+            ps = dict(zerofx.shard(_Experts(2), mesh, persistence_threshold=0).named_parameters())
+            assert ps["w"].placements == (Shard(1),) and ps["w"].to_local().shape == (2, 256, 256)
+            assert ps["head.weight"].placements == (Shard(1),) and ps["head.weight"].to_local().shape == (2, 4)
+            ps = dict(zerofx.shard(_Experts(4), mesh, persistence_threshold=0).named_parameters())
+            assert ps["w"].placements == (Shard(0),)
+        match = r"w \[2, 1024, 256\] \(split along dim 0\): fewer slices along the sharded dim than the 4 ranks"
+        with pytest.warns(UserWarning, match=match) as seen:
+            zerofx.shard(_Experts(2), mesh, persistence_threshold=0, shard_placement_fn=lambda p: Shard(0))
+        assert not any("head" in str(w.message) for w in seen)
+        for bad in (lambda p: Shard(3), lambda p: Replicate()):
+            with pytest.raises(ZeroFXError, match=r"shard_placement_fn returned .* for w \[2, 1024, 256\]"):
+                zerofx.shard(_Experts(2), mesh, shard_placement_fn=bad)
+        with pytest.raises(ZeroFXError, match="option shard_placement_fn=1: give a function"):
+            zerofx.shard(_Experts(2), mesh, shard_placement_fn=1)
     finally:
         dist.destroy_process_group()

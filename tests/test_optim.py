@@ -154,8 +154,12 @@ def test_a_whole_tensor_step_that_raises_on_one_rank_raises_on_every_rank_and_ch
 
 
 def test_whole_tensor_steps_of_layers_with_fewer_rows_than_ranks_match_the_unsharded_step(hybrid_results):
+    # the (2, 16) weight over 4 ranks: split along dim 1 (zerofx's choice), or by rows
     for rank, r in enumerate(scenario_results(hybrid_results, "few_rows")):
-        assert r["rows"][2] == (1 if rank < 2 else 0)  # the (2, 16) weight over 4 ranks
+        assert r["local_shapes"][2] == [2, 4]
+        assert r["mismatched"] == [[]] * 3
+    for rank, r in enumerate(scenario_results(hybrid_results, "few_rows_by_rows")):
+        assert r["local_shapes"][2] == [1 if rank < 2 else 0, 16]
         assert r["mismatched"] == [[]] * 3
 
 

@@ -129,6 +129,23 @@ def _gathered_values(code: str) -> set[str]:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_experts_split_along_dim_1_save_no_gathered_weight(runs, world_size):
+    """A weight split along another dim than 0 is gathered with that dim first and copied to
+    its own layout (zerofx/ir/layout.py, NOTE: the sharded dim): the copy is the gathered weight
+    too, re-run in the backward, never saved for it (passes/regather.py)."""
+    _case(runs, world_size, "experts")
+    dump = runs(world_size)[1] / "experts"
+    for rank in range(world_size):
+        (code,) = _forward_code(dump, rank, "schedule")
+        if world_size == 4:  # the stacked experts are Shard(1): their layout copies are there
+            assert code.count("torch.ops.aten.clone.default(") >= 2
+        gathered = _gathered_values(code)
+        returned = re.search(r"return \((.*)\)", code).group(1)
+        saved = {s.strip() for s in returned.split(",")}
+        assert not gathered & saved, f"gathered parameters saved for backward: {gathered & saved}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_dumped_forward_gathers_every_param_and_saves_none(runs, world_size):
     _case(runs, world_size, "gpt")
     dump = runs(world_size)[1]

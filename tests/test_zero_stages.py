@@ -64,6 +64,8 @@ PARITY = (
     + [(2, "uneven_stage1_small_buckets"), (2, "accum_clip_stage2_small_buckets")]
     + [(4, f"hybrid_mlp_stage{s}") for s in STAGES]
     + [(4, "hybrid_mlp_persist")]
+    + [(w, f"experts_stage{s}") for w in (2, 4) for s in STAGES]
+    + [(4, "hybrid_experts_stage3"), (4, "experts_hpz")]
 )
 
 
@@ -279,6 +281,43 @@ def test_checkpoint_saved_at_4_ranks_loads_at_2_into_stage_3_and_stage_2(runs):
     for r in _case(runs, 2, "checkpoint_reshard"):
         assert r["stage3"] == pytest.approx(expected, rel=1e-5)
         assert r["stage2"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_experts_checkpoint_reshards_between_split_dims(runs):
+    """Saved at 4 ranks with the stacked experts split along dim 1, loaded at 2 (split along dim
+    0) into stages 3 and 2: the same trajectory."""
+    source = _case(runs, 4, "experts_checkpoint_source")
+    for r in source:
+        assert r["resumed"] == pytest.approx(r["uninterrupted"], rel=1e-6)
+    for r in _case(runs, 2, "experts_checkpoint_reshard"):
+        assert r["stage3"] == pytest.approx(source[0]["uninterrupted"], rel=1e-5)
+        assert r["stage2"] == pytest.approx(source[0]["uninterrupted"], rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_weights_with_fewer_rows_than_ranks_split_along_another_dim(runs, stage):
+    """zerofx/ir/layout.py, NOTE: the sharded dim. At 4 ranks the [2, 12, 8] and [2, 8, 12]
+    experts and the [2, 8] router split along dim 1 into equal parts (by rows, ranks 0 and 1
+    would hold a whole expert each and ranks 2 and 3 nothing); at 2 ranks they have enough rows
+    and split along dim 0, while the [1, 2] router bias splits along dim 1. A [4, 8] head stays
+    on dim 0."""
+    expect = {
+        4: {
+            "w_in": ("(Shard(dim=1),)", [2, 3, 8]),
+            "w_out": ("(Shard(dim=1),)", [2, 2, 12]),
+            "router.weight": ("(Shard(dim=1),)", [2, 2]),
+            "head.weight": ("(Shard(dim=0),)", [1, 8]),
+        },
+        2: {
+            "w_in": ("(Shard(dim=0),)", [1, 12, 8]),
+            "router_bias": ("(Shard(dim=1),)", [1, 1]),
+            "head.weight": ("(Shard(dim=0),)", [2, 8]),
+        },
+    }
+    for world_size, layouts in expect.items():
+        for r in _case(runs, world_size, f"experts_stage{stage}"):
+            for name, layout in layouts.items():
+                assert tuple(r["layout"][name]) == layout, name
 
 
 def test_export_writes_one_consolidated_state_dict_plain_models_load(runs, folder, tmp_path):

@@ -38,7 +38,8 @@ def _accounting(ref: torch.nn.Module, shard_size: int, threshold: int) -> dict:
 
 def _expected_local(full: torch.Tensor, p: DTensor, shard_rank: int, shard_size: int) -> torch.Tensor:
     """The reference tensor sliced the way ``p`` holds it (whole for Replicate placements)."""
-    return reference_shard(full, shard_rank, shard_size) if p.placements[-1].is_shard() else full
+    last = p.placements[-1]
+    return reference_shard(full, shard_rank, shard_size, last.dim) if last.is_shard() else full
 
 
 def train(
@@ -135,6 +136,7 @@ def train(
             out["state"] = zerofx.model_state_bytes(model, opt).__dict__
             out["comm"] = {"forward": dict(fw.bytes), "backward": dict(bw.bytes), "step": dict(at_step.bytes)}
             out["grad_dtypes"] = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
+            out["layout"] = {n: (str(p.placements), list(p.to_local().shape)) for n, p in model.named_parameters()}
             out["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
         opt.zero_grad()
         ref_opt.zero_grad()
@@ -172,13 +174,13 @@ def fp16_loss_scaling(rank: int, world: int, mesh) -> dict:
     return {"history": history, "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
 
 
-def checkpoint_source(rank: int, world: int, mesh, folder: str) -> dict:
+def checkpoint_source(rank: int, world: int, mesh, folder: str, case: str = "uneven") -> dict:
     """At 4 ranks: train 3 steps, save, train 3 more (the uninterrupted trajectory); then a
     fresh, differently initialized model loads the checkpoint and trains the same 3 steps."""
-    path = Path(folder) / "ckpt"
+    path = Path(folder) / ("ckpt" if case == "uneven" else f"ckpt_{case}")
 
     def batch(step):
-        return CASES["uneven"].batch(PER_RANK * world, torch.Generator().manual_seed(100 + step))
+        return CASES[case].batch(PER_RANK * world, torch.Generator().manual_seed(100 + step))
 
     def run_steps(model, opt, steps):
         losses = []
@@ -192,7 +194,7 @@ def checkpoint_source(rank: int, world: int, mesh, folder: str) -> dict:
         return losses
 
     torch.manual_seed(0)
-    model = zerofx.compile(CASES["uneven"].build(), mesh)
+    model = zerofx.compile(CASES[case].build(), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first = run_steps(model, opt, range(3))
     zerofx.checkpoint.save(path, model, opt, extra={"step": 3})
@@ -202,7 +204,7 @@ def checkpoint_source(rank: int, world: int, mesh, folder: str) -> dict:
     torch._dynamo.reset()
 
     torch.manual_seed(1)  # different initial values: only the checkpoint can make them agree
-    resumed_model = zerofx.compile(CASES["uneven"].build(), mesh)
+    resumed_model = zerofx.compile(CASES[case].build(), mesh)
     resumed_opt = torch.optim.AdamW(resumed_model.parameters(), lr=1e-2)
     extra = zerofx.checkpoint.load(path, resumed_model, resumed_opt)
     resumed = run_steps(resumed_model, resumed_opt, range(extra["step"], 6))
@@ -215,19 +217,20 @@ def checkpoint_source(rank: int, world: int, mesh, folder: str) -> dict:
     }
 
 
-def checkpoint_reshard(rank: int, world: int, mesh, folder: str) -> dict:
+def checkpoint_reshard(rank: int, world: int, mesh, folder: str, case: str = "uneven") -> dict:
     """At 2 ranks: load the 4-rank checkpoint (resharding) and train the same 3 steps; also into
-    a stage-2 model (the same parameter layout, so ZeRO stages share checkpoints)."""
-    path = Path(folder) / "ckpt"
+    a stage-2 model (the same parameter layout, so ZeRO stages share checkpoints). For the
+    experts, the 4-rank layout splits the stacked experts along dim 1, the 2-rank one along dim 0."""
+    path = Path(folder) / ("ckpt" if case == "uneven" else f"ckpt_{case}")
     out = {}
     for stage in (3, 2):
         torch.manual_seed(1)
-        model = zerofx.compile(CASES["uneven"].build(), mesh, stage=stage)
+        model = zerofx.compile(CASES[case].build(), mesh, stage=stage)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         extra = zerofx.checkpoint.load(path, model, opt)
         losses = []
         for step in range(extra["step"], 6):
-            x, y = CASES["uneven"].batch(PER_RANK * 4, torch.Generator().manual_seed(100 + step))
+            x, y = CASES[case].batch(PER_RANK * 4, torch.Generator().manual_seed(100 + step))
             # the 4-rank run's global batch, split over 2 ranks: the same global step
             half = slice(rank * 2 * PER_RANK, (rank + 1) * 2 * PER_RANK)
             loss = model(x[half], y[half])
@@ -319,7 +322,15 @@ def scenarios_w2(rank: int, world: int, steps: int, folder: str) -> dict:
     )
     _attempt(out, "fp16_loss_scaling", fp16_loss_scaling, rank, world, mesh)
     _attempt(out, "checkpoint_reshard", checkpoint_reshard, rank, world, mesh, folder)
+    _experts(out, rank, world, mesh, steps)
+    _attempt(out, "experts_checkpoint_reshard", checkpoint_reshard, rank, world, mesh, folder, "experts")
     return out
+
+
+def _experts(out: dict, rank: int, world: int, mesh, steps: int) -> None:
+    """Stacked experts split along another dim than 0 (tests.models.ExpertsNet), every stage."""
+    for stage in (1, 2, 3):
+        _attempt(out, f"experts_stage{stage}", train, rank, world, mesh, "experts", steps, {"stage": stage})
 
 
 def scenarios_w4(rank: int, world: int, steps: int, folder: str) -> dict:
@@ -354,10 +365,15 @@ def scenarios_w4(rank: int, world: int, steps: int, folder: str) -> dict:
         check_tensors=False,
     )
     _attempt(out, "checkpoint_source", checkpoint_source, rank, world, mesh, folder)
+    _experts(out, rank, world, mesh, steps)
+    _attempt(out, "experts_checkpoint_source", checkpoint_source, rank, world, mesh, folder, "experts")
     hybrid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     for stage in (1, 2, 3):
         _attempt(out, f"hybrid_mlp_stage{stage}", train, rank, world, hybrid, "mlp", steps, {"stage": stage})
     _attempt(out, "hybrid_mlp_persist", train, rank, world, hybrid, "mlp", steps, {"persistence_threshold": 300})
+    _attempt(out, "hybrid_experts_stage3", train, rank, world, hybrid, "experts", steps, {})
+    # hpZ: the primary split spans the flattened mesh (4 ranks: experts along dim 1)
+    _attempt(out, "experts_hpz", train, rank, world, hybrid, "experts", steps, {"secondary_shard": True})
     _attempt(
         out,
         "hybrid_bf16_accum",

@@ -45,12 +45,16 @@ _HEADER = _DIGEST + 8  # the digest, then the description's length in bytes
 def describe(model: nn.Module, meshes: list[DeviceMesh], options: Options) -> list[str]:
     """What must be the same on every rank, one line per item."""
     lines = [f"mesh of shape {tuple(mesh.shape)}" for mesh in meshes]
+    place = options.shard_placement_fn
     for name, p in model.named_parameters():
-        lines.append(f"parameter {name}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}")
+        line = f"parameter {name}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"
+        if place is not None:  # what it chooses, not where the function object lives
+            line += f", shard_placement_fn gives {place(p)!r}"
+        lines.append(line)
     for name, b in model.named_buffers():
         lines.append(f"buffer {name}: shape {tuple(b.shape)}, {b.dtype}")
     for key in Options.keywords():
-        if key not in PER_RANK_OPTIONS:
+        if key not in PER_RANK_OPTIONS and key != "shard_placement_fn":
             lines.append(f"option {key}={getattr(options, key)!r}")
     return lines
 

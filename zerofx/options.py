@@ -21,7 +21,7 @@ import dataclasses
 import difflib
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -100,6 +100,7 @@ class LayoutPolicy:
     plain_graph_inputs: bool = True
     secondary_shard: bool = False
     tp_dim: str | None = None
+    shard_placement_fn: Callable | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in ZERO_STAGES:
@@ -125,6 +126,11 @@ class LayoutPolicy:
             raise ZeroFXError(
                 f"option persistence_threshold={threshold} only applies to stage 3: stage {self.stage} keeps "
                 "every parameter whole already (drop persistence_threshold, or use stage=3)"
+            )
+        if self.shard_placement_fn is not None and not callable(self.shard_placement_fn):
+            raise ZeroFXError(
+                f"option shard_placement_fn={self.shard_placement_fn!r}: give a function of a parameter "
+                "returning torch.distributed.tensor.Shard(dim), or None for zerofx's choice"
             )
         for name in ("local_optimizer_step", "plain_graph_inputs"):
             if not isinstance(getattr(self, name), bool):
@@ -382,6 +388,14 @@ class Options:
             shards over the mesh's other dimension. Not needed when ``mesh`` is the
             data-parallel submesh itself (``zerofx.compile(model, mesh["dp"])``): the TP mesh is
             read from the parameters (zerofx/sharding.py NOTE: ZeRO with tensor parallelism).
+        shard_placement_fn: the dim each parameter is split along over the data-parallel
+            ranks, as FSDP2's: a function of the (unsharded) parameter returning
+            ``Shard(dim)``, or None for zerofx's choice. zerofx's choice: dim 0, unless the
+            parameter has fewer rows than ranks (a mixture of experts' stacked [experts, ffn,
+            d] weights over more ranks than experts), then the dim whose split pads least, so
+            that no rank holds a whole row while others hold nothing (zerofx/ir/layout.py,
+            NOTE: the sharded dim). ``lambda p: Shard(0)`` shards every parameter by rows. With
+            tensor parallelism, dim 0 only.
         dump_dir: write every graph before and after every pass, a per-pass summary and a diff
             under this folder. Defaults to the ``ZEROFX_DUMP`` environment variable.
         disable_passes: names of pipeline passes to skip (see ``zerofx.passes.PASS_NAMES``).

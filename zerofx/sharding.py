@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_map
 from zerofx.agreement import check_ranks_agree
 from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.collectives import name_mesh_dims
-from zerofx.ir.layout import local_rows, row_offset
+from zerofx.ir.layout import local_rows, row_offset, rows_back, rows_first, shard_dim
 from zerofx.options import Options
 from zerofx.runtime.accumulation import no_sync
 from zerofx.runtime.local_step import install as install_local_step
@@ -507,7 +507,8 @@ def _make_state(
     # whole-tensor step's TP exchange pairs them up: zerofx/runtime/whole_step.py)
     size = param.numel() if tp is None else _largest_share(tp)
     whole = param.dim() == 0 or (opts.stage == 3 and size < opts.persistence_threshold)
-    placements = [Replicate() if whole else Shard(0)]
+    dim = 0 if whole else _shard_dim(qualname, param, shard_group.size, opts, tp is not None or tp_mesh is not None)
+    placements = [Replicate() if whole else Shard(dim)]
     if hybrid:
         placements = [Replicate(), *placements]
     device = torch.device(mesh.device_type) if param.is_meta else param.device
@@ -515,9 +516,16 @@ def _make_state(
         if whole:
             local = torch.empty(param.shape, dtype=param.dtype, device=device)
         else:
-            rows = local_rows(param.shape[0], shard_group.size, shard_group.rank)
-            local = torch.empty((rows, *param.shape[1:]), dtype=param.dtype, device=device)
+            rows_shape = rows_first(param, dim).shape
+            rows = local_rows(rows_shape[0], shard_group.size, shard_group.rank)
+            local = rows_back(torch.empty((rows, *rows_shape[1:]), dtype=param.dtype, device=device), dim)
         dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
+    elif dim:  # the shard stored with its sharded dim first (NOTE: the sharded dim)
+        by_rows = rows_first(param.detach(), dim).contiguous()
+        local = distribute_tensor(by_rows, mesh, [*placements[:-1], Shard(0)], src_data_rank=0).to_local()
+        dt = DTensor.from_local(
+            rows_back(local, dim), mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
     else:
         dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=0)
     if tp_mesh is not None:
@@ -529,7 +537,7 @@ def _make_state(
     full = None
     if opts.stage in (1, 2) and not whole:
         full = torch.empty(param.shape, dtype=compute or master, device=device)
-        if compute is None:
+        if compute is None and dim == 0:  # (split along another dim its part is not one block of it)
             # the shard is a view of its own rows of the whole copy: no second copy of them
             offset = row_offset(param.shape[0], shard_group.size, shard_group.rank)
             view = full.detach()[offset : offset + dt.to_local().shape[0]]
@@ -550,7 +558,7 @@ def _make_state(
         whole,
         shard_group,
         replicate_group,
-        param.shape[0] if param.dim() else 1,
+        param.shape[dim] if param.dim() else 1,
         runtime,
         compute_dtype=compute,
         reduce_dtype=None if reduce == (compute or master) else reduce,
@@ -558,6 +566,7 @@ def _make_state(
         sink=sink,
         secondary_group=None if whole else secondary,
         tp=tp,
+        shard_dim=dim,
     )
     track(state)
     for part in (sink, full):  # graph inputs too, where forward reads no shard (stage 1)
@@ -704,29 +713,50 @@ def _refuse_added_parameters(model: nn.Module, args: Any) -> None:
 FEW_ROWS_WASTE_BYTES = 1 << 20
 
 
+def _shard_dim(qualname: str, param: torch.Tensor, ranks: int, opts: Options, tensor_parallel: bool) -> int:
+    """The dim ``param`` is split along (NOTE: the sharded dim): ``opts.shard_placement_fn``'s
+    ``Shard(k)`` where it returns one, else zerofx's choice (``zerofx.ir.layout.shard_dim``). A
+    parameter of a tensor-parallel model is split along dim 0, as the TP exchanges expect."""
+    chosen = None if opts.shard_placement_fn is None else opts.shard_placement_fn(param)
+    if chosen is None:
+        return 0 if tensor_parallel else shard_dim(param.shape, ranks)
+    if type(chosen) is not Shard or not -param.dim() <= chosen.dim < param.dim():
+        raise ZeroFXError(
+            f"option shard_placement_fn returned {chosen!r} for {qualname} {list(param.shape)}: return "
+            f"torch.distributed.tensor.Shard(dim) with -{param.dim()} <= dim < {param.dim()}, or None for zerofx's choice"
+        )
+    dim = chosen.dim % param.dim()
+    if dim and tensor_parallel:
+        raise ZeroFXError(
+            f"option shard_placement_fn returned {chosen!r} for {qualname}: with tensor parallelism zerofx "
+            "shards parameters along dim 0 only; return Shard(0) or None"
+        )
+    return dim
+
+
 def _warn_few_rows(states: list) -> None:
-    """Warn about sharded parameters with fewer rows than their shard group has ranks (a mixture
-    of experts' [experts, ffn, d] weights over more ranks than experts), where the padding costs
-    at least ``FEW_ROWS_WASTE_BYTES``. Shard(0), as torch.chunk splits, gives the first ranks a
-    whole row each and the others nothing: those ranks hold up to ranks/rows times an even share,
-    and every all-gather and reduce-scatter of the graphs moves each rank's padded row, ranks/rows
-    times the parameter (FSDP2's default Shard(0) does the same). The same on every rank."""
+    """Warn about sharded parameters split along a dim with fewer entries than their shard group
+    has ranks (only where no dim has enough, or ``shard_placement_fn`` chose so), where the
+    padding costs at least ``FEW_ROWS_WASTE_BYTES``. torch.chunk's split gives the first ranks
+    one slice each and the others nothing: those ranks hold up to ranks/slices times an even
+    share, and every all-gather and reduce-scatter of the graphs moves each rank's padded slice
+    (NOTE: the sharded dim). The same on every rank."""
     few = []
     for s in states:
         n = s.shard_group.size
         if s.whole or s.full_rows >= n or s.param.dim() == 0:
             continue
-        row_bytes = math.prod(s.param.shape[1:]) * s.param.element_size()
+        row_bytes = s.param.numel() // max(s.full_rows, 1) * s.param.element_size()
         if (n - s.full_rows) * row_bytes >= FEW_ROWS_WASTE_BYTES:
-            few.append((s.qualname, list(s.param.shape), n))
+            few.append((s.qualname, list(s.param.shape), s.shard_dim, n))
     if few:
         warnings.warn(
-            f"zerofx: {some_names([f'{name} {shape}' for name, shape, _ in few])}: fewer rows (dim 0) than the "
-            f"{max(n for _, _, n in few)} ranks sharding them, so the first ranks hold a whole row each and the "
-            "others none (those ranks hold up to ranks/rows times an even share) and each gather and "
-            "reduce-scatter moves ranks/rows times their bytes, padding included. Lay such weights out with "
-            "their largest dimension first (experts as [experts * ffn, d]), or shard them over a mesh "
-            "dimension of at most that many ranks; `zerofx plan` shows the per-rank bytes",
+            f"zerofx: {some_names([f'{name} {shape} (split along dim {d})' for name, shape, d, _ in few])}: fewer "
+            f"slices along the sharded dim than the {max(n for *_, n in few)} ranks sharding them, so the first "
+            "ranks hold a slice each and the others none (those ranks hold up to ranks/slices times an even "
+            "share) and each gather and reduce-scatter moves ranks/slices times their bytes, padding included. "
+            "Split them along a larger dim (shard_placement_fn), or shard them over a mesh dimension of at most "
+            "that many ranks; `zerofx plan` shows the per-rank bytes",
             stacklevel=3,
         )
 

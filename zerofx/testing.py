@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from zerofx.runtime.eager_buckets import rank_ordered_sum
 
@@ -71,13 +71,15 @@ __all__ = [
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float64: 2.0**-53, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
-def shard_rows(full: torch.Tensor, index: int, count: int) -> torch.Tensor:
-    """The rows of ``full`` that shard ``index`` of ``count`` holds under ``Shard(0)``
-    (``torch.chunk`` semantics: equal chunks of ceil(rows/count), the last ones short or empty)."""
+def shard_rows(full: torch.Tensor, index: int, count: int, dim: int = 0) -> torch.Tensor:
+    """The part of ``full`` that shard ``index`` of ``count`` holds under ``Shard(dim)``
+    (``torch.chunk`` semantics: equal chunks of ceil(size/count), the last ones short or empty)."""
     if full.dim() == 0:
         return full
-    rows = -(-full.shape[0] // count)
-    return full[index * rows : min((index + 1) * rows, full.shape[0])]
+    size = full.shape[dim]
+    rows = -(-size // count)
+    first = min(index * rows, size)
+    return full.narrow(dim, first, min((index + 1) * rows, size) - first)
 
 
 def summation_bound(terms: Sequence[torch.Tensor], divisions: int = 0) -> torch.Tensor:
@@ -168,10 +170,17 @@ def exact_divergence(
 class _Layout:
     """How one parameter is laid out and reduced, read from its DTensor placements."""
 
-    sharded: bool  # Shard(0) on the mesh's last dim (else replicated there)
+    sharded: bool  # Shard(dim) on the mesh's last dim (else replicated there)
     shard_index: int  # this rank's coordinate on the shard dim
     shard_count: int
     groups: list[list[list[int]]]  # per mesh dim, innermost first: the global ranks of each group
+    dim: int = 0  # the tensor dim it is split along
+
+    def part(self, t: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        """Shard ``index`` (this rank's by default) of the whole ``t``; ``t`` if not sharded."""
+        if not self.sharded:
+            return t
+        return shard_rows(t, self.shard_index if index is None else index, self.shard_count, self.dim)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -218,7 +227,7 @@ class ShardedReference:
         for name, p in self.params.items():
             lay = self.layouts[name]
             value = _local(p.detach())
-            pieces = [shard_rows(value, i, lay.shard_count) for i in range(lay.shard_count)] if lay.sharded else [value]
+            pieces = [lay.part(value, i) for i in range(lay.shard_count)] if lay.sharded else [value]
             self.shards[name] = [piece.clone().requires_grad_(p.requires_grad) for piece in pieces]
         self.optimizer = optimizer_fn([s for name in self.params for s in self.shards[name] if s.requires_grad])
         self.reduced: dict[str, torch.Tensor] = {}
@@ -241,9 +250,10 @@ class ShardedReference:
             groups.append([[int(r) for r in row] for row in moved])
         last = p.placements[-1]
         sharded = last.is_shard()
-        if sharded and last.dim != 0:
-            raise ValueError(f"ShardedReference knows Shard(0) layouts only, not {p.placements}")
-        return _Layout(sharded, mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1), groups)
+        if type(last) not in (Shard, Replicate) or any(not q.is_replicate() for q in p.placements[:-1]):
+            raise ValueError(f"ShardedReference knows (Replicate(), ...) Shard(dim) layouts only, not {p.placements}")
+        dim = last.dim if sharded else 0
+        return _Layout(sharded, mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1), groups, dim)
 
     # -- forward and backward on this rank's slice ---------------------------------------------
 
@@ -332,10 +342,10 @@ class ShardedReference:
                 continue
             lay = self.layouts[name]
             got = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            want = shard_rows(ref, lay.shard_index, lay.shard_count) if lay.sharded else ref
+            want = lay.part(ref)
             if name in self.bounded:
                 everyone, divisions = self._terms[name]
-                terms = [shard_rows(t, lay.shard_index, lay.shard_count) if lay.sharded else t for t in everyone]
+                terms = [lay.part(t) for t in everyone]
                 exact = torch.stack([t.double() for t in terms]).sum(0) / len(terms)
                 bound = summation_bound(terms, divisions) / len(terms)
                 excess = (got.double() - exact).abs() - bound
@@ -417,14 +427,13 @@ class ShardedReference:
             ref = self.reduced.get(name)
             lay = self.layouts[name]
             for i, piece in enumerate(pieces):
-                piece.grad = (
-                    None if ref is None else (shard_rows(ref, i, lay.shard_count) if lay.sharded else ref).clone()
-                )
+                piece.grad = None if ref is None else lay.part(ref, i).clone()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for name, p in self.params.items():
             pieces = self.shards[name]
-            _local(p).copy_(torch.cat(pieces) if self.layouts[name].sharded and p.dim() else pieces[0])
+            lay = self.layouts[name]
+            _local(p).copy_(torch.cat(pieces, dim=lay.dim) if lay.sharded and p.dim() else pieces[0])
         self.reduced.clear()
 
     def check_parameters(self, sharded: nn.Module, step: int) -> list[Divergence]:

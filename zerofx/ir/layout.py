@@ -6,10 +6,25 @@ Parameters are split along dim 0 with ``torch.chunk`` semantics (the layout of D
 ``[r*rows, min((r+1)*rows, full_rows))``, possibly none. Padding every shard to ``rows`` rows
 makes all-gather inputs equal-sized, and the gathered buffer's first ``full_rows`` rows are then
 exactly the full tensor (padding only ever sits after the last real row).
+
+# NOTE: the sharded dim
+A parameter with fewer rows than its shard group has ranks (a mixture of experts' stacked
+[experts, ffn, d] weights over more ranks than experts) would leave most ranks empty and the
+first ones a whole row each: ranks/rows times an even share, every gather and reduce-scatter
+moving padded rows. Such a parameter is split along another dim instead (``shard_dim``: the one
+whose split pads least; DTensor's ``Shard(k)``, FSDP2's ``shard_placement_fn``). Everything that
+splits rows (the markers, the passes, the buckets, the whole-tensor steps) sees the parameter
+with that dim moved first (``rows_first``), and its local shard is stored that way round: the
+shard is contiguous in that order, so the moved view is a plain contiguous tensor of rows, and
+the DTensor's local tensor is its permuted view (``rows_back``). A gathered whole value is
+likewise contiguous with the sharded dim first and reaches compute as a permuted view, which
+matmuls read with a leading stride; gradients take the one copy into the reduce-scatter's
+buffer that every gradient takes.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable, TypeVar
 
 import torch
@@ -17,7 +32,16 @@ import torch.nn.functional as F
 
 T = TypeVar("T")
 
-__all__ = ["padded_rows", "local_rows", "row_offset", "pad_rows", "pack_consecutive"]
+__all__ = [
+    "padded_rows",
+    "local_rows",
+    "row_offset",
+    "pad_rows",
+    "pack_consecutive",
+    "shard_dim",
+    "rows_first",
+    "rows_back",
+]
 
 
 def padded_rows(full_rows: int, group_size: int) -> int:
@@ -34,6 +58,26 @@ def local_rows(full_rows: int, group_size: int, rank: int) -> int:
 def row_offset(full_rows: int, group_size: int, rank: int) -> int:
     """First row of ``rank``'s shard (``full_rows`` for a rank holding none)."""
     return min(full_rows, padded_rows(full_rows, group_size) * rank)
+
+
+def shard_dim(shape: torch.Size, group_size: int) -> int:
+    """The dim a parameter of ``shape`` is split along over ``group_size`` ranks (NOTE: the
+    sharded dim): 0 when it has at least ``group_size`` rows, else the dim whose torch.chunk
+    split pads least (the first such)."""
+    if len(shape) < 2 or shape[0] >= group_size:
+        return 0
+    padded = [padded_rows(size, group_size) * group_size * (math.prod(shape) // max(size, 1)) for size in shape]
+    return min(range(len(shape)), key=lambda d: (padded[d], d))
+
+
+def rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` with its sharded ``dim`` moved first (a view; ``t`` itself when ``dim`` is 0)."""
+    return t if dim == 0 else t.movedim(dim, 0)
+
+
+def rows_back(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``rows_first``'s inverse: the rows dim moved back to ``dim`` (a view)."""
+    return t if dim == 0 else t.movedim(0, dim)
 
 
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -92,23 +92,24 @@ def refresh(states: list) -> None:
     """All-gather every state's updated shard into its whole copy ``full`` (a collective)."""
     todo = [s for s in states if s.full is not None]
 
-    def padded(s) -> int:
-        return padded_rows(s.full_rows, s.shard_group.size) * s.full.shape[1:].numel()
+    def padded(s) -> int:  # (rows of the sharded dim: NOTE: the sharded dim)
+        return padded_rows(s.full_rows, s.shard_group.size) * (s.full.numel() // max(s.full_rows, 1))
 
     for bucket in _buckets(
         todo, lambda s: (s.shard_group.name, s.full.dtype), lambda s: padded(s) * s.full.element_size()
     ):
         group = bucket[0].shard_group
         dtype = bucket[0].full.dtype
-        gathered = _gather_bucket([(s.param.to_local().to(dtype), s.full_rows) for s in bucket], group)
+        gathered = _gather_bucket([(s.rows(s.param.to_local()).to(dtype), s.full_rows) for s in bucket], group)
         offset = 0
         for s in bucket:
             n = padded(s)
             part = gathered[:, offset : offset + n]
-            if padded_rows(s.full_rows, group.size) * group.size == s.full_rows:
-                s.full.view(group.size, n).copy_(part)
+            full = s.rows(s.full)  # (NOTE: the sharded dim)
+            if padded_rows(s.full_rows, group.size) * group.size == s.full_rows and not s.shard_dim:
+                full.view(group.size, n).copy_(part)
             else:  # padding rows sit after the last real row: drop them on the way
-                s.full.copy_(part.reshape(-1, *s.full.shape[1:])[: s.full_rows])
+                full.copy_(part.reshape(-1, *full.shape[1:])[: s.full_rows])
             s.mark_synced()  # after the copy: without mixed precision the shard is a view of ``full``
             offset += n
 
@@ -303,9 +304,9 @@ def reduce_transient_bytes(states: list) -> int:
         whole = copies = 0  # bytes of the bucket's padded gradients; of the padded or cast copies
         for s in bucket:
             rows = padded_rows(s.full_rows, world) * world
-            nbytes = rows * s.sink[0].numel() * size
+            nbytes = rows * (s.sink.numel() // max(s.full_rows, 1)) * size
             whole += nbytes
-            if rows != s.full_rows or dtype != s.sink.dtype:
+            if rows != s.full_rows or dtype != s.sink.dtype or s.shard_dim:  # (a permuted view is copied)
                 copies += nbytes
         flat = 0 if len(bucket) == 1 and not copies else whole  # torch.cat, unless one gradient is viewed
         # gloo: the received chunks and their sum; over two ranks only the peer's half arrives
@@ -321,10 +322,10 @@ def _reduce_bucket(bucket: list) -> None:
     grads = []
     for s in bucket:
         g, s.sink.grad = s.sink.grad, None
-        grads.append(g)
+        grads.append(s.rows(g))  # (NOTE: the sharded dim)
     dtype = bucket[0].reduce_dtype or grads[0].dtype
     chunks = [
-        pad_rows(g.to(dtype), padded_rows(s.full_rows, world) * world).view(world, -1) for s, g in zip(bucket, grads)
+        pad_rows(g.to(dtype), padded_rows(s.full_rows, world) * world).reshape(world, -1) for s, g in zip(bucket, grads)
     ]
     inp = torch.cat(chunks, dim=1) if len(chunks) > 1 else chunks[0].contiguous()  # [world, my part of each]
     if _on_gloo(group.name) and world == 2:  # only the peer's half moves (NOTE: pair reduce-scatter)
@@ -344,5 +345,5 @@ def _reduce_bucket(bucket: list) -> None:
     for s, g, chunk in zip(bucket, grads, chunks):
         n = chunk.shape[1]
         rows = reduced[offset : offset + n].view(-1, *g.shape[1:])[: s.shard_rows]
-        s.land(g, rows.to(s.param.dtype))
+        s.land(s.unrows(g), s.unrows(rows.to(s.param.dtype)))
         offset += n

@@ -118,15 +118,18 @@ class DiskStore:
         nbytes = local.numel() * local.element_size()
         if nbytes == 0 or t in self:
             return
-        if not local.is_contiguous() or local.device.type != "cpu":
+        # in storage order: a shard split along another dim is a permuted view (NOTE: the sharded dim)
+        order = sorted(range(local.dim()), key=lambda d: -local.stride(d))
+        in_order = local.permute(order)
+        if not in_order.is_contiguous() or local.device.type != "cpu":
             raise ZeroFXError(
-                "disk offload keeps contiguous CPU tensors; got "
-                f"{'a non-contiguous' if local.device.type == 'cpu' else local.device.type} tensor"
+                "disk offload keeps dense CPU tensors; got "
+                f"{'a strided' if local.device.type == 'cpu' else local.device.type} tensor"
             )
         fd = new_file(self.directory, nbytes)
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         data = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(local.dtype)
-        data.copy_(local.reshape(-1))
+        data.copy_(in_order.reshape(-1))
         with torch.no_grad():
             local.set_(data.untyped_storage(), 0, local.shape, local.stride())
         ptr = local.untyped_storage().data_ptr()

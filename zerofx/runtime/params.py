@@ -103,7 +103,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from zerofx.errors import ZeroFXError, some_names
-from zerofx.ir.layout import local_rows, row_offset
+from zerofx.ir.layout import local_rows, row_offset, rows_back, rows_first
 from zerofx.runtime import eager_buckets
 from zerofx.runtime.lockstep import digest_of
 
@@ -156,6 +156,16 @@ class ParamState:
     synced_version: tuple[int, int] = (-1, -1)
     synced_hash: int | None = None  # the shard's torch.hash_tensor then, once uncompiled forwards check it
     leaf: torch.Tensor | None = None  # the graph's plain input for the shard (NOTE: plain graph inputs)
+    # the dim the parameter is split along; ``full_rows`` is its size (NOTE: the sharded dim)
+    shard_dim: int = 0
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (parameter-shaped: whole, or this rank's shard) with the sharded dim first."""
+        return rows_first(t, self.shard_dim)
+
+    def unrows(self, t: torch.Tensor) -> torch.Tensor:
+        """``rows``' inverse."""
+        return rows_back(t, self.shard_dim)
 
     def make_leaf(self) -> None:
         """(Re)build ``leaf`` over the parameter's local shard as it is now: after sharding, and
@@ -262,6 +272,11 @@ class ParamState:
         return DTensor.from_local(value, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=tp.stride)
 
     def _data_parallel_value(self, param: torch.nn.Parameter) -> torch.Tensor:
+        if self.shard_dim and self.runtime.gathered is None:  # the markers split rows (NOTE: the sharded dim)
+            return self.unrows(self._rows_value(param)).contiguous()
+        return self._rows_value(param)
+
+    def _rows_value(self, param: torch.nn.Parameter) -> torch.Tensor:
         if self.runtime.gathered is not None:  # inside zerofx.gathered(model): no communication
             if param.requires_grad and torch.is_grad_enabled():
                 raise ZeroFXError(
@@ -282,22 +297,23 @@ class ParamState:
         ops = torch.ops.zerofx
         leaf = self.leaf  # NOTE: plain graph inputs
         local = param.to_local() if leaf is None else leaf if param.requires_grad else leaf.detach()
+        local = self.rows(local)
         rdt, cdt = self.reduce_dtype, self.compute_dtype
         sg, rg = self.shard_group, self.replicate_group
         if self._reads_locally(param):
             if self.full is not None:
-                value = self.full
+                value = self.rows(self.full)
             elif self.whole:
                 value = local if cdt is None else local.to(cdt)
             else:
                 value = ops.unshard(local.detach(), sg.size, sg.name, self.full_rows, cdt, rdt)
-            return ops.local_grad(value, self.sink)
+            return ops.local_grad(value, self.rows(self.sink))
         if rg is not None:
             local = ops.sync_grad(local, rg.size, rg.name, None, rdt)
         if self.whole:
             return ops.sync_grad(local, sg.size, sg.name, cdt, rdt)
         if self.full is not None:
-            return ops.read_full(local, self.full, sg.size, sg.name, rdt)
+            return ops.read_full(local, self.rows(self.full), sg.size, sg.name, rdt)
         if self.secondary_group is not None:  # hpZ: passes/secondary.py reads the inner group
             sec = self.secondary_group
             return ops.unshard(local, sg.size, sg.name, self.full_rows, cdt, rdt, sec.size, sec.name)
@@ -314,7 +330,7 @@ class ParamState:
         if self.whole:
             out = ops.all_reduce_grad(pending, sg.size, sg.name, rdt, master)
         else:
-            out = ops.reduce_grad(pending, sg.size, sg.name, self.shard_rows, rdt, master)
+            out = self.unrows(ops.reduce_grad(self.rows(pending), sg.size, sg.name, self.shard_rows, rdt, master))
         if rg is not None:
             out = ops.all_reduce_grad(out, rg.size, rg.name, rdt, master)
         return out
@@ -336,7 +352,7 @@ class ParamState:
         if self.runtime.stage == 1 and not self.whole and pending.dtype == reduced.dtype:
             # ZeRO-1 keeps the whole gradient buffer: this rank's averaged rows land back in it
             # and the optimizer's gradient shard is a view of them (see docs/zero_stages.md)
-            rows = pending[self.first_row : self.first_row + self.shard_rows]
+            rows = self.unrows(self.rows(pending)[self.first_row : self.first_row + self.shard_rows])
             rows.copy_(reduced)
             reduced = rows
         self.param.grad = DTensor.from_local(

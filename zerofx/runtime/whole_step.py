@@ -292,15 +292,15 @@ def _step_window(
     wholes: dict[tuple, torch.Tensor] = {}
     for ps in by_group.values():
         keys = [(p, k) for p in ps for k in (None, "grad", *held[p])]
-        wholes.update(
-            _to_owners(
-                keys,
-                owner,
-                ps[0]._zerofx_state.shard_group,
-                lambda p, k: _local_of(optimizer, p, k),
-                lambda p: p._zerofx_state.full_rows,
-            )
+        got = _to_owners(
+            keys,
+            owner,
+            ps[0]._zerofx_state.shard_group,
+            lambda p, k: p._zerofx_state.rows(_local_of(optimizer, p, k)),  # (NOTE: the sharded dim)
+            lambda p: p._zerofx_state.full_rows,
         )
+        for key in list(got):  # each in its own layout, one at a time: never two copies of a window
+            wholes[key] = key[0]._zerofx_state.unrows(got.pop(key)).contiguous()
 
     def share(p: torch.Tensor, k: str | None) -> torch.Tensor:  # this rank's whole over the data-parallel dim
         return wholes[(p, k)] if p in owner else _local_of(optimizer, p, k)
@@ -596,7 +596,8 @@ def _back_to_shards(
     parameter and of its parameter-shaped state, and a copy of the rest of its state (the
     entries the owner's step left, in their order, on every rank)."""
     group = ps[0]._zerofx_state.shard_group
-    back = _exchange_back(ps, owner, group, whole_of, stepped, lambda p: 0, _local_shape, kinds, optimizer.state)
+    dim = lambda p: p._zerofx_state.shard_dim  # noqa: E731  (NOTE: the sharded dim)
+    back = _exchange_back(ps, owner, group, whole_of, stepped, dim, _local_shape, kinds, optimizer.state)
     state = optimizer.state
     for p, (rows, entries, mine) in back.items():
         p._local_tensor.copy_(rows)
