@@ -129,8 +129,10 @@ def regather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def check_no_gathered_saved(fw_gm: fx.GraphModule, num_fwd_outputs: int, graph_id: str) -> None:
-    """Raise if the partitioned forward saves a gathered parameter (or a view of one)."""
-    chain = {n for n in gather_chain(fw_gm.graph) if n.meta.get(ROLE) != "kept_gather"}
+    """Raise if the partitioned forward saves a gathered parameter (or a view or layout copy of
+    one). Selective unsharding's kept gathers and hpZ's secondary partitions (a copy of this
+    rank's rows, passes/secondary.py) are saved on purpose."""
+    chain = {n for n in gather_chain(fw_gm.graph) if n.meta.get(ROLE) not in ("kept_gather", "secondary")}
     bad = [n.name for n in saved_values(fw_gm, num_fwd_outputs) if n in chain]
     if bad:
         raise ZeroFXError(
