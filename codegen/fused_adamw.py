@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 import triton.language as tl
 
-from zerofx.codegen.multi_tensor import BLOCK, addresses, blocks_for, int_table, jit, local, tl_dtype
+from zerofx.codegen.multi_tensor import BLOCK, addresses, blocks_for, in_storage_order, int_table, jit, local, tl_dtype
 
 
 def _adamw_kernel(
@@ -100,14 +100,19 @@ def adamw_step(
 ) -> None:
     """One AdamW update of every tensor in the lists, in a single launch (all updated in place).
 
-    Every list must hold contiguous tensors of one dtype on one device; ``step`` is the step
+    Every list must hold tensors of one dtype on one device, each laid out as its parameter,
+    contiguous or a dense permuted view (a Shard(k) shard: ``in_storage_order``); ``step`` is the step
     number after this update (1 on the first call), as in torch's bias corrections.
     """
     if not params:
         return
-    params, grads = [local(p) for p in params], [local(g) for g in grads]
-    exp_avgs, exp_avg_sqs = [local(m) for m in exp_avgs], [local(v) for v in exp_avg_sqs]
     amsgrad = max_exp_avg_sqs is not None
+    lists = [params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if amsgrad else [])]
+    # each parameter's tensors in its storage order: a Shard(k) shard is a dense permuted view
+    ordered = [in_storage_order(*(local(t) for t in ts)) for ts in zip(*lists)]
+    params, grads, exp_avgs, exp_avg_sqs = ([o[k] for o in ordered] for k in range(4))
+    if amsgrad:
+        max_exp_avg_sqs = [o[4] for o in ordered]
     device = params[0].device
     numels = [p.numel() for p in params]
     blocks = blocks_for(numels, device)

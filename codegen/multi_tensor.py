@@ -45,6 +45,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def in_storage_order(like: torch.Tensor, *others: torch.Tensor) -> list[torch.Tensor]:
+    """``like`` and ``others`` each permuted by the order that sorts ``like``'s strides (largest
+    first): a dense tensor stored in another order than its shape's (a parameter split along a
+    dim other than 0, zerofx/ir/layout.py NOTE: the sharded dim) becomes contiguous, and the
+    same permutation keeps every tensor's elements paired with ``like``'s. An elementwise kernel
+    then walks their memory as flat buffers; ``addresses`` refuses any that is still not
+    contiguous (a gradient or state laid out otherwise than its parameter)."""
+    if like.dim() < 2 or like.is_contiguous():
+        return [like, *others]
+    order = sorted(range(like.dim()), key=lambda d: -like.stride(d))
+    return [t.permute(order) for t in (like, *others)]
+
+
 def tl_dtype(dtype: torch.dtype):
     import triton.language as tl
 

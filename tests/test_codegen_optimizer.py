@@ -57,6 +57,29 @@ def test_matches_torch_adamw_step_for_step(options):
                 torch.testing.assert_close(s[key], t[key], **TOL, msg=lambda m: f"step {step} {key} {i}: {m}")
 
 
+def test_a_permuted_dense_parameter_steps_in_its_storage_order():
+    """A shard split along dim 1 is a dense permuted view (zerofx/ir/layout.py, NOTE: the
+    sharded dim): its gradient and state share its strides and the kernel walks their memory
+    in storage order, as torch's step on the same values. A gradient laid out otherwise is
+    refused (pairing it flat would update the wrong elements)."""
+    gen = torch.Generator().manual_seed(0)
+    ours = torch.nn.Parameter(torch.randn(6, 4, 5, generator=gen).movedim(0, 1))  # [4, 6, 5], permuted
+    ref = torch.nn.Parameter(ours.detach().clone(memory_format=torch.contiguous_format))
+    assert not ours.is_contiguous()
+    opt, ref_opt = FusedAdamW([ours], lr=1e-2), torch.optim.AdamW([ref], lr=1e-2)
+    for step in range(3):
+        g = torch.randn(6, 4, 5, generator=gen).movedim(0, 1)
+        ours.grad, ref.grad = g.clone(), g.contiguous()
+        assert ours.grad.stride() == ours.stride()
+        opt.step()
+        ref_opt.step()
+        torch.testing.assert_close(ours, ref, **TOL, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(opt.state[ours]["exp_avg_sq"], ref_opt.state[ref]["exp_avg_sq"], **TOL)
+    ours.grad = torch.randn(4, 6, 5, generator=gen)  # contiguous: not the parameter's layout
+    with pytest.raises(ValueError, match="multi-tensor kernels need contiguous tensors"):
+        opt.step()
+
+
 def test_state_dict_moves_between_fused_and_torch():
     ours, ref = _pair()
     ref_opt = torch.optim.AdamW(ref, lr=1e-2)
