@@ -59,6 +59,39 @@ def tiny_clip():
     return _ContrastiveLoss(CLIPModel(config)), batch
 
 
+class _LanguageModelLoss(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, labels=input_ids).loss
+
+
+def tiny_mixtral():
+    """``zerofx.testing.verify``'s factory for an HF ``MixtralForCausalLM`` from a config: two
+    layers of width 32, 2 experts (each token to both), whose weights transformers stacks as
+    ``gate_up_proj`` [2, 96, 32] and ``down_proj`` [2, 32, 48]: fewer rows than 4 ranks."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+    )
+
+    def batch(n: int, gen: torch.Generator):
+        return (torch.randint(0, VOCAB, (n, 12), generator=gen),)
+
+    return _LanguageModelLoss(MixtralForCausalLM(config)), batch
+
+
 def _mesh(world: int):
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -206,6 +206,29 @@ def test_clip_with_a_0_dim_temperature_trains_bit_for_bit(stage):
         assert len(r["steps"]) == 2
 
 
+@pytest.mark.parametrize("stage", [3, 1])
+def test_mixtral_stacked_experts_over_more_ranks_than_experts_train_bit_for_bit(stage):
+    """transformers stacks Mixtral's experts ([2, 96, 32] and [2, 32, 48] here); over 4 ranks
+    zerofx splits them along dim 1 (zerofx/ir/layout.py, NOTE: the sharded dim), and training
+    matches the unsharded model bit for bit."""
+    from torch.distributed.tensor import Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from zerofx.testing import verify_ranks
+
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model = zerofx.shard(hs.tiny_mixtral()[0], torch.distributed.device_mesh.init_device_mesh("cpu", (4,)))
+        placements = {n.rsplit(".", 1)[-1]: p.placements for n, p in model.named_parameters() if "experts" in n}
+        assert placements == {"gate_up_proj": (Shard(1),), "down_proj": (Shard(1),)}
+    finally:
+        torch.distributed.destroy_process_group()
+    reports = verify_ranks("tests.hf_scenarios:tiny_mixtral", 4, steps=2, stage=stage)
+    for r in reports:
+        assert r["ok"], (r["problem"], r["first_divergence"])
+        assert len(r["steps"]) == 2
+
+
 def test_gathered_needs_a_sharded_model():
     with pytest.raises(ZeroFXError, match="not sharded by zerofx"):
         with zerofx.gathered(nn.Linear(2, 2)):
