@@ -653,6 +653,26 @@ class _Experts(nn.Module):
         self.head = nn.Linear(16, 2)
 
 
+def test_explain_names_the_parameters_split_along_another_dim():
+    """zerofx.explain's report says which parameters zerofx split along another dim than 0 and
+    along which (torch's fake process group stands in for 4 ranks)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tests.models import ExpertsNet
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model = zerofx.compile(ExpertsNet(), init_device_mesh("cpu", (4,)))
+        report = zerofx.explain(model, torch.randn(2, 8), torch.randn(2, 4))
+    finally:
+        dist.destroy_process_group()
+    (line,) = [line for line in report.splitlines() if "split along another dim" in line]
+    for part in ("w_in [2, 12, 8]: Shard(1)", "w_out [2, 8, 12]: Shard(1)", "router_bias [1, 2]: Shard(1)"):
+        assert part in line
+    assert "head" not in line  # [4, 8] over 4 ranks: rows
+
+
 def test_weights_with_fewer_rows_than_ranks_split_along_another_dim_or_warn():
     """zerofx/ir/layout.py, NOTE: the sharded dim. Over 4 ranks a [2, 1024, 256] weight split by
     rows would put a whole expert on ranks 0 and 1 and nothing on 2 and 3: zerofx splits it

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate
 
 from zerofx.backend import make_backend, recorder_for
 from zerofx.dump import Recorder
-from zerofx.errors import ZeroFXError
+from zerofx.errors import ZeroFXError, some_names
 from zerofx.options import LAYOUT_OPTIONS, Options
 from zerofx.passes.modules import module_path
 from zerofx.runtime.offload_store import place_model_state, resolve_offload_dir
@@ -208,6 +208,14 @@ def explain(model: nn.Module, *example_inputs: Any, backward: bool = True, **opt
     runtime = runtime_of(model)
     if runtime is not None and runtime.state_report:
         recorder.note("model", "state", runtime.state_report)
+    states = runtime.states if runtime is not None else []
+    split = [f"{s.qualname} {list(s.param.shape)}: Shard({s.shard_dim})" for s in states if s.shard_dim]
+    if split:  # zerofx/ir/layout.py, NOTE: the sharded dim
+        recorder.note(
+            "model",
+            "layout",
+            f"split along another dim than 0 (fewer rows than ranks, or shard_placement_fn): {some_names(split, shown=8)}",
+        )
 
     def run(*args: Any) -> Any:
         return model(*args)
