@@ -384,6 +384,38 @@ def test_planning_by_depth_matches_tracing_every_block():
     assert by_depth.compute_s == pytest.approx(full.compute_s, rel=0.01)
 
 
+def test_plan_counts_and_names_the_parameters_split_along_another_dim():
+    """zerofx/ir/layout.py, NOTE: the sharded dim. A 5-block mixture of experts with 2 experts
+    over 4 ranks: each block's stacked experts and router have fewer rows than ranks and split
+    along dim 1. Planned by depth (traces of 3 and 4 blocks), the count is the 5-block model's;
+    the report names the first few; their per-rank bytes are an even split of theirs."""
+    kwargs = {**SMALL_LLAMA, "n_layer": 5, "n_experts": 2}
+    plan = zerofx.plan("mixtral-8x7b", (4,), batch=2, seq=64, device="cpu", factory_kwargs=kwargs)
+    assert plan.traced_depths == (3, 4)
+    assert plan.split_count == 15  # gate_up, down and the router's weight, in each of 5 blocks
+    d, ffn = SMALL_LLAMA["d_model"], SMALL_LLAMA["ffn_hidden"]
+    assert plan.split_examples[0] == f"blocks.0.mlp.gate_up [2, {d}, {2 * ffn}]: Shard(1)"
+    assert "split along another dim than 0 (fewer rows than ranks, or shard_placement_fn): 15 parameters" in (
+        plan.report()
+    )
+    assert plan.to_json()["split_count"] == 15
+    rows = zerofx.plan(
+        "mixtral-8x7b", (4,), batch=2, seq=64, device="cpu", factory_kwargs=kwargs, shard_placement_fn=_by_rows
+    )
+    assert rows.split_count == 0 and "split along another dim" not in rows.report()
+    # rank 0's fp32 bytes per block: by rows one whole expert of each stacked weight and one row
+    # of the [2, d] router; split, a quarter of both experts and of the router
+    one_expert = (d * 2 * ffn + ffn * d) * 4
+    by_rows, split = one_expert + d * 4, 2 * one_expert // 4 + 2 * d * 4 // 4
+    assert rows.per_rank.params_bytes - plan.per_rank.params_bytes == 5 * (by_rows - split)
+
+
+def _by_rows(param):
+    from torch.distributed.tensor import Shard
+
+    return Shard(0)
+
+
 def test_builtin_llama_shape_has_the_published_parameter_count():
     from zerofx.planner import BUILTIN_MODELS
 

@@ -299,6 +299,9 @@ def _same_state_either_way(opt: torch.optim.Optimizer) -> None:
         )
 
 
+SPLIT_EXAMPLES = 3  # parameters split along another dim that a plan names
+
+
 @dataclass
 class Plan:
     """What one training step costs per rank, predicted (``zerofx.plan``)."""
@@ -328,6 +331,10 @@ class Plan:
     seq_limit: int | None = None  # the model's positions
     # what bounds max_batch / max_seq: (binding node, polynomial coefficients, static bytes)
     bindings: dict[str, tuple] = field(default_factory=dict, repr=False)
+    # parameters split along another dim than 0 (zerofx/ir/layout.py, NOTE: the sharded dim):
+    # how many, and the first few as "name [shape]: Shard(k)"
+    split_count: int = 0
+    split_examples: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool | None:
@@ -403,8 +410,13 @@ class Plan:
             f"(the step's peak: {_gib(r.optimizer_step_peak_bytes)})",
             f"  peak (on the device)       {_gib(r.peak_bytes):>12}",
             f"  offloaded (host or disk)   {_gib(r.offloaded_bytes):>12}",
-            "communication per step per rank:",
         ]
+        if self.split_count:
+            lines.append(
+                f"  split along another dim than 0 (fewer rows than ranks, or shard_placement_fn): {self.split_count} parameters, "
+                f"e.g. {'; '.join(self.split_examples)}"
+            )
+        lines.append("communication per step per rank:")
         for kind, dims in sorted(self.comm_bytes_per_step.items()):
             lines.append(f"  {kind:<15} " + ", ".join(f"{d}: {_gib(b)}" for d, b in dims.items()))
         lines.append(
@@ -701,6 +713,7 @@ def _plan_by_depth(request: _Request, model_fn: Any, kwargs: dict | None, key: s
     result = dataclasses.replace(
         p3,
         parameters=_affine(p2.parameters, p3.parameters, steps),
+        split_count=_affine(p2.split_count, p3.split_count, steps),
         per_rank=per_rank,
         comm_bytes_per_step=_affine(p2.comm_bytes_per_step, p3.comm_bytes_per_step, steps),
         step_time_s=_affine(p2.step_time_s, p3.step_time_s, steps),
@@ -884,9 +897,12 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     timeline.append(("optimizer step", step_grads + step_bytes))
     if limit is not None and max_seq is not None and max_seq > limit:
         max_seq = limit  # memory would allow more; the model has no more positions
+    split = [f"{s.qualname} {list(s.param.shape)}: Shard({s.shard_dim})" for s in runtime.states if s.shard_dim]
     result = Plan(
         model=name,
         parameters=parameters,
+        split_count=len(split),
+        split_examples=split[:SPLIT_EXAMPLES],
         world_size=world,
         mesh=dict(zip(dims, mesh_shape)),
         batch=batch,
