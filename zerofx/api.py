@@ -209,7 +209,7 @@ def explain(model: nn.Module, *example_inputs: Any, backward: bool = True, **opt
     if runtime is not None and runtime.state_report:
         recorder.note("model", "state", runtime.state_report)
     states = runtime.states if runtime is not None else []
-    split = [f"{s.qualname} {list(s.param.shape)}: Shard({s.shard_dim})" for s in states if s.shard_dim]
+    split = [s.layout for s in states if s.shard_dim]
     if split:  # zerofx/ir/layout.py, NOTE: the sharded dim
         recorder.note(
             "model",

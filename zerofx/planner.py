@@ -897,7 +897,7 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     timeline.append(("optimizer step", step_grads + step_bytes))
     if limit is not None and max_seq is not None and max_seq > limit:
         max_seq = limit  # memory would allow more; the model has no more positions
-    split = [f"{s.qualname} {list(s.param.shape)}: Shard({s.shard_dim})" for s in runtime.states if s.shard_dim]
+    split = [s.layout for s in runtime.states if s.shard_dim]
     result = Plan(
         model=name,
         parameters=parameters,

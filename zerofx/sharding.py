@@ -746,7 +746,7 @@ def _warn_few_rows(states: list) -> None:
         n = s.shard_group.size
         if s.whole or s.full_rows >= n or s.param.dim() == 0:
             continue
-        row_bytes = s.param.numel() // max(s.full_rows, 1) * s.param.element_size()
+        row_bytes = s.row_numel * s.param.element_size()
         if (n - s.full_rows) * row_bytes >= FEW_ROWS_WASTE_BYTES:
             few.append((s.qualname, list(s.param.shape), s.shard_dim, n))
     if few:

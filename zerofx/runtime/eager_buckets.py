@@ -92,8 +92,8 @@ def refresh(states: list) -> None:
     """All-gather every state's updated shard into its whole copy ``full`` (a collective)."""
     todo = [s for s in states if s.full is not None]
 
-    def padded(s) -> int:  # (rows of the sharded dim: NOTE: the sharded dim)
-        return padded_rows(s.full_rows, s.shard_group.size) * (s.full.numel() // max(s.full_rows, 1))
+    def padded(s) -> int:
+        return padded_rows(s.full_rows, s.shard_group.size) * s.row_numel
 
     for bucket in _buckets(
         todo, lambda s: (s.shard_group.name, s.full.dtype), lambda s: padded(s) * s.full.element_size()
@@ -304,7 +304,7 @@ def reduce_transient_bytes(states: list) -> int:
         whole = copies = 0  # bytes of the bucket's padded gradients; of the padded or cast copies
         for s in bucket:
             rows = padded_rows(s.full_rows, world) * world
-            nbytes = rows * (s.sink.numel() // max(s.full_rows, 1)) * size
+            nbytes = rows * s.row_numel * size
             whole += nbytes
             if rows != s.full_rows or dtype != s.sink.dtype or s.shard_dim:  # (a permuted view is copied)
                 copies += nbytes

@@ -225,6 +225,18 @@ class ParamState:
         return self.param._version, self.param._local_tensor._version
 
     @property
+    def row_numel(self) -> int:
+        """Elements in one row along the sharded dim (NOTE: the sharded dim), of the value the
+        data-parallel dimension shards: the parameter's, or a tensor-parallel one's TP share
+        (whose shape ``sink`` has, not the global one ``param`` has)."""
+        return self.sink.numel() // max(self.full_rows, 1)
+
+    @property
+    def layout(self) -> str:
+        """``name [shape]: Shard(k)``, as explain and the plan name a parameter's split."""
+        return f"{self.qualname} {list(self.param.shape)}: Shard({self.shard_dim})"
+
+    @property
     def shard_rows(self) -> int:
         return local_rows(self.full_rows, self.shard_group.size, self.shard_group.rank)
 
