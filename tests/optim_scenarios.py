@@ -175,18 +175,47 @@ def state_mismatches(opt, ref_opt) -> list:
     ]
 
 
-def _against_unsharded(mesh, rank, make_opt, stage: int = 3, path: str | None = None, cfg=GPT_CFG) -> dict:
+# zerofx.offload_optimizer's host-memory cap in the offloaded scenarios: windows of 16 KiB (cap / 8),
+# a few parameters of the test GPT each, so that a step runs several windows
+OFFLOAD_CAP = 128 << 10
+
+
+def _against_unsharded(
+    mesh, rank, make_opt, stage: int = 3, path: str | None = None, cfg=GPT_CFG, offload: str | None = None
+) -> dict:
     """``STEPS`` steps of a sharded GPT and, beside it, of an unsharded copy given the sharded
     model's whole gradients: the parameters and the optimizer state (gathered) after each step,
     bit for bit. One step passes a closure. A pre-hook registered after the first step records
     whether the parameters had changed when it ran. With ``path``, the sharded run saves a
     checkpoint before its last step and a fresh model and optimizer loaded from it take that step
-    too. ``cfg``: the GPT's shapes (a vocabulary of odd size gives shards of unequal rows)."""
+    too. ``cfg``: the GPT's shapes (a vocabulary of odd size gives shards of unequal rows).
+    ``offload``: a folder for the model's state on disk (``offload_optimizer='disk'``,
+    ``zerofx.offload_optimizer``: the step in windows of ``OFFLOAD_CAP / 8`` bytes)."""
+    from zerofx.runtime.offload_store import place_model_state, state_store
+
     torch.manual_seed(0)
     ref = GPT(cfg)
     torch.manual_seed(0)
     model = zerofx.shard(GPT(cfg), mesh, stage=stage)
+    if offload is not None:
+        place_model_state(
+            model, zerofx.Options(offload_optimizer="disk", offload_dir=offload, host_memory_cap=OFFLOAD_CAP)
+        )
     opt, ref_opt = make_opt(list(model.parameters())), make_opt(list(ref.parameters()))
+    windows_run: list[int] = []  # the windows each offloaded step ran
+    if offload is not None:
+        from zerofx.runtime.params import optimizer_state
+
+        opt = zerofx.offload_optimizer(opt)
+        held = optimizer_state(opt)
+        before_window = held.windows.before
+
+        def counting(window, following):
+            windows_run[-1] += 1
+            before_window(window, following)
+
+        held.windows = dataclasses.replace(held.windows, before=counting)
+        opt.register_step_pre_hook(lambda *_: windows_run.append(0))
     gen = torch.Generator().manual_seed(100 + rank)
     hook_saw_changed: list[bool] = []
     mismatched_params, mismatched_state, closure_losses = [], [], []
@@ -241,7 +270,22 @@ def _against_unsharded(mesh, rank, make_opt, stage: int = 3, path: str | None = 
     with torch.no_grad():
         last = (model(x, y).item(), ref(x, y).item())  # stages 1 and 2 read their refreshed whole copies
     layout = sorted({(k, p.dim(), type(v).__name__) for p, entry in opt.state.items() for k, v in entry.items()})
+    # where each state entry with elements lives: (key, kind, in a memory-mapped file?)
+    store = state_store(next(model.parameters()))
+    placed = sorted(
+        {
+            (k, type(v).__name__, store is not None and store[1] is not None and v in store[1])
+            for entry in opt.state.values()
+            for k, v in entry.items()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
+    )
     return {
+        "windows_run": windows_run,
+        "placed": placed,
+        "params_placed": sorted(
+            {store is not None and store[1] is not None and p in store[1] for p in model.parameters()}
+        ),
         "mismatched_params": mismatched_params,
         "mismatched_state": mismatched_state,
         "moved": any(not torch.equal(global_value(p), q) for p, q in zip(model.parameters(), GPT(cfg).parameters())),
@@ -409,6 +453,12 @@ def scenarios(rank: int, world: int, path: str | None = None) -> dict:
             out,
             f"whole_{name}_alone",
             lambda name=name: alone(lambda: _against_unsharded(mesh, rank, WHOLE[name], cfg=odd)),
+        )
+    for name in ("adafactor", "hf_adafactor", "muon"):  # state on disk, stepped in windows
+        attempt(
+            out,
+            f"whole_{name}_offload",
+            lambda name=name: _against_unsharded(mesh, rank, WHOLE[name], offload=f"{path}/offload_{name}_{rank}"),
         )
     for name in ("hf_adafactor", "muon"):
         attempt(

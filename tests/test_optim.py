@@ -93,6 +93,21 @@ def test_whole_tensor_step_state_is_sharded_where_shaped_like_the_parameter(resu
         ]
 
 
+@pytest.mark.parametrize("name", ["adafactor", "hf_adafactor", "muon"])
+def test_whole_tensor_steps_with_state_on_disk_match_the_unsharded_step(results, name):
+    """``zerofx.offload_optimizer`` over a model whose state is on disk: the whole-tensor step runs
+    in windows of 16 KiB (several per step), bit for bit the unsharded step; afterwards every
+    parameter shard and every state tensor shaped like its parameter is in a memory-mapped file,
+    and only the small state every rank holds whole (Adafactor's factors, step counts) is not."""
+    for r in scenario_results(results, f"whole_{name}_offload"):
+        _assert_matches_the_unsharded_step(r)
+        assert len(r["windows_run"]) == STEPS and min(r["windows_run"]) > 1, r["windows_run"]
+        assert r["params_placed"] == [True]
+        sharded = {(k, placed) for k, kind, placed in r["placed"] if kind == "DTensor"}
+        assert sharded and all(placed for _, placed in sharded), r["placed"]
+        assert all(not placed for _, kind, placed in r["placed"] if kind != "DTensor"), r["placed"]
+
+
 @pytest.mark.parametrize("name", ["hf_adafactor", "muon"])
 def test_whole_tensor_step_resumes_from_a_checkpoint(results, name):
     for r in scenario_results(results, f"whole_{name}_resume"):

@@ -48,9 +48,9 @@ from torch.distributed.tensor import DTensor
 
 from zerofx.errors import ZeroFXError
 from zerofx.runtime.params import optimizer_state
-from zerofx.runtime.whole_step import check_steppable, stand_in, step_whole, whole_step_class
+from zerofx.runtime.whole_step import Windows, check_steppable, stand_in, step_whole, whole_step_class
 
-__all__ = ["ELEMENTWISE", "install", "steps_locally"]
+__all__ = ["ELEMENTWISE", "install", "step_over_whole_tensors", "steps_locally"]
 
 # Optimizers whose update of an element reads only that element of the parameter, its gradient
 # and its state (plus scalars): stepping a shard is stepping those rows of the whole.
@@ -122,8 +122,7 @@ def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple
         )
     state = optimizer_state(optimizer, create=True)
     if whole:
-        state.whole = True
-        _run_last(optimizer, state)
+        step_over_whole_tensors(optimizer)
         return
     if first_local:
         state.first_local = True
@@ -141,6 +140,18 @@ def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple
             step._wrapped_by_lr_sched = True
         optimizer.step = types.MethodType(step, optimizer)
     return _refreshing_closure(optimizer, state, args, kwargs)
+
+
+def step_over_whole_tensors(optimizer: torch.optim.Optimizer, windows: Windows | None = None) -> None:
+    """Make every step of ``optimizer`` (a ``whole_step_class`` one) run over whole tensors
+    (zerofx/runtime/whole_step.py), in ``windows`` (None: the default windows): at its first
+    step, or before it (``zerofx.offload_optimizer``)."""
+    check_steppable(optimizer)
+    state = optimizer_state(optimizer, create=True)
+    state.windows = windows
+    if not state.whole:
+        state.whole = True
+        _run_last(optimizer, state)
 
 
 def _refreshing_closure(optimizer: torch.optim.Optimizer, state: Any, args: tuple, kwargs: dict) -> tuple | None:
@@ -213,7 +224,7 @@ def _last_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
         with torch.enable_grad():
             loss = closure()
     if state.whole:
-        step_whole(optimizer, _class_step(optimizer))
+        step_whole(optimizer, _class_step(optimizer), state.windows or Windows())
     else:
         with _on_local_shards(optimizer):
             _class_step(optimizer)(optimizer)

@@ -37,8 +37,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zerofx.errors import ZeroFXError
 from zerofx.ir.layout import pack_consecutive
 from zerofx.ir.offload_ops import default_offload_dir, new_file, paged_storages
+from zerofx.runtime.local_step import step_over_whole_tensors
 from zerofx.runtime.params import optimizer_state, runtime_of
-from zerofx.runtime.whole_step import whole_step_class
+from zerofx.runtime.whole_step import Windows, whole_step_class
 
 __all__ = [
     "check_offload_dir",
@@ -237,9 +238,13 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     """Make ``optimizer`` keep its state where the model's ``offload_optimizer`` option put the
     parameters, and step a window of parameters at a time. Returns the same optimizer.
 
-    Works for optimizers whose per-parameter state is elementwise (Adam, AdamW, SGD with
-    momentum, ...): each window is stepped by the optimizer's own ``step`` with its parameter
-    groups narrowed to that window, so the arithmetic is the optimizer's, unchanged."""
+    An optimizer whose per-parameter state is elementwise (Adam, AdamW, SGD with momentum, ...)
+    steps each window by its own ``step`` with its parameter groups narrowed to that window, so
+    the arithmetic is the optimizer's, unchanged. One that steps over whole tensors (Adafactor,
+    Muon: zerofx/runtime/whole_step.py) steps its own windows of whole tensors, at most the
+    window's bytes at a time; after each, the state shaped like the parameters (sharded: Muon's
+    momentum, an unfactored variance) goes back to the tier, while the small state every rank
+    holds whole (Adafactor's row and column factors, step counts) stays in memory."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     placed = [state_store(p) for p in params]
     if not params or any(s is None for s in placed):
@@ -247,15 +252,23 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
             "zerofx.offload_optimizer: build the optimizer over a model compiled with "
             "zerofx.compile(..., offload_optimizer='host' | 'disk' | 'auto')"
         )
-    if whole_step_class(optimizer) is not None:
-        raise ZeroFXError(
-            f"zerofx.offload_optimizer: {type(optimizer).__name__} steps over whole tensors "
-            "(zerofx/runtime/whole_step.py), which offloaded optimizer state does not support yet; "
-            "use an elementwise optimizer (AdamW, Adam, SGD, ...) with offload_optimizer"
-        )
     tier, store, window = placed[0]
     state = optimizer_state(optimizer, create=True)
     if state.offload is not None:
+        return optimizer
+    if whole_step_class(optimizer) is not None:
+        # its own windows, over whole tensors (NOTE: whole-tensor steps); each window's
+        # parameter-shaped state parked after it like an elementwise window's
+        def before(win: list[torch.Tensor], following: list[torch.Tensor]) -> None:
+            _swap_in(optimizer, win, tier)
+            for p in following if store is not None else ():
+                _prefetch(optimizer, store, p)
+
+        step_over_whole_tensors(
+            optimizer,
+            Windows(window, before, lambda win: _park(optimizer, win, tier, store, rows_only=True)),
+        )
+        state.offload = (tier, store, window)
         return optimizer
     class_step: Callable = type(optimizer).step
     state.offload = (tier, store, window)
@@ -313,10 +326,19 @@ def _swap_in(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], tier:
             optimizer.state[p][key] = _with_local(value, _local(value).to(device, non_blocking=True))
 
 
-def _park(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], tier: str, store: DiskStore | None) -> None:
-    """After this window's step: state back to its tier, and its pages out of memory."""
+def _park(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    tier: str,
+    store: DiskStore | None,
+    rows_only: bool = False,
+) -> None:
+    """After this window's step: state back to its tier, and its pages out of memory
+    (``rows_only``: only the state sharded like the parameter, the DTensors)."""
     for p in params:
         for key, value in list(_state_tensors(optimizer, p)):
+            if rows_only and not isinstance(value, DTensor):
+                continue
             if store is not None:
                 if value not in store:
                     store.adopt(value)

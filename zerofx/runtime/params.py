@@ -479,6 +479,7 @@ class OptimizerState:
     inner_step: Any = None  # the step the local step wraps (the class's, or what already wrapped it)
     offload: tuple | None = None  # (tier, store, window) from zerofx.offload_optimizer
     whole: bool = False  # every step runs over whole tensors (zerofx/runtime/whole_step.py)
+    windows: Any = None  # how those steps walk their windows (whole_step.Windows; None: the default)
     first_local: bool = False  # its first step is still to run on local shards (local_step.py)
     last_hook: int | None = None  # the id of its step pre-hook that runs such steps (NOTE: the last pre-hook)
 

@@ -79,7 +79,7 @@ from zerofx.ir.layout import pack_consecutive
 from zerofx.runtime.eager_buckets import from_owners, to_owners
 from zerofx.runtime.params import GroupInfo
 
-__all__ = ["WINDOW_BYTES", "as_a_rank", "check_steppable", "stand_in", "step_whole", "whole_step_class"]
+__all__ = ["WINDOW_BYTES", "Windows", "as_a_rank", "check_steppable", "stand_in", "step_whole", "whole_step_class"]
 
 WINDOW_BYTES = 64 << 20  # whole parameters, gradients and parameter-shaped state gathered at once
 # a tensor at least this large travels in an all-to-all of its own: its owner then receives it
@@ -208,10 +208,26 @@ def _steppable_tp(placements: tuple) -> bool:
     return len(placements) == 1 and (placements[0].is_replicate() or type(placements[0]) is Shard)
 
 
-def step_whole(optimizer: torch.optim.Optimizer, step_fn: Callable[[torch.optim.Optimizer], Any]) -> None:
+@dataclass(frozen=True)
+class Windows:
+    """How a whole-tensor step walks its parameters: windows of at most ``nbytes`` of whole
+    tensors (parameters, gradients, parameter-shaped state; a larger tensor is a window of its
+    own; None: ``WINDOW_BYTES``), and what runs around each (``zerofx.offload_optimizer``: ``before(window, next)``
+    brings the window's state in and starts reading the next one's, ``after(window)`` parks it
+    again)."""
+
+    nbytes: int | None = None
+    before: Callable[[list, list], None] | None = None
+    after: Callable[[list], None] | None = None
+
+
+def step_whole(
+    optimizer: torch.optim.Optimizer, step_fn: Callable[[torch.optim.Optimizer], Any], windows: Windows = Windows()
+) -> None:
     """One step of ``optimizer`` by ``step_fn`` (its class's step function, without torch's hook
-    wrapper) over whole tensors, window by window (NOTE above). Every rank calls it with the same
-    parameters holding gradients, in the same order: the gathers and scatters are collectives."""
+    wrapper) over whole tensors, window by window (NOTE above; ``windows``). Every rank calls it
+    with the same parameters holding gradients, in the same order: the gathers and scatters are
+    collectives."""
     check_steppable(optimizer)
     stepped = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
@@ -232,8 +248,13 @@ def step_whole(optimizer: torch.optim.Optimizer, step_fn: Callable[[torch.optim.
     before = _Before(
         [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups], dict(vars(optimizer))
     )
-    for window in pack_consecutive(stepped, whole_bytes, WINDOW_BYTES):
+    packed = pack_consecutive(stepped, whole_bytes, WINDOW_BYTES if windows.nbytes is None else windows.nbytes)
+    for i, window in enumerate(packed):
+        if windows.before is not None:
+            windows.before(window, packed[i + 1] if i + 1 < len(packed) else [])
         _step_window(optimizer, step_fn, window, list(agree.values()), before)
+        if windows.after is not None:
+            windows.after(window)
 
 
 @dataclass
