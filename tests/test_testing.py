@@ -170,3 +170,16 @@ def test_bad_factory_specs_are_clear_errors():
             load_factory(spec)
     out = _cli("tests.verify_models:nope")
     assert out.returncode == 2 and "no attribute" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "options", [{"param_dtype": torch.bfloat16}, {"reduce_dtype": torch.bfloat16}, {"quantize_weights": "int8"}]
+)
+def test_verify_refuses_options_that_change_the_arithmetic(options):
+    """Mixed precision and quantized transfers round by design: a bit-for-bit verdict would call
+    that a divergence, so verify refuses them before it builds or communicates anything."""
+    from zerofx.testing import verify
+
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=f"{name}=.*changes the arithmetic"):
+        verify(lambda: None, None, **options)

@@ -593,6 +593,7 @@ def verify(
         raise ValueError(f"optimizer must be one of {sorted(make_opt)}, got {optimizer!r}")
     if steps < 1 or batch_per_rank < 1:
         raise ValueError(f"steps and batch_per_rank must be at least 1, got {steps} and {batch_per_rank}")
+    _refuse_other_arithmetic(options)
     world, rank = dist.get_world_size(), dist.get_rank()
     report = VerifyReport(rank, world)
     kwargs = factory_kwargs or {}
@@ -647,6 +648,32 @@ def verify(
         report.steps.append(s)
     torch._dynamo.reset()
     return report
+
+
+# options under which zerofx's training does other arithmetic than the unsharded fp32 reference
+# (lower precision, quantized transfers): a bit-for-bit comparison would report their intended
+# rounding as a divergence
+_OTHER_ARITHMETIC = ("param_dtype", "reduce_dtype", "quantize_weights", "quantize_grads")
+
+
+def _refuse_other_arithmetic(options: dict) -> None:
+    """Refuse options whose training ``verify`` cannot compare bit for bit, on every rank alike
+    (before any collective, so no rank waits for another)."""
+    from zerofx.options import Options
+
+    opts = Options(**options)
+    changed = [
+        f"{name}={getattr(opts, name)!r}"
+        for name in _OTHER_ARITHMETIC
+        if getattr(opts, name) not in (None, torch.float32)
+    ]
+    if changed:
+        raise ValueError(
+            f"zerofx.testing.verify compares against fp32 training bit for bit, and {', '.join(changed)} "
+            "changes the arithmetic itself (lower precision or quantized transfers round by design); "
+            "verify without it, and judge such a run by its loss curve against a plain run's, as "
+            "benchmarks/zeropp.py does for quantized transfers"
+        )
 
 
 def verify_ranks(spec: str, world_size: int, **kwargs: Any) -> list[VerifyReport]:
