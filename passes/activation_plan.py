@@ -349,14 +349,18 @@ class PlanProblem:
         return 0.5 / total_flops, float(total_bytes)
 
 
-def plan_activations(problem: PlanProblem, budget_bytes: int | None) -> tuple[ActivationPlan, ActivationPlan]:
+def plan_activations(
+    problem: PlanProblem, budget_bytes: int | None, free_price: float | None = None
+) -> tuple[ActivationPlan, ActivationPlan]:
     """The cheapest plan whose resident bytes fit ``budget_bytes`` (None: no budget), and the
-    leanest plan any price gives (its resident bytes are the minimum feasible budget).
+    leanest plan any price gives (its resident bytes are the minimum feasible budget). Without
+    a budget, ``free_price`` (FLOPs per byte freed) is what recomputing a value the constraints
+    leave free may cost (None: nothing is recomputed for free).
 
     Raises ZeroFXError when even the leanest plan does not fit."""
     low, high = problem.price_bounds()
     lean = problem.solve(low)
-    rich = problem.solve(high)
+    rich = problem.solve(high if budget_bytes is not None or free_price is None else free_price)
     if budget_bytes is None:
         if problem.offload_tier:  # no budget: offload only what hides completely
             rich = _with_offloads(problem, rich, [n for n in rich.saved if problem.offload_cost.get(n) == 1.0])

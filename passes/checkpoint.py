@@ -48,6 +48,15 @@ without such modules uses the root's direct children. A node belongs to the bloc
 checkpointed module) in its ``nn_module_stack``; a value produced in one region and read in
 another (or outside all regions) is a boundary and is saved, like the output of a
 ``torch.utils.checkpoint`` region. Code outside every region is left to the plan.
+
+# NOTE: checkpoint calls in the model
+A model that calls ``torch.utils.checkpoint`` itself (its own blocks, or layers whose own
+checkpointing zerofx.compile did not take over: zerofx/layer_checkpointing.py) reaches the joint
+graph with that call's ops tagged PREFER_RECOMPUTE and numbered by call (``ac_graph_id``).
+torch's partitioner treats "prefer" as a hint; so would this pass's plan, which left such a model
+saving what it saves without the call: the user's checkpointing silently undone. So each call is a
+region like a checkpointed module's: what its ops compute is recomputed, what leaves it is saved,
+and what the user's selective policy marked MUST_SAVE stays saved. PREFER_SAVE is left to the plan.
 """
 
 from __future__ import annotations
@@ -63,7 +72,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from zerofx.errors import ZeroFXError
 from zerofx.ir.markers import UNSHARD
-from zerofx.ir.meta import ACTIVATION_PLAN, OFFLOAD_TIER, RECOMPUTE, ROLE
+from zerofx.ir.meta import AC_REGION, ACTIVATION_PLAN, OFFLOAD_TIER, RECOMPUTE, ROLE
 from zerofx.options import MemoryPolicy
 from zerofx.passes.activation_plan import ActivationPlan, PlanProblem, cannot_recompute, plan_activations
 from zerofx.passes.contract import Pass, PassContext
@@ -116,7 +125,8 @@ def _op_matches(node: fx.Node, names: tuple[str, ...]) -> bool:
 
 
 def _regions(fw_nodes: list[fx.Node], options: MemoryPolicy) -> dict[fx.Node, str]:
-    """Node -> the checkpointed region (module path) it belongs to (see NOTE: blocks)."""
+    """Node -> the checkpointed region (module path) it belongs to (see NOTE: blocks), or the
+    ``torch.utils.checkpoint`` call it was traced in (NOTE: checkpoint calls in the model)."""
     patterns = list(options.checkpoint_modules)
     if options.checkpoint == "full":
         all_paths = {p for n in fw_nodes for p in _paths(n)}
@@ -128,6 +138,9 @@ def _regions(fw_nodes: list[fx.Node], options: MemoryPolicy) -> dict[fx.Node, st
             if any(fnmatch.fnmatchcase(p, pat) for pat in patterns):
                 regions[n] = p
                 break
+        else:
+            if n.meta.get(AC_REGION) is not None and n.meta.get(RECOMPUTE) == CheckpointPolicy.PREFER_RECOMPUTE:
+                regions[n] = f"torch.utils.checkpoint call {n.meta[AC_REGION]}"
     return regions
 
 
@@ -331,7 +344,8 @@ def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         info=base.info,
     )
     try:
-        plan, lean = plan_activations(problem, budget)
+        # without a budget, what the policies leave free is planned as by default (NOTE: cheap recompute)
+        plan, lean = plan_activations(problem, budget, free_price=CHEAP_PRICE)
     except ZeroFXError:
         lean = problem.solve(problem.price_bounds()[0])
         u = unconstrained.resident_bytes or 1

@@ -183,6 +183,47 @@ def test_module_and_op_policies(gpt_joint):
     assert any(str(nodes[r].target) == "aten.gelu.default" for r in p["recomputed"])
 
 
+class CheckpointedGPT(GPT):
+    """The test GPT calling torch.utils.checkpoint on each block itself, as many training
+    scripts do."""
+
+    def forward(self, tokens, targets):
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.wte(tokens) + self.wpe(pos)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return F.cross_entropy(self.lm_head(self.ln_f(x)).flatten(0, 1), targets.flatten())
+
+
+def test_checkpoint_calls_in_the_model_are_recomputed_like_checkpointed_modules(one_rank, gpt_joint):
+    """With no option given, a model's own torch.utils.checkpoint calls are regions the plan
+    recomputes (NOTE: checkpoint calls in the model): the plan used to treat their tags as
+    hints and saved what the model without the calls saves, undoing the user's checkpointing."""
+    torch.manual_seed(0)
+    model = zerofx.shard(CheckpointedGPT(GPT_CFG), one_rank)
+    joint = capture_joint(model, random_batch(GPT_CFG, 2, torch.Generator().manual_seed(0)))
+    gm, _, p = plan(joint)
+    _, _, plain = plan(gpt_joint)
+    _, _, as_modules = plan(gpt_joint, checkpoint_modules=("blocks.*",))
+    targets = {n.name: str(n.target) for n in gm.graph.nodes}
+    # the blocks' matmuls, which a plan without the calls keeps, are recomputed
+    assert any("addmm" in targets[r] for r in p["recomputed"]), p["recomputed"]
+    assert p["resident_bytes"] < 0.5 * plain["resident_bytes"], (p["resident_bytes"], plain["resident_bytes"])
+    assert p["resident_bytes"] == as_modules["resident_bytes"]  # the same cut as checkpointing the blocks
+
+
+def test_module_policies_plan_the_rest_as_the_default_plan_does(gpt_joint):
+    """Outside the checkpointed modules (no budget) the plan recomputes what is cheap, as with
+    no option (NOTE: cheap recompute): the final LayerNorm's output and blocks.0's GELU are
+    rebuilt in the backward, not saved."""
+    gm, _, p = plan(gpt_joint, checkpoint_modules=("blocks.1",))
+    stacks = {n.name: str(n.meta.get("nn_module_stack", "")) for n in gm.graph.nodes}
+    targets = {n.name: str(n.target) for n in gm.graph.nodes}
+    recomputed = set(p["recomputed"])
+    assert any("ln_f" in stacks[r] and "layer_norm" in targets[r] for r in recomputed), recomputed
+    assert any("blocks.0" in stacks[r] and "gelu" in targets[r] for r in recomputed), recomputed
+
+
 def test_offload_marks_travel_to_both_graphs(gpt_joint, tmp_path):
     gm, messages, p = plan(gpt_joint, activation_budget=0.3, offload_activations="disk", offload_dir=str(tmp_path))
     assert p["offloaded"] and p["resident_bytes"] <= 0.3 * p["unconstrained_bytes"]

@@ -57,6 +57,12 @@ RECOMPUTE = MetaKey(
     "torch.utils.checkpoint in the model writes it too",
     external=True,
 )
+AC_REGION = MetaKey(
+    "ac_graph_id",
+    "which torch.utils.checkpoint call in the model a node was traced in (AOTAutograd writes it "
+    "with ``recompute``): the checkpoint pass recomputes such a region as a checkpointed module",
+    external=True,
+)
 OFFLOAD_TIER = MetaKey(
     "zerofx_offload",
     "'host' | 'disk': the tier a saved activation is parked in between forward "
