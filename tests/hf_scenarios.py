@@ -176,6 +176,27 @@ def tiny_deepseek_v3():
     return _LanguageModelLoss(DeepseekV3ForCausalLM(config)), _token_batch
 
 
+def _checkpointed(factory, **enable):
+    """``factory()``'s model with transformers' activation checkpointing on (``enable``: its
+    ``every_n_layers``, ``offload``, ``activation_checkpointing_kwargs``), in training mode."""
+    model, batch = factory()
+    model.model.activation_checkpointing_enable(**enable)
+    model.train()
+    return model, batch
+
+
+def tiny_llama_checkpointed():
+    """A tiny LlamaForCausalLM with transformers' activation checkpointing on both layers."""
+    return _checkpointed(lambda: (_LanguageModelLoss(tiny_llama()), _token_batch))
+
+
+def tiny_t5_checkpointed():
+    """T5 with transformers' activation checkpointing: its attention layers also make their
+    zero position bias a leaf that requires grad while checkpointing is on, which the eager
+    model then rounds otherwise."""
+    return _checkpointed(tiny_t5)
+
+
 def _mesh(world: int):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -306,12 +327,15 @@ def trainer_history(trainer) -> list[dict]:
     return [{"loss": h["loss"], "grad_norm": h["grad_norm"]} for h in trainer.state.log_history if "loss" in h]
 
 
-def unsharded_trainer(out: str, world: int, optim: str = "adamw_torch") -> dict:
-    """The reference: one process, the whole global batch per device (world x per-rank)."""
+def unsharded_trainer(out: str, world: int, optim: str = "adamw_torch", checkpointing: bool = False) -> dict:
+    """The reference: one process, the whole global batch per device (world x per-rank).
+    ``checkpointing``: ``TrainingArguments(activation_checkpointing=True)``."""
     from transformers import Trainer
 
     trainer = Trainer(
-        model=tiny_llama(), args=trainer_args(out, TRAINER_PER_RANK * world, optim=optim), train_dataset=TokenDataset()
+        model=tiny_llama(),
+        args=trainer_args(out, TRAINER_PER_RANK * world, optim=optim, activation_checkpointing=checkpointing),
+        train_dataset=TokenDataset(),
     )
     trainer.train()
     return {
@@ -320,20 +344,27 @@ def unsharded_trainer(out: str, world: int, optim: str = "adamw_torch") -> dict:
     }
 
 
-def zerofx_trainer(out: str, stage: int, optim: str = "adamw_torch") -> dict:
+def zerofx_trainer(out: str, stage: int, optim: str = "adamw_torch", checkpointing: bool = False) -> dict:
     """One rank of a torchrun-launched job (zerofx.launch.local_ranks): ZeroFXTrainer, then
-    save_model; returns the logged history (the parent compares it with the unsharded run)."""
+    save_model; returns the logged history (the parent compares it with the unsharded run), and
+    with ``checkpointing`` what became of the Trainer's activation checkpointing."""
     from zerofx.hf import ZeroFXTrainer
+    from zerofx.runtime.params import runtime_of
 
-    trainer = ZeroFXTrainer(
-        model=tiny_llama(),
-        args=trainer_args(f"{out}/run", TRAINER_PER_RANK, ddp_backend="gloo", optim=optim),
-        train_dataset=TokenDataset(),
-        zerofx_options={"stage": stage},
+    args = trainer_args(
+        f"{out}/run", TRAINER_PER_RANK, ddp_backend="gloo", optim=optim, activation_checkpointing=checkpointing
     )
+    model = tiny_llama()
+    trainer = ZeroFXTrainer(model=model, args=args, train_dataset=TokenDataset(), zerofx_options={"stage": stage})
     trainer.train()
     trainer.save_model(f"{out}/saved")
-    return {"history": trainer_history(trainer)}
+    return {
+        "history": trainer_history(trainer),
+        "checkpoint_report": runtime_of(model).checkpoint_report,
+        "checkpoint_modules": runtime_of(model).compiled.options.checkpoint_modules,
+        "layers_flagged": sorted(n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False)),
+        "args_kept": args.activation_checkpointing,
+    }
 
 
 def tiny_lora_llama(seed: int = 0):

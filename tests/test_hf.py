@@ -242,6 +242,94 @@ def test_other_hf_architectures_train_bit_for_bit(factory):
         assert len(r["steps"]) == 2
 
 
+@pytest.mark.parametrize("factory", ["tiny_llama_checkpointed", "tiny_t5_checkpointed"])
+def test_models_that_checkpoint_their_own_layers_train_bit_for_bit(factory):
+    """transformers' activation checkpointing under torch.compile rounds otherwise than the eager
+    model; taken over by zerofx.compile (zerofx/layer_checkpointing.py), two steps at stage 3
+    on 2 ranks match the unsharded model bit for bit."""
+    from zerofx.testing import verify_ranks
+
+    reports = verify_ranks(f"tests.hf_scenarios:{factory}", 2, steps=2)
+    for r in reports:
+        assert r["ok"], (r["problem"], r["first_divergence"])
+
+
+def _layer_flags(model) -> list[str]:
+    return sorted(n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False))
+
+
+def test_layer_checkpointing_is_taken_over_only_where_zerofx_can_do_it():
+    """``take_over``: transformers' plain checkpointing (every layer, every other layer, with
+    offload) becomes checkpoint_modules (and offload_activations='host'), every flag off, and
+    again on a second call (compiling the model again); a selective policy (``context_fn``)
+    stays the model's, flags and options untouched."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from zerofx.layer_checkpointing import take_over
+
+    model = hs.tiny_llama()
+    assert take_over(model, zerofx.Options()) == (zerofx.Options(), None)
+    model.activation_checkpointing_enable()
+    opts, line = take_over(model, zerofx.Options(checkpoint_modules=("lm_head",)))
+    assert opts.checkpoint_modules == ("lm_head", "model.layers.0", "model.layers.1")
+    assert opts.offload_activations == "none" and "2 layer(s)" in line and _layer_flags(model) == []
+    assert take_over(model, zerofx.Options(checkpoint_modules=("lm_head",))) == (opts, line)
+
+    every_other = hs.tiny_llama()
+    every_other.activation_checkpointing_enable(every_n_layers=2)
+    opts, _ = take_over(every_other, zerofx.Options())
+    assert opts.checkpoint_modules == ("model.layers.0",) and _layer_flags(every_other) == []
+
+    offloaded = hs.tiny_llama()
+    offloaded.activation_checkpointing_enable(offload=True)
+    opts, line = take_over(offloaded, zerofx.Options())
+    assert opts.offload_activations == "host" and "offload_activations='host'" in line
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    selective = hs.tiny_llama()
+    selective.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={
+            "use_reentrant": False,
+            "context_fn": functools.partial(create_selective_checkpoint_contexts, policy),
+        }
+    )
+    flagged = _layer_flags(selective)
+    opts, line = take_over(selective, zerofx.Options())
+    assert opts == zerofx.Options() and "keep their own activation checkpointing" in line
+    assert _layer_flags(selective) == flagged and "model.layers.0" in flagged
+
+
+def _saved_after_compile(mesh, enable: str) -> int:
+    """Bytes the forward of a small Llama (2 layers, width 128, 48 tokens) leaves saved for its
+    backward under zerofx, with transformers' activation checkpointing set ``enable``: "never",
+    "before" zerofx.compile (taken over) or "after" it (torch.utils.checkpoint calls)."""
+    model = hs.tiny_llama(hidden=128).train()
+    if enable == "before":
+        model.activation_checkpointing_enable()
+    zerofx.compile(model, mesh)
+    if enable == "after":
+        model.activation_checkpointing_enable()
+    x = torch.randint(0, hs.VOCAB, (4, 48), generator=torch.Generator().manual_seed(1))
+    try:
+        with zerofx.MemoryTracker() as mem:
+            model(input_ids=x, labels=x).loss.backward()
+    finally:
+        torch._dynamo.reset()
+    return max(mem.summary()["saved_at_boundary"])
+
+
+def test_layer_checkpointing_frees_the_layers_activations_whether_taken_over_or_not(one_rank):
+    """transformers' activation checkpointing lowers what the forward saves under zerofx, set
+    before zerofx.compile (its checkpoint pass recomputes the layers) or after it (the model's
+    torch.utils.checkpoint calls are regions of the plan): it used to save as much as without."""
+    never, before, after = (_saved_after_compile(one_rank, e) for e in ("never", "before", "after"))
+    assert before < 0.25 * never and after < 0.25 * never, (never, before, after)
+
+
 def test_gathered_needs_a_sharded_model():
     with pytest.raises(ZeroFXError, match="not sharded by zerofx"):
         with zerofx.gathered(nn.Linear(2, 2)):
@@ -274,6 +362,26 @@ def test_hf_trainer_trains_like_the_unsharded_trainer(tmp_path, optim):
     for k, v in reference["params"].items():
         torch.testing.assert_close(saved[k], v, rtol=0, atol=1e-5, msg=k)
     assert not any(p.name.startswith(".") for p in (tmp_path / "zerofx").iterdir())  # staging removed
+
+
+def test_hf_trainer_activation_checkpointing_is_done_by_zerofx(tmp_path):
+    """``TrainingArguments(activation_checkpointing=True)``: ZeroFXTrainer sets it on the layers
+    as the Trainer would and zerofx.compile takes it over (zerofx/layer_checkpointing.py): its
+    checkpoint pass recomputes both decoder layers, no layer runs torch.utils.checkpoint (the
+    Trainer does not set it again), the user's arguments are left as they were, and training
+    follows the plain Trainer with checkpointing within the tolerances of the test above."""
+    from zerofx.launch import local_ranks
+
+    reference = hs.unsharded_trainer(str(tmp_path / "ref"), 2, checkpointing=True)
+    per_rank = local_ranks(hs.zerofx_trainer, 2, str(tmp_path / "zerofx"), 3, "adamw_torch", True, name="hf-ac")
+    for rank, got in enumerate(per_rank):
+        assert got["checkpoint_modules"] == ("model.layers.0", "model.layers.1"), got
+        assert "done by zerofx's checkpoint pass" in got["checkpoint_report"]
+        assert got["layers_flagged"] == [] and got["args_kept"] is True
+        assert len(got["history"]) == hs.TRAINER_STEPS, rank
+        for step, (g, w) in enumerate(zip(got["history"], reference["history"])):
+            for key in ("loss", "grad_norm"):
+                assert abs(g[key] - w[key]) <= 1e-6 * abs(w[key]), (rank, step, key, g[key], w[key])
 
 
 def test_hf_trainer_trains_and_saves_a_peft_lora_model_as_the_plain_trainer_does(tmp_path):

@@ -16,6 +16,7 @@ from torch.distributed.tensor import Replicate
 from zerofx.backend import make_backend, recorder_for
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError, some_names
+from zerofx.layer_checkpointing import take_over
 from zerofx.options import LAYOUT_OPTIONS, Options
 from zerofx.passes.modules import module_path
 from zerofx.runtime.offload_store import place_model_state, resolve_offload_dir
@@ -91,6 +92,7 @@ def _compile(
     opts = resolve_offload_dir(opts)  # before sharding: a bad folder fails with the model untouched
     if not isinstance(model, nn.Module):
         raise ZeroFXError(f"zerofx.compile takes an nn.Module, got {type(model).__name__}")
+    opts, checkpointing = take_over(model, opts)  # NOTE: a model's own layer checkpointing
     if is_sharded(model):
         runtime = runtime_of(model)
         if mesh is not None and not _same_mesh(mesh, runtime, opts.tp_dim):
@@ -122,6 +124,9 @@ def _compile(
         recorder = recorder_for(opts)
         if recorder is not None:
             recorder.note("model", "state", runtime.state_report)
+    runtime.checkpoint_report = checkpointing
+    if checkpointing is not None and (recorder := recorder_for(opts)) is not None:
+        recorder.note("model", "checkpoint", checkpointing)
     runtime.training = training
     backend = make_backend(opts, cost=cost)
     runtime.compiled = backend.zerofx_state
@@ -208,6 +213,8 @@ def explain(model: nn.Module, *example_inputs: Any, backward: bool = True, **opt
     runtime = runtime_of(model)
     if runtime is not None and runtime.state_report:
         recorder.note("model", "state", runtime.state_report)
+    if runtime is not None and runtime.checkpoint_report:
+        recorder.note("model", "checkpoint", runtime.checkpoint_report)
     states = runtime.states if runtime is not None else []
     split = [s.layout for s in states if s.shard_dim]
     if split:  # zerofx/ir/layout.py, NOTE: the sharded dim

@@ -126,6 +126,32 @@ def _load_adapters(model: Any, path: Path) -> None:
         raise ZeroFXError(f"ZeroFXTrainer: {path} holds weights this model has no place for: {some_names(unexpected)}")
 
 
+def _checkpoint_layers(model: Any, args: TrainingArguments) -> None:
+    """``TrainingArguments(activation_checkpointing=True)``: set it on the model's layers as the
+    Trainer would (``activation_checkpointing_enable``, with its ``every_n_layers`` and
+    ``offload``), before ``zerofx.compile`` takes it over (zerofx/layer_checkpointing.py, NOTE: a
+    model's own layer checkpointing); the Trainer then leaves the layers alone (``train``)."""
+    if not args.activation_checkpointing:
+        return
+    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+        model, "gradient_checkpointing_enable", None
+    )
+    if enable is None:
+        raise ZeroFXError(
+            f"TrainingArguments(activation_checkpointing=True), but {type(model).__name__} has no "
+            "activation_checkpointing_enable: drop the setting and pass zerofx_options="
+            "{'checkpoint': 'full'} (or checkpoint_modules=...) for zerofx's own checkpointing"
+        )
+    kwargs = dict(args.activation_checkpointing_kwargs or {})
+    every, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    if getattr(model, "activation_checkpointing_enable", None) is not None:
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=kwargs or None, every_n_layers=every, offload=offload
+        )
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+
+
 def _check_loop_settings(training: dict[str, Any], args: TrainingArguments) -> None:
     """The Trainer runs the loop from ``args``; a DeepSpeed config that says otherwise is an
     error naming both values (as HF's DeepSpeed integration does), ``"auto"`` is fine, and the
@@ -216,6 +242,7 @@ class ZeroFXTrainer(Trainer):
                     "ZeroFXTrainer: no process group after TrainingArguments set up its devices; "
                     "launch the script with torchrun (or pass a model zerofx already compiled)"
                 )
+            _checkpoint_layers(model, args)  # before compiling: zerofx takes the layers' checkpointing over
             with warnings.catch_warnings():  # the loop settings are the Trainer's: checked below instead
                 warnings.filterwarnings("ignore", message=".*training-loop settings zerofx leaves to the loop")
                 zerofx.compile(model, mesh, config=zerofx_config, **(zerofx_options or {}))
@@ -232,6 +259,8 @@ class ZeroFXTrainer(Trainer):
                 inner._is_distributed_loading_by_transformers = True
         # That path refuses optimizer checkpoints, which it could not save; the hooks below save
         # them through zerofx.checkpoint, so the check is passed and the setting put back.
+        # the Trainer's activation checkpointing was set on the layers before zerofx.compile took it over
+        self._zerofx_checkpointed = runtime_of(model).checkpoint_report is not None and args.activation_checkpointing
         self._zerofx_state_saved: Path | None = None  # checkpoint-N whose zerofx_state save_model wrote
         self._zerofx_model_loaded_from: Path | None = None  # checkpoint-N whose zerofx_state model was read
         save_only_model = args.save_only_model
@@ -240,6 +269,17 @@ class ZeroFXTrainer(Trainer):
             super().__init__(model, args, *trainer_args, **trainer_kwargs)
         finally:
             args.save_only_model = save_only_model
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        # the layers' checkpointing was set up (and taken over by zerofx) when the model was
+        # compiled: the Trainer must not set torch.utils.checkpoint on them again when it starts
+        checkpointing = self.args.activation_checkpointing
+        if self._zerofx_checkpointed:
+            self.args.activation_checkpointing = False
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.args.activation_checkpointing = checkpointing
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         if self.accelerator.sync_gradients:

@@ -54,6 +54,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from zerofx.layer_checkpointing import take_over
+from zerofx.options import Options
 from zerofx.runtime.eager_buckets import rank_ordered_sum
 
 __all__ = [
@@ -621,6 +623,10 @@ def verify(
     del again
     replica = copy.deepcopy(model)
     zerofx.compile(model, mesh, **options)
+    # the layers whose own checkpointing zerofx took over run without it in the replica too:
+    # recomputing changes no value, though some models round otherwise with it on (NOTE: a
+    # model's own layer checkpointing, zerofx/layer_checkpointing.py)
+    take_over(replica, Options())
     opt = make_opt[optimizer](list(model.parameters()))
     ref = ShardedReference(replica, model, make_opt[optimizer])
     gen = torch.Generator().manual_seed(seed + 1)
@@ -659,7 +665,6 @@ _OTHER_ARITHMETIC = ("param_dtype", "reduce_dtype", "quantize_weights", "quantiz
 def _refuse_other_arithmetic(options: dict) -> None:
     """Refuse options whose training ``verify`` cannot compare bit for bit, on every rank alike
     (before any collective, so no rank waits for another)."""
-    from zerofx.options import Options
 
     opts = Options(**options)
     changed = [

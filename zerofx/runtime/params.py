@@ -390,6 +390,7 @@ class ModelRuntime:
     local_step: bool = True  # elementwise optimizers step the local shards (zerofx/runtime/local_step.py)
     state_tier: str = "none"  # where parameter shards and optimizer state live (offload_store.place_model_state)
     state_report: str | None = None  # the line saying so, for explain() and the dump
+    checkpoint_report: str | None = None  # what zerofx.compile did with the model's own layer checkpointing
     compiled: Any = None  # zerofx.backend.CompileState of the compiled model (its per-graph estimates)
     training: dict = field(default_factory=dict)  # a DeepSpeed config's training-loop settings (zerofx/ds_config.py)
     gathered: dict | None = None  # ParamState -> whole parameter, inside zerofx.gathered(model)

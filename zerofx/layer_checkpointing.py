@@ -1,0 +1,113 @@
+"""Activation checkpointing a model turns on itself (HF's ``activation_checkpointing_enable``),
+done by zerofx's checkpoint pass instead of torch.utils.checkpoint.
+
+# NOTE: a model's own layer checkpointing
+transformers checkpoints a layer by calling its ``_gradient_checkpointing_func`` (torch's
+``checkpoint``, through ``functools.partial`` with its keyword arguments) on the layer's forward
+whenever the layer's ``gradient_checkpointing`` flag is set (``GradientCheckpointingLayer``:
+every ``every_n_layers``-th decoder layer; the HF Trainer sets the flags for
+``TrainingArguments(activation_checkpointing=True)``). Under torch.compile dynamo traces each
+such call as a ``tag_activation_checkpoint`` region, and the compiled step no longer rounds as
+the eager model does (torch's own ``aot_eager`` backend shows it: docs/measurements.md, "layer
+checkpointing"), so ``zerofx verify`` would fail on a model that trains correctly, and the
+regions are recomputed by torch's rules beside zerofx's plan rather than in it.
+
+``zerofx.compile`` therefore takes such layers over: it turns their flags off and asks its
+checkpoint pass to recompute the same layers (``checkpoint_modules``, their module paths), which
+keeps the eager arithmetic bit for bit and plans the recompute with everything else (re-gathered
+parameters, offload, ``activation_budget``). transformers' offload form (``save_on_cpu`` around
+the checkpoint) becomes ``offload_activations="host"`` where that option was left unset. Only
+plain checkpointing is taken over: torch's ``checkpoint`` with keyword arguments that leave what
+is saved as it is (``TAKEN_KWARGS``). A layer checkpointed any other way (a selective policy
+through ``context_fn``, a function of the user's) keeps its own checkpointing, and the report
+says which. Layers whose flags are set after ``zerofx.compile`` run torch's checkpointing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerofx.errors import some_names
+
+__all__ = ["TAKEN_KWARGS", "take_over"]
+
+# torch.utils.checkpoint.checkpoint's keyword arguments that do not change what a layer saves or
+# recomputes: a layer checkpointed with these (and no others) is recomputed by zerofx instead
+TAKEN_KWARGS = frozenset({"use_reentrant", "preserve_rng_state", "determinism_check", "debug"})
+
+
+def _form(fn: Any) -> str | None:
+    """How a layer's ``_gradient_checkpointing_func`` checkpoints: "plain" (torch's checkpoint),
+    "offload" (transformers' ``save_on_cpu`` around it), None (anything else: left alone)."""
+    kwargs: dict = {}
+    while isinstance(fn, functools.partial):
+        kwargs.update(fn.keywords)
+        fn = fn.func
+    if not set(kwargs) <= TAKEN_KWARGS:
+        return None
+    if fn is torch.utils.checkpoint.checkpoint:
+        return "plain"
+    code = getattr(fn, "__code__", None)
+    # transformers' offload form: a closure that enters save_on_cpu and calls torch's checkpoint
+    if code is not None and {"save_on_cpu", "checkpoint"} <= set(code.co_names) | set(code.co_freevars):
+        return "offload"
+    return None
+
+
+def _is_layer(module: nn.Module) -> bool:
+    """A layer that checkpoints its own forward (transformers' ``GradientCheckpointingLayer``, by
+    name: transformers is not imported for the check)."""
+    return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
+
+
+def take_over(model: nn.Module, options: Any) -> tuple[Any, str | None]:
+    """Turn off the layer checkpointing ``model`` asks for itself and return ``options`` with
+    zerofx recomputing those layers instead, and the line saying so (None: nothing to take
+    over). NOTE above. Every module's flag goes off when every checkpointing layer is taken
+    over: the others' (a decoder stack's, an attention's) only accompany the layers' (no cache
+    while recomputing, a leaf bias for reentrant checkpointing), and the model is then the one
+    without checkpointing; while a layer keeps its own, all of them stay as they are. A layer
+    taken over is marked (``_zerofx_checkpointed``: its form), so that compiling the model
+    again (Lightning compiles per stage) takes it over again."""
+    flagged = [
+        (path, module)
+        for path, module in model.named_modules()
+        if getattr(module, "gradient_checkpointing", False) is True
+        and getattr(module, "_gradient_checkpointing_func", None) is not None
+    ]
+    forms = {
+        path: _form(module._gradient_checkpointing_func) if path else None  # the model itself: not a layer of it
+        for path, module in flagged
+        if _is_layer(module)
+    }
+    kept = [path or "(the model)" for path, form in forms.items() if form is None]
+    if kept:
+        return options, (
+            f"{some_names(kept, shown=4)} keep their own activation checkpointing (not plain "
+            "torch.utils.checkpoint: a selective policy or another function), which torch.compile "
+            "recomputes by torch's rules; zerofx takes over none of the model's checkpointing"
+        )
+    modules = dict(model.named_modules())
+    for path, form in forms.items():
+        modules[path]._zerofx_checkpointed = form
+    if forms:
+        for _, module in flagged:
+            module.gradient_checkpointing = False
+    taken = {path: m._zerofx_checkpointed for path, m in modules.items() if getattr(m, "_zerofx_checkpointed", None)}
+    if not taken:
+        return options, None
+    new = tuple(path for path in taken if path not in options.checkpoint_modules)
+    changes: dict[str, Any] = {"checkpoint_modules": (*options.checkpoint_modules, *new)}
+    if "offload" in taken.values() and options.offload_activations == "none":
+        changes["offload_activations"] = "host"
+    return dataclasses.replace(options, **changes), (
+        f"the model's own activation checkpointing of {len(taken)} layer(s) ({some_names(list(taken), shown=4)}) "
+        "is done by zerofx's checkpoint pass (checkpoint_modules"
+        + (", offload_activations='host'" if "offload_activations" in changes else "")
+        + "), not torch.utils.checkpoint"
+    )
