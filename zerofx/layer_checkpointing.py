@@ -20,7 +20,10 @@ the checkpoint) becomes ``offload_activations="host"`` where that option was lef
 plain checkpointing is taken over: torch's ``checkpoint`` with keyword arguments that leave what
 is saved as it is (``TAKEN_KWARGS``). A layer checkpointed any other way (a selective policy
 through ``context_fn``, a function of the user's) keeps its own checkpointing, and the report
-says which. Layers whose flags are set after ``zerofx.compile`` run torch's checkpointing.
+says which. Layers whose flags are set after ``zerofx.compile``, or whose model is compiled by
+``torch.compile(backend="zerofx")`` (the backend sees graphs only), run torch's checkpoint calls,
+which the checkpoint pass plans as regions (passes/checkpoint.py, NOTE: checkpoint calls in the
+model).
 """
 
 from __future__ import annotations
