@@ -174,12 +174,96 @@ def _measured_step_transient(rank: int, world: int) -> dict[str, int]:
     return out
 
 
+class ThreeWeights(torch.nn.Module):
+    """Weights of 400, 240 and 200 rows (width 100) in one window of a whole-tensor step: over 2
+    ranks rank 0 owns the largest, rank 1 the other two, which hold 10% more."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Parameter(0.02 * torch.randn(rows, 100)) for rows in (400, 240, 200))
+
+    def forward(self, x):
+        return sum((x @ w.t()).square().mean() for w in (self.a, self.b, self.c))
+
+
+def _three_weights_inputs(batch: int, seq: int) -> tuple:
+    return (torch.randn(batch, 100),), {}
+
+
+def _measured_three_weights_transient(rank: int, world: int) -> int:
+    """What a step of Adafactor after the first allocates at its peak on this rank (the least of
+    five, as ``_measured_step_transient``)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerofx.measure.allocations import allocated_above_start
+
+    torch.manual_seed(0)
+    model = zerofx.shard(ThreeWeights(), init_device_mesh("cpu", (world,)))
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    model(*_three_weights_inputs(2, 0)[0]).backward()
+    opt.step()
+    seen = []
+    for _ in range(5):
+        dist.barrier()
+        seen.append(allocated_above_start(opt.step))
+    return min(seen)
+
+
+def test_plan_counts_the_whole_step_transient_of_the_rank_that_holds_the_most():
+    """NOTE: the optimizer step's transient memory: where another rank owns more of a window
+    than rank 0 (rank 1 the 240- and 200-row weights, rank 0 the 400-row one), the plan steps as
+    that rank too and its transient is that rank's, which a real run allocates (up to 2% more,
+    as below). Planned as rank 0 only, it was 10% short."""
+    from tests.multirank import run_ranks
+
+    p = zerofx.plan(
+        ThreeWeights,
+        (2,),
+        batch=2,
+        device="cpu",
+        optimizer=lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+        example_inputs_fn=_three_weights_inputs,
+    )
+    measured = run_ranks(_measured_three_weights_transient, 2)
+    assert measured[1] > 1.05 * measured[0], measured  # the case is real: rank 1 holds more
+    planned = p.per_rank.optimizer_step_bytes
+    assert planned <= measured[1] <= 1.02 * planned, (planned, measured)
+
+
+def test_over_many_ranks_the_transient_is_planned_as_each_rank_that_owns_the_most_of_a_window():
+    """Over more than ``EVERY_RANK_UP_TO`` ranks the plan steps as rank 0 and each rank that owns
+    the most bytes of some window: over 16 ranks, fifteen weights of 160 rows go to ranks 0-14
+    and the 96- and 80-row ones both to rank 15, which then owns the most (176 rows)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from zerofx.runtime.whole_step import EVERY_RANK_UP_TO, heaviest_ranks
+
+    class Weights(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.ParameterList(
+                torch.nn.Parameter(torch.zeros(rows, 100)) for rows in [160] * 15 + [96, 80]
+            )
+
+    assert EVERY_RANK_UP_TO < 16
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=16)
+    try:
+        model = zerofx.shard(Weights(), torch.distributed.device_mesh.init_device_mesh("cpu", (16,)))
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        assert heaviest_ranks(torch.optim.Adafactor(model.parameters())) == [0, 15]
+        assert heaviest_ranks(torch.optim.AdamW(model.parameters())) == [0]
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_plan_counts_the_optimizer_steps_transient_as_rank_0_of_a_real_run_holds_it(world):
+def test_plan_counts_the_optimizer_steps_transient_as_the_rank_that_holds_the_most(world):
     """NOTE: the optimizer step's transient memory: the planned transient of a whole-tensor step
     (Adafactor, Muon: the owner's whole tensors, the exchanges' buffers, the step's own
-    temporaries) and of foreach AdamW (a temporary per state tensor) is what rank 0 of a real
-    gloo run allocates, up to 2% less (the allocator's view also counts the state a step
+    temporaries) and of foreach AdamW (a temporary per state tensor) is what the rank of a real
+    gloo run that holds the most allocates (rank 0 here: it owns the embedding), up to 2% less (the allocator's view also counts the state a step
     replaces, 0.26% here, and sees some of gloo's frees late; never less than the plan); and the
     plan's peak holds it."""
     from tests.multirank import run_ranks
@@ -188,7 +272,8 @@ def test_plan_counts_the_optimizer_steps_transient_as_rank_0_of_a_real_run_holds
         name: zerofx.plan(lambda: GPT(GPTConfig(**TRANSIENT_CFG)), (world,), batch=2, device="cpu", optimizer=make)
         for name, make in TRANSIENT_OPTIMIZERS.items()
     }
-    measured = run_ranks(_measured_step_transient, world)[0]
+    per_rank = run_ranks(_measured_step_transient, world)
+    measured = {name: max(r[name] for r in per_rank) for name in planned}
     for name, p in planned.items():
         r = p.per_rank
         assert r.optimizer_step_bytes <= measured[name] <= 1.02 * r.optimizer_step_bytes, (name, measured[name])

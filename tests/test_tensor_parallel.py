@@ -263,11 +263,13 @@ def test_the_planner_counts_muons_momentum_over_dp_and_tp():
 
 
 @pytest.mark.parametrize("optimizer", ["adafactor", "muon"])
-def test_the_planned_whole_step_transient_is_rank_0s_over_dp_and_tp(results, optimizer):
+def test_the_planned_whole_step_transient_is_the_most_a_rank_holds_over_dp_and_tp(results, optimizer):
     """planner.py, NOTE: the optimizer step's transient memory: within ``whole_step.as_a_rank``
-    the fake group's rank owns and exchanges, over dp and then over tp, what rank 0 of the real
-    2x2 run does, so the planned transient is what that rank allocates (up to 2% less: the
-    allocator's view sees some of gloo's frees late, never early). Another rank may hold up to a tensor's share more."""
+    the fake group's rank owns and exchanges, over dp and then over tp, what a data-parallel rank
+    (at TP rank 0) of the real 2x2 run does, each dp rank in turn, so the planned transient is
+    what the rank that holds the most allocates (up to 2% less: the allocator's view sees some of
+    gloo's frees late, never early). Here that is dp rank 1's (global rank 2): Muon's is 12%
+    above rank 0's, which the plan alone used to give."""
     measured = _ok(results, "step_transient", optimizer=optimizer)
     p = _plan_tp_gpt(tp_scenarios.WHOLE_OPTIMIZERS[optimizer])
-    assert p.per_rank.optimizer_step_bytes <= measured[0] <= 1.02 * p.per_rank.optimizer_step_bytes
+    assert p.per_rank.optimizer_step_bytes <= max(measured) <= 1.02 * p.per_rank.optimizer_step_bytes, measured

@@ -26,7 +26,9 @@ every output the loss does not use). A loop that drops the outputs before the ba
 lower by their bytes.
 
 Rank 0 is planned: ``torch.chunk`` shards give the first ranks the largest shards, so rank 0's
-numbers bound every rank's. Graphs are traced on the CPU (fake CPU tensors) and priced with the
+numbers bound every rank's; the optimizer step's transient is the exception (a whole-tensor
+step's owners hold different tensors), planned as every rank that may hold the most (NOTE: the
+optimizer step's transient memory). Graphs are traced on the CPU (fake CPU tensors) and priced with the
 target ``device``'s rates; kernels that exist only on GPUs (flash attention) save what the CPU
 kernels save, so activation bytes agree up to the kernels' own workspace.
 """
@@ -258,10 +260,12 @@ def _step_planned(opt: torch.optim.Optimizer) -> bool:
 # times its fp32 size on one rank. The plan measures it: after the planned step, one more step
 # (a step after the first runs as every later one: on local shards, with state to update; no
 # collective counted) under ``TransientBytes`` (zerofx/measure/transient.py), and within
-# ``whole_step.as_a_rank`` so that this rank owns and exchanges what rank 0 of a real run does
-# (the largest tensor of every window: the rank that holds the most, up to one smaller tensor's
-# share per window). The device's peak is then the larger of the forward/backward's and the
-# step's (at rest + gradients + this). An offloaded step runs on the host: its device
+# ``whole_step.as_a_rank`` so that this rank owns and exchanges what a rank of a real run does:
+# rank 0 (the largest tensor of every window), and every rank that owns more of some window
+# than any other (``whole_step.heaviest_ranks``: rank 1 of 2 owns more of a window of 10, 6 and
+# 5 MiB tensors, the last two), one step each; the most any of them holds is the plan's
+# transient (over tensor parallelism, as TP rank 0). The device's peak is then the larger of
+# the forward/backward's and the step's (at rest + gradients + this). An offloaded step runs on the host: its device
 # transient (one window of copies) is not counted. Planned by depth, it is extended like every
 # other number: exact for elementwise optimizers (foreach: one more state tensor per block) and
 # where every window holds one tensor (the largest: the same at any depth); over windows of many
@@ -269,15 +273,19 @@ def _step_planned(opt: torch.optim.Optimizer) -> bool:
 # Llama, 5 and 8 blocks: 3.5% and 4.3% above the full trace's).
 
 
-def _step_transient(opt: torch.optim.Optimizer) -> int:
-    """The most bytes a steady-state step of ``opt`` holds above its start and what it keeps
-    (NOTE: the optimizer step's transient memory); a step on fake tensors, uncounted."""
+def _step_transient(opt: torch.optim.Optimizer, states: list) -> int:
+    """The most bytes a steady-state step of ``opt`` holds above its start and what it keeps, on
+    the rank that holds the most (NOTE: the optimizer step's transient memory); steps on fake
+    tensors, uncounted, one per candidate rank (``states``: the model's ParamStates)."""
     from zerofx.measure.transient import TransientBytes
-    from zerofx.runtime.whole_step import as_a_rank
+    from zerofx.runtime.whole_step import as_a_rank, heaviest_ranks
 
-    with _PlaceholderScalars(test=False), as_a_rank(), TransientBytes() as held:
-        opt.step()
-    return held.peak
+    peak = 0
+    for rank in heaviest_ranks(opt):
+        with _PlaceholderScalars(test=False), as_a_rank(rank, states), TransientBytes() as held:
+            opt.step()
+        peak = max(peak, held.peak)
+    return peak
 
 
 def _same_state_either_way(opt: torch.optim.Optimizer) -> None:
@@ -890,7 +898,7 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     # NOTE: the optimizer step's transient memory (last: it steps the optimizer once more); the
     # gradients it starts from (stage 1: the shards the end-of-backward reduce left)
     step_grads = model_state_bytes(model, opt).grads
-    step_bytes = 0 if offloaded else _step_transient(opt)
+    step_bytes = 0 if offloaded else _step_transient(opt, runtime.states)
     per_rank, act, timeline, sym_peak, (max_batch, max_seq, bindings) = _memory(
         compiled, symbolic, batch, seq, params_bytes + whole + opt_bytes + buffers - offloaded, memory, boundary
     )

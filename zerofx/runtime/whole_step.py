@@ -64,6 +64,7 @@ bit those of the unsharded step on the global gradients (tests/test_tensor_paral
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
@@ -79,7 +80,16 @@ from zerofx.ir.layout import pack_consecutive
 from zerofx.runtime.eager_buckets import from_owners, to_owners
 from zerofx.runtime.params import GroupInfo
 
-__all__ = ["WINDOW_BYTES", "Windows", "as_a_rank", "check_steppable", "stand_in", "step_whole", "whole_step_class"]
+__all__ = [
+    "WINDOW_BYTES",
+    "Windows",
+    "as_a_rank",
+    "check_steppable",
+    "heaviest_ranks",
+    "stand_in",
+    "step_whole",
+    "whole_step_class",
+]
 
 WINDOW_BYTES = 64 << 20  # whole parameters, gradients and parameter-shaped state gathered at once
 # a tensor at least this large travels in an all-to-all of its own: its owner then receives it
@@ -148,35 +158,81 @@ _AS_A_RANK = False  # set by as_a_rank
 
 
 @contextlib.contextmanager
-def as_a_rank() -> Iterator[None]:
-    """On torch's fake process group (``zerofx.plan``), step as this rank of a real run would: own
-    what ``_owners`` gives it, and take what the other owners' steps leave (keys, kinds, shapes)
-    from the optimizer's state, which a step after the first leaves as it found it. What the
-    plan measures the step's transient memory on (zerofx/planner.py, NOTE: the optimizer step's
-    transient memory); the values are meaningless, and a first step (no state yet) cannot."""
+def as_a_rank(rank: int = 0, states: Any = ()) -> Iterator[None]:
+    """On torch's fake process group (``zerofx.plan``), step as rank ``rank`` of each data-parallel
+    group of a real run would (its index modulo the group's size; over tensor parallelism, TP
+    rank 0): own what ``_owners`` gives it, and take what the other owners' steps leave (keys,
+    kinds, shapes) from the optimizer's state, which a step after the first leaves as it found
+    it. ``states``: the model's ParamStates, whose groups name that rank for the step's duration.
+    What the plan measures the step's transient memory on (zerofx/planner.py, NOTE: the
+    optimizer step's transient memory); the values are meaningless, and a first step (no state
+    yet) cannot."""
     global _AS_A_RANK
+    groups = [(s, s.shard_group) for s in states]
     _AS_A_RANK = True
     try:
+        for s, group in groups:
+            s.shard_group = dataclasses.replace(group, rank=rank % group.size)
         yield
     finally:
+        for s, group in groups:
+            s.shard_group = group
         _AS_A_RANK = False
 
 
-def _owners(params: list[torch.Tensor], group: Any) -> list[int]:
-    """The rank of ``group`` that steps each parameter: the largest first, each to the rank with
-    the fewest elements so far (lowest rank on ties). The same on every rank. On torch's fake
-    process group (``zerofx.plan``: one process stands for every rank, and no data moves) this
-    rank steps them all, so that it ends with the state layout a real step leaves (within
-    ``as_a_rank``: what a real rank owns)."""
-    if dist.get_backend(_resolve_process_group(group.name)) == "fake" and not _AS_A_RANK:
-        return [group.rank] * len(params)
-    size = group.size
+# groups of at most this many ranks are planned as every rank (``heaviest_ranks``)
+EVERY_RANK_UP_TO = 8
+
+
+def heaviest_ranks(optimizer: torch.optim.Optimizer) -> list[int]:
+    """The data-parallel ranks (by index in their groups) whose whole-tensor step of
+    ``optimizer`` may hold the most (``as_a_rank``): every rank of groups up to
+    ``EVERY_RANK_UP_TO`` ranks, else rank 0 and each rank that owns the most bytes of some
+    window (what a window holds beyond its tensors, the step's own temporaries, depends on their
+    shapes, not only their bytes: over tensor parallelism Muon's highest is another rank's, 12%
+    above rank 0's, with equal bytes). [0] for an optimizer that does not step over whole
+    tensors."""
+    if whole_step_class(optimizer) is None:
+        return [0]
+    sizes = {
+        p._zerofx_state.shard_group.size for g in optimizer.param_groups for p in g["params"] if _sharded(p) is not None
+    }
+    if max(sizes, default=1) <= EVERY_RANK_UP_TO:
+        return list(range(max(sizes, default=1)))
+    found = {0}
+    for window in _windows(optimizer, Windows()):
+        by_group: dict[str, list[torch.Tensor]] = {}
+        for p in window:
+            if _sharded(p) is not None:
+                by_group.setdefault(p._zerofx_state.shard_group.name, []).append(p)
+        for ps in by_group.values():
+            size = ps[0]._zerofx_state.shard_group.size
+            load = [0] * size
+            for p, o in zip(ps, _least_loaded(ps, size)):
+                load[o] += _whole_bytes(optimizer, p)
+            found.add(max(range(size), key=lambda r: (load[r], -r)))
+    return sorted(found)
+
+
+def _least_loaded(params: list[torch.Tensor], size: int) -> list[int]:
+    """The owner of each parameter among ``size`` ranks: the largest first, each to the rank
+    with the fewest elements so far (lowest rank on ties)."""
     load = [0] * size
     owner = [0] * len(params)
     for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
         owner[i] = min(range(size), key=lambda r: (load[r], r))
         load[owner[i]] += params[i].numel()
     return owner
+
+
+def _owners(params: list[torch.Tensor], group: Any) -> list[int]:
+    """The rank of ``group`` that steps each parameter (``_least_loaded``), the same on every
+    rank. On torch's fake process group (``zerofx.plan``: one process stands for every rank, and
+    no data moves) this rank steps them all, so that it ends with the state layout a real step
+    leaves (within ``as_a_rank``: what a real rank owns)."""
+    if dist.get_backend(_resolve_process_group(group.name)) == "fake" and not _AS_A_RANK:
+        return [group.rank] * len(params)
+    return _least_loaded(params, group.size)
 
 
 def check_steppable(optimizer: torch.optim.Optimizer) -> None:
@@ -230,11 +286,6 @@ def step_whole(
     collectives."""
     check_steppable(optimizer)
     stepped = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-
-    def whole_bytes(p: torch.Tensor) -> int:
-        held = sum(1 for v in optimizer.state.get(p, {}).values() if isinstance(v, DTensor))
-        return p.numel() * p.element_size() * (2 + held)
-
     # every group the stepped parameters span, in their order (the same on every rank): where
     # each window's ranks agree whether its step raised anywhere (``_agree``)
     agree: dict[str, tuple] = {}
@@ -248,13 +299,26 @@ def step_whole(
     before = _Before(
         [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups], dict(vars(optimizer))
     )
-    packed = pack_consecutive(stepped, whole_bytes, WINDOW_BYTES if windows.nbytes is None else windows.nbytes)
+    packed = _windows(optimizer, windows)
     for i, window in enumerate(packed):
         if windows.before is not None:
             windows.before(window, packed[i + 1] if i + 1 < len(packed) else [])
         _step_window(optimizer, step_fn, window, list(agree.values()), before)
         if windows.after is not None:
             windows.after(window)
+
+
+def _whole_bytes(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> int:
+    """What a window holds of ``p`` whole: the parameter, its gradient, its parameter-shaped state."""
+    held = sum(1 for v in optimizer.state.get(p, {}).values() if isinstance(v, DTensor))
+    return p.numel() * p.element_size() * (2 + held)
+
+
+def _windows(optimizer: torch.optim.Optimizer, windows: Windows) -> list[list[torch.Tensor]]:
+    """The parameters a step of ``optimizer`` steps (those with a gradient), in its windows."""
+    stepped = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    nbytes = WINDOW_BYTES if windows.nbytes is None else windows.nbytes
+    return pack_consecutive(stepped, lambda p: _whole_bytes(optimizer, p), nbytes)
 
 
 @dataclass
