@@ -9,8 +9,8 @@ every ``every_n_layers``-th decoder layer; the HF Trainer sets the flags for
 ``TrainingArguments(activation_checkpointing=True)``). Under torch.compile dynamo traces each
 such call as a ``tag_activation_checkpoint`` region, and the compiled step no longer rounds as
 the eager model does (torch's own ``aot_eager`` backend shows it: docs/measurements.md, "layer
-checkpointing"), so ``zerofx verify`` would fail on a model that trains correctly, and the
-regions are recomputed by torch's rules beside zerofx's plan rather than in it.
+checkpointing"), so ``zerofx verify`` would fail on a model that trains correctly, and dynamo
+breaks the graph at the first call (two frames where one does).
 
 ``zerofx.compile`` therefore takes such layers over: it turns their flags off and asks its
 checkpoint pass to recompute the same layers (``checkpoint_modules``, their module paths), which
