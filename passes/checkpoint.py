@@ -513,6 +513,6 @@ PASS = Pass(
     "checkpoint",
     checkpoint_pass,
     kinds=("joint",),
-    reads=(ROLE, RECOMPUTE),
+    reads=(ROLE, RECOMPUTE, AC_REGION),
     writes=(RECOMPUTE, OFFLOAD_TIER, ACTIVATION_PLAN),
 )
