@@ -99,81 +99,56 @@ def _token_batch(n: int, gen: torch.Generator):
 # ``zerofx.testing.verify``'s factories for HF architectures whose parameters differ in kind from
 # Llama's, each from a small config, dropout off (the replica and the compiled graph would draw
 # other masks): the layer, weight tying and attention each brings
+def _language_model(config_class: str, model_class: str, **config):
+    """transformers' ``model_class(config_class(vocab_size=VOCAB, **config))`` as a loss, with
+    ``_token_batch``."""
+    import transformers
+
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(vocab_size=VOCAB, **config))
+    return _LanguageModelLoss(model), _token_batch
+
+
 def tiny_gpt2():
     """GPT-2: Conv1D layers (weights stored [in, out]: the gathered rows are input features), a
     tied embedding and LM head, learned positions."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
-    )
-    config.bos_token_id = config.eos_token_id = 0  # in the small vocabulary
-    return _LanguageModelLoss(GPT2LMHeadModel(config)), _token_batch
+    sizes = dict(n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0)
+    return _language_model("GPT2Config", "GPT2LMHeadModel", **sizes, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
 
 
 def tiny_t5():
     """T5: an encoder and a decoder sharing one embedding, tied to the LM head, relative
     position biases in the first layer of each, the decoder fed the shifted labels."""
-    from transformers import T5Config, T5ForConditionalGeneration
+    sizes = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    return _language_model("T5Config", "T5ForConditionalGeneration", **sizes, dropout_rate=0, decoder_start_token_id=0)
 
-    config = T5Config(
-        vocab_size=VOCAB,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        dropout_rate=0,
-        decoder_start_token_id=0,
-    )
-    return _LanguageModelLoss(T5ForConditionalGeneration(config)), _token_batch
+
+_SMALL = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32
+)
 
 
 def tiny_bert():
     """BERT's masked-LM head: a decoder tied to the word embeddings with a bias of its own,
     token-type and position embeddings, post-norm layers."""
-    from transformers import BertConfig, BertForMaskedLM
-
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0,
-        attention_probs_dropout_prob=0,
-    )
-    return _LanguageModelLoss(BertForMaskedLM(config)), _token_batch
+    no_dropout = dict(hidden_dropout_prob=0, attention_probs_dropout_prob=0)
+    return _language_model("BertConfig", "BertForMaskedLM", **_SMALL, **no_dropout)
 
 
 def tiny_deepseek_v3():
     """DeepSeek-V3: multi-head latent attention (low-rank query and key-value projections with
     their norms), a dense first layer, then a shared expert beside 4 routed ones (top 2 of them
     per token) with a routing bias."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    config = DeepseekV3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
+    experts = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1)
+    latent = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8)
+    return _language_model(
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        **_SMALL,
         moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        v_head_dim=8,
-        qk_nope_head_dim=8,
-        max_position_embeddings=32,
+        **experts,
+        **latent,
     )
-    return _LanguageModelLoss(DeepseekV3ForCausalLM(config)), _token_batch
 
 
 def _checkpointed(factory, **enable):

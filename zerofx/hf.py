@@ -133,23 +133,20 @@ def _checkpoint_layers(model: Any, args: TrainingArguments) -> None:
     model's own layer checkpointing); the Trainer then leaves the layers alone (``train``)."""
     if not args.activation_checkpointing:
         return
-    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
-        model, "gradient_checkpointing_enable", None
-    )
-    if enable is None:
+    kwargs = dict(args.activation_checkpointing_kwargs or {})
+    every, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=kwargs or None, every_n_layers=every, offload=offload
+        )
+    elif hasattr(model, "gradient_checkpointing_enable"):  # models with only transformers' older name
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+    else:
         raise ZeroFXError(
             f"TrainingArguments(activation_checkpointing=True), but {type(model).__name__} has no "
             "activation_checkpointing_enable: drop the setting and pass zerofx_options="
             "{'checkpoint': 'full'} (or checkpoint_modules=...) for zerofx's own checkpointing"
         )
-    kwargs = dict(args.activation_checkpointing_kwargs or {})
-    every, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
-    if getattr(model, "activation_checkpointing_enable", None) is not None:
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs=kwargs or None, every_n_layers=every, offload=offload
-        )
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
 
 
 def _check_loop_settings(training: dict[str, Any], args: TrainingArguments) -> None:

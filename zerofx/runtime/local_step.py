@@ -113,7 +113,8 @@ def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple
     first_local = ours and type(optimizer) in _LOCAL_FROM_THE_FIRST
     # the refusals first: an optimizer refused at its first step is decided again at its next
     if whole:
-        check_steppable(optimizer)
+        step_over_whole_tensors(optimizer)  # refuses what it cannot step before it keeps any state
+        return
     if first_local and not (adopt and _swappable(params)):
         raise ZeroFXError(
             f"torch.optim.{type(optimizer).__name__} steps zerofx's sharded parameters on their local shards "
@@ -121,9 +122,6 @@ def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple
             "DTensors zerofx does not manage with it, and leave the gradients zerofx's backward made"
         )
     state = optimizer_state(optimizer, create=True)
-    if whole:
-        step_over_whole_tensors(optimizer)
-        return
     if first_local:
         state.first_local = True
         _run_last(optimizer, state)
