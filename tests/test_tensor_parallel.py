@@ -45,6 +45,7 @@ CALLS = [
     ("whole_step", {"model": "uneven", "optimizer": "adafactor", "persistence_threshold": 30}),
     ("step_transient", {"optimizer": "adafactor"}),
     ("step_transient", {"optimizer": "muon"}),
+    ("meta_built", {"model": "llama"}),
 ]
 
 
@@ -273,3 +274,31 @@ def test_the_planned_whole_step_transient_is_the_most_a_rank_holds_over_dp_and_t
     measured = _ok(results, "step_transient", optimizer=optimizer)
     p = _plan_tp_gpt(tp_scenarios.WHOLE_OPTIMIZERS[optimizer])
     assert p.per_rank.optimizer_step_bytes <= max(measured) <= 1.02 * p.per_rank.optimizer_step_bytes, measured
+
+
+@pytest.mark.parametrize("model", ["llama"])
+def test_a_tp_model_built_on_meta_holds_only_its_shares_and_loads_every_way(results, model):
+    """Built under torch.device("meta"), parallelized and compiled on the 2x2 mesh, no rank ever
+    holds more than its dp rows of its TP share; forward refuses to run until loaded; loaded from
+    a model trained 2 steps on the same layout (DCP with the optimizer, HF safetensors through
+    load_hf, whole tensors through load_state_dict), every parameter is the saved one bit for bit
+    and training goes on as the uninterrupted run: both steps with the optimizer's state loaded,
+    the first (the same weights, a fresh AdamW after it) without."""
+    check_meta_built(_ok(results, "meta_built", model=model))
+
+
+def check_meta_built(ranks: list[dict]) -> None:
+    for r in ranks:
+        for how in ("dcp", "hf", "whole"):
+            got = r[how]
+            assert got["bytes"] == r["source_bytes"], (how, got["bytes"], r["source_bytes"])
+            assert got["bytes"] < 0.3 * r["whole_bytes"], (how, got["bytes"], r["whole_bytes"])
+            # what building and sharding allocated: the shares, the buffers, a byte per sink
+            assert got["build_peak"] <= 1.1 * got["bytes"], (how, got["build_peak"], got["bytes"])
+            assert got["refused"] is not None and "built on the meta device" in got["refused"], got["refused"]
+            assert got["differs"] == [], (how, got["differs"][:5])
+            if how == "dcp":
+                assert got["losses"] == r["uninterrupted"]
+            else:
+                assert got["losses"][0] == r["uninterrupted"][0]
+                assert got["losses"][1] != r["uninterrupted"][1]  # a fresh AdamW: the test can tell

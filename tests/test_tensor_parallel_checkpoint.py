@@ -47,6 +47,7 @@ def results(tmp_path_factory) -> dict:
         for (m, s), loads in SAVES.items()
     ]
     calls.append(("heads_not_divisible", {}))
+    calls.append(("meta_built", {"model": "gpt", "folder": folder}))
     per_rank = run_ranks(tp_scenarios.run, 4, calls, timeout=1500)
     out = {}
     for i, (name, kwargs) in enumerate(calls):
@@ -94,3 +95,11 @@ def test_a_tp_size_not_dividing_the_kv_heads_is_one_clear_error(results):
         assert message.startswith("ZeroFXError: LlamaForCausalLM: config.num_key_value_heads=2 is not divisible"), (
             message
         )
+
+
+def test_a_gpt_built_on_meta_with_sequence_parallelism_and_tied_weights_loads_every_way(results):
+    """The default run checks the HF Llama (tests/test_tensor_parallel.py); this is zerofx's GPT:
+    sequence-parallel norms, the tied embedding and head (one parameter under two names)."""
+    from tests.test_tensor_parallel import check_meta_built
+
+    check_meta_built(_ranks(results, "meta_built"))

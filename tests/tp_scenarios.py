@@ -554,6 +554,101 @@ def checkpoint_layouts(model: str, folder: str, stage: int = 3, loads: tuple = (
     return out
 
 
+def meta_built(model: str, folder: str | None = None, stage: int = 3) -> dict:
+    """The TP model built under ``torch.device("meta")`` (shapes only), parallelized and compiled
+    on the 2x2 mesh, so that no rank ever holds more than its dp rows of its TP share; then
+    loaded from a model trained 2 steps on the same layout, three ways: ``zerofx.checkpoint.load``
+    (DCP, with the optimizer), ``zerofx.checkpoint.load_hf`` (HF safetensors that
+    ``zerofx.checkpoint.export`` wrote) and ``model.load_state_dict`` of whole tensors. What the
+    tests compare: bytes held, the refusal before loading, the loaded values against the saved
+    ones, and the losses of the next 2 steps against the uninterrupted run's."""
+    from pathlib import Path
+
+    import zerofx.checkpoint
+    from zerofx.measure.allocations import AllocationTrace
+
+    factory, plan, loss_fn = MODELS[model]
+    mesh = mesh_2x2()
+    dp_rank = mesh.get_local_rank("dp")
+    steps = batches(4, mesh.size(0))
+
+    def train(m, opt, batch) -> list[float]:
+        losses = []
+        for x, y in batch:
+            loss = loss_fn(m, _mine(x, dp_rank), _mine(y, dp_rank))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(_dp_mean(loss, mesh))
+        return losses
+
+    made = folder is None
+    if made:  # one fresh folder, named by rank 0, removed at the end
+        import tempfile
+
+        named = [tempfile.mkdtemp(prefix="zerofx-meta-tp-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(named, src=0)
+        folder = named[0]
+    source = factory(0)
+    parallelize(source, mesh["tp"], plan(source))
+    zerofx.compile(source, mesh["dp"], stage=stage)
+    opt = torch.optim.AdamW(source.parameters(), lr=LR)
+    train(source, opt, steps[:2])
+    path = Path(folder) / f"meta-{model}-stage{stage}"
+    zerofx.checkpoint.save(path, source, opt, extra={"step": 2})
+    hf = Path(folder) / f"meta-{model}-stage{stage}-hf"
+    if dist.get_rank() == 0:
+        zerofx.checkpoint.export(path, hf)
+    dist.barrier()
+    saved = _full_state(source, opt)
+    whole = {k: v for k, v in saved.items() if ":" not in k}
+    out: dict[str, Any] = {"source_bytes": _local_bytes(source), "uninterrupted": train(source, opt, steps[2:])}
+    out["whole_bytes"] = sum(p.numel() * p.element_size() for p in factory(0).parameters())
+    for how in ("dcp", "hf", "whole"):
+        with AllocationTrace() as trace:
+            t0 = trace.mark()
+            with torch.device("meta"):
+                built = factory(1)
+            parallelize(built, mesh["tp"], plan(built))
+            zerofx.compile(built, mesh["dp"], stage=stage)
+            t1 = trace.mark()
+        got: dict[str, Any] = {
+            "bytes": _local_bytes(built),
+            "build_peak": trace.peak_between(t0, t1) - trace.live_at(t0),
+        }
+        try:
+            loss_fn(built, _mine(steps[2][0], dp_rank), _mine(steps[2][1], dp_rank))
+            got["refused"] = None
+        except zerofx.ZeroFXError as e:
+            got["refused"] = str(e)
+        opt = torch.optim.AdamW(built.parameters(), lr=LR)
+        if how == "dcp":
+            zerofx.checkpoint.load(path, built, opt)
+        elif how == "hf":
+            zerofx.checkpoint.load_hf(hf, built)
+        else:
+            built.load_state_dict(whole, strict=False)
+            non_persistent = [
+                f"{p}.{n}" if p else n for p, m in built.named_modules() for n in m._non_persistent_buffers_set
+            ]
+            for name in non_persistent:  # what no state dict holds: the user sets it (the rotary inv_freq)
+                built.get_buffer(name).copy_(source.get_buffer(name))
+            zerofx.sharding.mark_loaded(built, non_persistent)
+        loaded = _full_state(built, opt)
+        checked = saved if how == "dcp" else whole
+        got["differs"] = sorted(k for k in checked if not torch.equal(loaded[k], checked[k]))
+        got["losses"] = train(built, opt, steps[2:])
+        out[how] = got
+        del built, opt
+        torch._dynamo.reset()
+    dist.barrier()
+    if made and dist.get_rank() == 0:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
 def heads_not_divisible() -> str:
     """The test Llama (2 KV heads) parallelized over 4 TP ranks: the error it raised."""
     try:

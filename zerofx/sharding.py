@@ -580,7 +580,8 @@ def _make_state(
 # NOTE: models built on meta
 # A model built under ``torch.device("meta")`` has shapes and no memory. ``shard`` then allocates
 # only each rank's rows of each parameter (and the buffers) on the mesh's device, uninitialized,
-# so the whole model never exists on any rank; its weights must be loaded
+# so the whole model never exists on any rank (a tensor-parallel model's meta DTensors: the rows
+# of their TP-local value, docs/tensor_parallel.md); its weights must be loaded
 # (``zerofx.checkpoint.load_hf`` reads each rank's rows from safetensors, ``checkpoint.load``
 # from a zerofx checkpoint, ``model.load_state_dict`` from whole tensors every rank holds, or
 # from DTensors). Until every parameter and buffer has been loaded, forward is an error naming
@@ -1088,8 +1089,6 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     _refuse_sharded_parts(model)
     on_meta = _built_on_meta(model)
     mesh, tp_mesh = _tp_mesh_of(model, mesh, opts.tp_dim)
-    if tp_mesh is not None and on_meta:
-        raise ZeroFXError("a tensor-parallel model built on the meta device: materialize it before zerofx.shard")
     mesh = resolve_mesh(model, mesh, on_meta)
     name_mesh_dims(mesh, ("dp",) if mesh.ndim == 1 else ("replicate", "shard"))
     if tp_mesh is not None:
