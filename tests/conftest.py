@@ -12,6 +12,17 @@ import os
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before the fork server starts: its ranks inherit its environment
+
+
+def pytest_configure(config):
+    """Ranks the suite starts through torchrun's launcher (``zerofx.launch.local_ranks``: the HF,
+    Lightning and verify tests) fork from the same preloaded server as tests/multirank.py's."""
+    import zerofx.launch
+    from tests.multirank import start_fork_server
+
+    start_fork_server()
+    zerofx.launch.START_METHOD = "forkserver"
 
 
 @pytest.fixture

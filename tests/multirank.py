@@ -34,15 +34,28 @@ PRELOAD = ["zerofx", "zerofx.testing", "tests.multirank", "transformers.models.l
 _server_env: dict[str, str] | None = None  # the environment the fork server started with
 
 
-def _context() -> Any:
-    """The fork server's context, or spawn's when this run's environment is not the server's."""
+def _environment() -> dict[str, str]:
+    """What a rank's behaviour may depend on: the environment, less what torch's elastic launcher
+    sets in its caller (``TORCHELASTIC_SIGNALS_TO_HANDLE``), which only its agents read."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+
+
+def start_fork_server() -> None:
+    """Start the fork server now (once per process), with ``PRELOAD`` and this environment; the
+    one server torch's launcher uses too when its start method is forkserver."""
     global _server_env
     if _server_env is None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        _server_env = dict(os.environ)
-        return ctx
-    return mp.get_context("forkserver" if dict(os.environ) == _server_env else "spawn")
+        from multiprocessing import forkserver
+
+        mp.set_forkserver_preload(PRELOAD)
+        forkserver.ensure_running()
+        _server_env = _environment()
+
+
+def _context() -> Any:
+    """The fork server's context, or spawn's when this run's environment is not the server's."""
+    start_fork_server()
+    return mp.get_context("forkserver" if _environment() == _server_env else "spawn")
 
 
 def _rank_main(fn: Callable, rank: int, world_size: int, store_path: str, args: tuple, results: Any) -> None:

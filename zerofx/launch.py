@@ -13,12 +13,21 @@ import os
 import uuid
 from typing import Any, Callable
 
+# torchrun's --start-method for local_ranks: "spawn" starts each rank in a fresh interpreter;
+# "forkserver" forks it from a server process, which pays torch's import once where
+# ``multiprocessing.set_forkserver_preload`` names the modules (the test suite does: its many
+# short launches otherwise spend seconds of CPU per rank importing torch again)
+START_METHOD = "spawn"
 
-def local_ranks(fn: Callable, world: int, *args: Any, name: str = "zerofx") -> list[Any]:
-    """``[fn(*args) on rank 0, ..., on rank world-1]``, one process per rank, started by spawn
-    (``fn`` must be importable: a module-level function). Each rank initializes its own process
-    group. ``OMP_NUM_THREADS`` defaults to 1 so ranks sharing a machine do not oversubscribe it.
-    A rank that fails makes the launcher stop the others and raise (no restarts)."""
+
+def local_ranks(
+    fn: Callable, world: int, *args: Any, name: str = "zerofx", start_method: str | None = None
+) -> list[Any]:
+    """``[fn(*args) on rank 0, ..., on rank world-1]``, one process per rank, started by
+    ``start_method`` (default :data:`START_METHOD`, spawn; ``fn`` must be importable: a
+    module-level function). Each rank initializes its own process group. ``OMP_NUM_THREADS``
+    defaults to 1 so ranks sharing a machine do not oversubscribe it. A rank that fails makes the
+    launcher stop the others and raise (no restarts)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -31,7 +40,7 @@ def local_ranks(fn: Callable, world: int, *args: Any, name: str = "zerofx") -> l
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
         monitor_interval=0.2,
-        start_method="spawn",
+        start_method=start_method or START_METHOD,
     )
     results = elastic_launch(launch, fn)(*args)
     return [results[r] for r in range(world)]
