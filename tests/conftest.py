@@ -15,14 +15,19 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before the fork server starts: its ranks inherit its environment
 
 
-def pytest_configure(config):
+@pytest.fixture(scope="session", autouse=True)
+def fork_server():
     """Ranks the suite starts through torchrun's launcher (``zerofx.launch.local_ranks``: the HF,
-    Lightning and verify tests) fork from the same preloaded server as tests/multirank.py's."""
+    Lightning and verify tests) fork from the same preloaded server as tests/multirank.py's. Started
+    in the first test's setup, under pytest's output capture, so that the server and every rank
+    forked from it write into the capture, as spawned ranks did (started at configure time, they
+    would write to the terminal)."""
     import zerofx.launch
     from tests.multirank import start_fork_server
 
     start_fork_server()
     zerofx.launch.START_METHOD = "forkserver"
+    yield
 
 
 @pytest.fixture

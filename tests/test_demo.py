@@ -12,6 +12,16 @@ from zerofx.demo import ProgressLine
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.fixture(autouse=True)
+def spawned_ranks(monkeypatch):
+    """These tests read what the demo's ranks print: ranks spawned by the demo inherit this
+    test's captured stdout, while ranks forked from the suite's fork server (tests/conftest.py)
+    write to the server's."""
+    import zerofx.launch
+
+    monkeypatch.setattr(zerofx.launch, "START_METHOD", "spawn")
+
+
 def test_demo_draws_a_progress_bar_and_writes_the_plots(tmp_path, capfd):
     assert main(["demo", "--steps", "3", "--progress", "bar", "--plot", str(tmp_path / "plots")]) == 0
     out, err = capfd.readouterr()

@@ -16,7 +16,8 @@ from typing import Any, Callable
 # torchrun's --start-method for local_ranks: "spawn" starts each rank in a fresh interpreter;
 # "forkserver" forks it from a server process, which pays torch's import once where
 # ``multiprocessing.set_forkserver_preload`` names the modules (the test suite does: its many
-# short launches otherwise spend seconds of CPU per rank importing torch again)
+# short launches otherwise spend seconds of CPU per rank importing torch again). Forked ranks
+# write to the stdout and stderr the server had when it started, not to the caller's current ones
 START_METHOD = "spawn"
 
 
