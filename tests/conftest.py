@@ -27,7 +27,6 @@ def fork_server():
 
     start_fork_server()
     zerofx.launch.START_METHOD = "forkserver"
-    yield
 
 
 @pytest.fixture

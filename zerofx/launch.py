@@ -21,13 +21,10 @@ from typing import Any, Callable
 START_METHOD = "spawn"
 
 
-def local_ranks(
-    fn: Callable, world: int, *args: Any, name: str = "zerofx", start_method: str | None = None
-) -> list[Any]:
+def local_ranks(fn: Callable, world: int, *args: Any, name: str = "zerofx") -> list[Any]:
     """``[fn(*args) on rank 0, ..., on rank world-1]``, one process per rank, started by
-    ``start_method`` (default :data:`START_METHOD`, spawn; ``fn`` must be importable: a
-    module-level function). Each rank initializes its own process group. ``OMP_NUM_THREADS``
-    defaults to 1 so ranks sharing a machine do not oversubscribe it. A rank that fails makes the
+    :data:`START_METHOD` (spawn unless set; ``fn`` must be importable: a module-level function).
+    Each rank initializes its own process group. ``OMP_NUM_THREADS`` defaults to 1 so ranks sharing a machine do not oversubscribe it. A rank that fails makes the
     launcher stop the others and raise (no restarts)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -41,7 +38,7 @@ def local_ranks(
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
         monitor_interval=0.2,
-        start_method=start_method or START_METHOD,
+        start_method=START_METHOD,
     )
     results = elastic_launch(launch, fn)(*args)
     return [results[r] for r in range(world)]
