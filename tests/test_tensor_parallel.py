@@ -155,7 +155,11 @@ def test_gpt_sequence_parallel_tp_bytes_follow_the_analytic_formula(results):
         ("tp_on_dp", r"tensor-parallel on mesh dimension \('dp',\), the one zerofx was told to shard over"),
         ("unnamed_3d", r"a 3-D mesh \(1, 2, 2\) without dimension names"),
         ("two_meshes", r"not the other dimension of the data-parallel mesh .*different init_device_mesh calls"),
-        ("hybrid_and_tp", r"hybrid sharding with TP is not supported"),
+        (
+            "three_dp_dims",
+            r"on mesh \('a', 'b', 'c', 'tp'\).*or two \(replicate, shard\) for hybrid sharding, not \('a', 'b', 'c'\)",
+        ),
+        ("hpz_without_hybrid", r"secondary_shard=True needs a 2-D mesh \(replicate, shard\).*got a 1-D mesh"),
         ("tp_dim_without_plan", r"no parameter of the model is a DTensor; parallelize it first"),
         (
             "tied_differently",
@@ -252,6 +256,38 @@ def _plan_tp_gpt(optimizer):
         device="cpu",
         optimizer=optimizer,
     )
+
+
+def test_the_planner_lays_out_hybrid_sharding_and_hpz_next_to_tp(results):
+    """``zerofx.plan`` on a (replicate, shard, tp) = 2x2x2 mesh (a fake process group in this
+    process; the 8-rank runs are tests/test_tensor_parallel_hybrid.py, slow) against the 2x2
+    run's measurements: the same shard-dim layout and bytes, plus the replicate dim's all-reduce
+    of each reduced gradient shard; hpZ shards over both dp dims and re-gathers within "shard"."""
+    from zerofx.planner import plan
+
+    kwargs = dict(tensor_parallel=2, batch=tp_scenarios.PER_DP_RANK, seq=16, device="cpu")
+    hybrid = plan(tp_scenarios.gpt, (2, 2), **kwargs)
+    hpz = plan(tp_scenarios.gpt, (2, 2), secondary_shard=True, **kwargs)
+    measured = _ok(results, "memory", model="gpt", stage=3)[0]
+    comm = _ok(results, "collective_bytes", model="gpt")[0]
+
+    def ran(kind: str, dim: str) -> int:  # the 2x2 run's bytes per step
+        return sum(comm[phase].get(dim, {}).get(kind, 0) for phase in ("forward", "backward"))
+
+    assert hybrid.world_size == hpz.world_size == 8
+    assert hybrid.mesh == {"replicate": 2, "shard": 2, "tp": 2}
+    assert hybrid.per_rank.params_bytes == 4 * measured["params"]  # replicas hold copies
+    assert hpz.per_rank.params_bytes == 2 * measured["params"]  # sharded over all 4 dp ranks
+    h, z = hybrid.comm_bytes_per_step, hpz.comm_bytes_per_step
+    for kind in ("all_gather", "reduce_scatter"):
+        assert h[kind]["shard"] == ran(kind, "dp")
+        assert h[kind]["tp"] == z[kind]["tp"] == ran(kind, "tp")
+    # the reduced gradient shard (Ψ_tp/2) all-reduced over 2 replicas: wire 2·(1/2)·Ψ_tp/2
+    assert h["all_reduce"] == {"tp": ran("all_reduce", "tp"), "replicate": ran("reduce_scatter", "dp")}
+    psi_tp = 2 * ran("reduce_scatter", "dp")  # reduce-scattered over 2: (1/2)·Ψ_tp
+    assert z["all_gather"]["all"] == z["reduce_scatter"]["all"] == psi_tp * 3 // 4
+    assert 0 < z["all_gather"]["shard"] <= psi_tp // 2
+    assert z["all_reduce"] == {"tp": ran("all_reduce", "tp")}
 
 
 def test_the_planner_counts_muons_momentum_over_dp_and_tp():

@@ -121,6 +121,25 @@ def mesh_2x2(dp: int = 2, tp: int = 2):
     return _MESHES[dp, tp]
 
 
+def hybrid_mesh(replicate: int = 2, shard: int = 2, tp: int = 2):
+    """One (replicate, shard, tp) mesh per process and shape: hybrid sharding next to TP."""
+    key = ("hybrid", replicate, shard, tp)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", (replicate, shard, tp), mesh_dim_names=("replicate", "shard", "tp"))
+    return _MESHES[key]
+
+
+def _data_parallel(layout: str):
+    """(the whole mesh, the mesh zerofx is given, data-parallel size, this rank's dp index) of a
+    layout: "2x2" is (dp, tp), "2x2x2" hybrid (replicate, shard, tp)."""
+    if layout == "2x2":
+        mesh = mesh_2x2()
+        return mesh, mesh["dp"], mesh.size(0), mesh.get_local_rank("dp")
+    mesh = hybrid_mesh(*(int(n) for n in layout.split("x")))
+    dp = mesh["replicate", "shard"]
+    return mesh, dp, dp.size(), mesh.get_local_rank("replicate") * mesh.size(1) + mesh.get_local_rank("shard")
+
+
 def _local_bytes(model) -> int:
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())
 
@@ -143,28 +162,36 @@ def _mine(t: torch.Tensor, dp_rank: int) -> torch.Tensor:
     return t[dp_rank * PER_DP_RANK : (dp_rank + 1) * PER_DP_RANK]
 
 
-def _dp_mean(loss: torch.Tensor, mesh) -> float:
+def _dp_mean(loss: torch.Tensor, dp_mesh) -> float:
+    """The mean loss over the data-parallel ranks; over a 2-D (replicate, shard) mesh, the mean
+    over all ranks (every TP rank of a data-parallel index holds the same loss)."""
     t = loss.detach().clone()
-    dist.all_reduce(t, group=mesh.get_group("dp"))
-    return float(t) / mesh.size(0)
+    if dp_mesh.ndim == 1:
+        dist.all_reduce(t, group=dp_mesh.get_group())
+        return float(t) / dp_mesh.size()
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
 
 
-def parity(model: str, stage: int, steps: int = 3, clip: float | None = None, **options: Any) -> dict:
-    """Train zerofx, the oracle and the single process ``steps`` steps; what the tests read."""
+def parity(
+    model: str, stage: int, steps: int = 3, clip: float | None = None, layout: str = "2x2", **options: Any
+) -> dict:
+    """Train zerofx, the oracle and the single process ``steps`` steps; what the tests read.
+    ``layout``: "2x2" (dp, tp), or hybrid sharding next to TP, "2x2x2" (replicate, shard, tp)."""
     factory, plan, loss_fn = MODELS[model]
-    mesh = mesh_2x2()
-    dp_rank = mesh.get_local_rank("dp")
+    mesh, dp_mesh, dp_size, dp_rank = _data_parallel(layout)
     base = factory()
     single = copy.deepcopy(base)
     replica = _tp_copy(base, plan, mesh)
     ours = _tp_copy(base, plan, mesh)
-    zerofx.compile(ours, mesh["dp"], stage=stage, **options)
+    # tp_dim= names the TP dimension of the whole mesh, which zerofx is then given
+    zerofx.compile(ours, mesh if "tp_dim" in options else dp_mesh, stage=stage, **options)
     exact = "param_dtype" not in options
     opt = torch.optim.AdamW(ours.parameters(), lr=LR)
     single_opt = torch.optim.AdamW(single.parameters(), lr=LR)
     oracle = ShardedReference(replica, ours, lambda ps: torch.optim.AdamW(ps, lr=LR)) if exact else None
     out: dict[str, Any] = {"losses": [], "single": [], "oracle_equal": [], "divergences": [], "norms": []}
-    for step, (x, y) in enumerate(batches(steps, mesh.size(0))):
+    for step, (x, y) in enumerate(batches(steps, dp_size)):
         xm, ym = _mine(x, dp_rank), _mine(y, dp_rank)
         loss = loss_fn(ours, xm, ym)
         loss.backward()
@@ -189,27 +216,28 @@ def parity(model: str, stage: int, steps: int = 3, clip: float | None = None, **
         if oracle is not None:
             oracle.step()
             out["divergences"] += [str(d) for d in oracle.check_parameters(ours, step)]
-        out["losses"].append(_dp_mean(loss.float(), mesh))
+        out["losses"].append(_dp_mean(loss.float(), dp_mesh))
         out["single"].append(float(single_loss.detach()))
     out["placements"] = {n: [str(p) for p in t.placements] for n, t in ours.named_parameters()}
     return out
 
 
-def memory(model: str, stage: int) -> dict:
+def memory(model: str, stage: int, layout: str = "2x2") -> dict:
     """Per-rank elements of parameters and AdamW state after a step, and what numel says they
     must be: a parameter the TP plan shards holds numel/(dp*tp) per rank, one it replicates numel/dp
-    (every size here divides)."""
+    (every size here divides; dp: the shard dimension's size, hybrid sharding replicates across
+    the other)."""
     factory, plan, loss_fn = MODELS[model]
-    mesh = mesh_2x2()
+    mesh, dp_mesh, dp_size, dp_rank = _data_parallel(layout)
     base = factory()
     ours = _tp_copy(base, plan, mesh)
     tp_sharded = {n for n, p in ours.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()}
-    zerofx.compile(ours, mesh["dp"], stage=stage)
+    zerofx.compile(ours, dp_mesh, stage=stage)
     opt = torch.optim.AdamW(ours.parameters(), lr=LR)
-    x, y = batches(1, 2)[0]
-    loss_fn(ours, _mine(x, mesh.get_local_rank("dp")), _mine(y, mesh.get_local_rank("dp"))).backward()
+    x, y = batches(1, dp_size)[0]
+    loss_fn(ours, _mine(x, dp_rank), _mine(y, dp_rank)).backward()
     opt.step()
-    dp, tp = mesh.size(0), mesh.size(1)
+    dp, tp = dp_mesh.size(dp_mesh.ndim - 1), mesh.size(mesh.ndim - 1)
     expected = sum(p.numel() // (dp * tp if n in tp_sharded else dp) for n, p in base.named_parameters())
     params = sum(p.to_local().numel() for p in ours.parameters())
     state = sum(
@@ -242,21 +270,21 @@ class _EagerCollectives(TorchDispatchMode):
         return out
 
 
-def collective_bytes(model: str) -> dict:
+def collective_bytes(model: str, layout: str = "2x2", **options: Any) -> dict:
     """Bytes per training step per rank on each mesh dimension (zerofx's counter), against the
     formulas: ZeRO-3 on dp moves 3·Ψ_tp·(dp-1)/dp (Ψ_tp: this rank's TP-local parameter bytes;
     forward gather + backward re-gather + gradient reduce-scatter); on tp, exactly the TP
     model's own collectives (the same TP model without zerofx, eager, counted the same way):
-    zerofx adds no TP traffic and removes none."""
+    zerofx adds no TP traffic and removes none. With hybrid sharding the dims are "replicate",
+    "shard" and "tp"; a group over both data-parallel dims (hpZ's) is "all"."""
     factory, plan, loss_fn = MODELS[model]
-    mesh = mesh_2x2()
-    dp_rank = mesh.get_local_rank("dp")
+    mesh, dp_mesh, dp_size, dp_rank = _data_parallel(layout)
     base = factory()
     replica = _tp_copy(base, plan, mesh)
     ours = _tp_copy(base, plan, mesh)
     psi_tp = _local_bytes(ours)
-    zerofx.compile(ours, mesh["dp"])
-    x, y = batches(1, 2)[0]
+    zerofx.compile(ours, dp_mesh, **options)
+    x, y = batches(1, dp_size)[0]
     xm, ym = _mine(x, dp_rank), _mine(y, dp_rank)
     loss_fn(ours, xm, ym).backward()  # compile outside the count
     with zerofx.CollectiveCounter() as forward:
@@ -267,12 +295,12 @@ def collective_bytes(model: str) -> dict:
         loss = loss_fn(replica, xm, ym)
     with _EagerCollectives() as eager_backward:
         loss.backward()
-    dims = {mesh["dp"].get_group().group_name: "dp", mesh["tp"].get_group().group_name: "tp"}
+    dims = {mesh.get_group(name).group_name: name for name in mesh.mesh_dim_names}
 
     def per_dim(by_group: dict) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
         for (kind, group), nbytes in by_group.items():
-            kinds = out.setdefault(dims.get(group, group), {})
+            kinds = out.setdefault(dims.get(group, "all"), {})
             kinds[kind] = kinds.get(kind, 0) + nbytes
         return out
 
@@ -283,14 +311,15 @@ def collective_bytes(model: str) -> dict:
         for p in replica.parameters()
         if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)
     )
-    share = (mesh.size(0) - 1) / mesh.size(0)
+    share = (dp_mesh.size(dp_mesh.ndim - 1) - 1) / dp_mesh.size(dp_mesh.ndim - 1)
     return {
         "forward": per_dim(forward.by_group),
         "backward": per_dim(backward.by_group),
         "tp_forward": per_dim(eager_forward.by_group),
         "tp_backward": per_dim(eager_backward.by_group),
-        "tp_partial_all_reduce": wire_bytes("all_reduce", partial, mesh.size(1)),
+        "tp_partial_all_reduce": wire_bytes("all_reduce", partial, mesh.size(mesh.ndim - 1)),
         "psi_tp_share": psi_tp * share,  # every parameter trains here
+        "psi_tp": psi_tp,
     }
 
 
@@ -316,16 +345,16 @@ def explain(model: str) -> list[str]:
     return [line.strip() for line in report.splitlines() if line.strip().startswith(("collective", "input", "gather"))]
 
 
-def gathered(model: str) -> dict:
+def gathered(model: str, layout: str = "2x2") -> dict:
     """Inference inside ``zerofx.gathered`` (each rank's TP share gathered over dp once) against
     the compiled forward: the same logits."""
     factory, plan, loss_fn = MODELS[model]
-    mesh = mesh_2x2()
+    mesh, dp_mesh, dp_size, dp_rank = _data_parallel(layout)
     base = factory()
     ours = _tp_copy(base, plan, mesh)
-    zerofx.compile(ours, mesh["dp"])
-    x, _ = batches(1, 2)[0]
-    x = _mine(x, mesh.get_local_rank("dp"))
+    zerofx.compile(ours, dp_mesh)
+    x, _ = batches(1, dp_size)[0]
+    x = _mine(x, dp_rank)
     with torch.no_grad():
         compiled = ours(x)
         with zerofx.gathered(ours) as g:
@@ -341,7 +370,9 @@ WHOLE_OPTIMIZERS: dict[str, Callable] = {
 }
 
 
-def whole_step(model: str, optimizer: str, steps: int = 3, alone_bytes: int | None = None, **options: Any) -> dict:
+def whole_step(
+    model: str, optimizer: str, steps: int = 3, alone_bytes: int | None = None, layout: str = "2x2", **options: Any
+) -> dict:
     """An optimizer zerofx steps over whole tensors (zerofx/runtime/whole_step.py) on the TP
     model sharded over dp, against the same optimizer stepping the unsharded model's parameters
     given the zerofx model's global gradients: after each step, which parameters (global
@@ -349,17 +380,16 @@ def whole_step(model: str, optimizer: str, steps: int = 3, alone_bytes: int | No
     global tensors on both sides, so nothing may. ``options``: zerofx.shard's; ``alone_bytes``:
     whole_step.ALONE_BYTES for the run."""
     if alone_bytes is not None:
-        return alone(lambda: whole_step(model, optimizer, steps, **options), alone_bytes)
+        return alone(lambda: whole_step(model, optimizer, steps, layout=layout, **options), alone_bytes)
     factory, plan, loss_fn = MODELS[model]
-    mesh = mesh_2x2()
-    dp_rank = mesh.get_local_rank("dp")
+    mesh, dp_mesh, dp_size, dp_rank = _data_parallel(layout)
     base = factory()
     ref = copy.deepcopy(base)
-    ours = zerofx.shard(_tp_copy(base, plan, mesh), mesh["dp"], **options)
+    ours = zerofx.shard(_tp_copy(base, plan, mesh), dp_mesh, **options)
     make = WHOLE_OPTIMIZERS[optimizer]
     opt, ref_opt = make(list(ours.parameters())), make(list(ref.parameters()))
     out: dict[str, Any] = {"params": [], "state": [], "moved": [], "layouts": {}}
-    for x, y in batches(steps, mesh.size(0)):
+    for x, y in batches(steps, dp_size):
         loss_fn(ours, _mine(x, dp_rank), _mine(y, dp_rank)).backward()
         for p, q in zip(ours.parameters(), ref.parameters()):
             q.grad = None if p.grad is None else global_value(p.grad).clone()
@@ -378,8 +408,8 @@ def whole_step(model: str, optimizer: str, steps: int = 3, alone_bytes: int | No
         names[j]: {k: str(v.placements) if isinstance(v, DTensor) else type(v).__name__ for k, v in entry.items()}
         for j, entry in opt.state_dict()["state"].items()
     }
-    out["tp_sharded"] = sorted(n for n, p in ours.named_parameters() if p.placements[1].is_shard())
-    out["dp_whole"] = sorted(n for n, p in ours.named_parameters() if p.placements[0].is_replicate())
+    out["tp_sharded"] = sorted(n for n, p in ours.named_parameters() if p.placements[-1].is_shard())
+    out["dp_whole"] = sorted(n for n, p in ours.named_parameters() if p.placements[-2].is_replicate())
     return out
 
 
@@ -432,10 +462,14 @@ def errors() -> dict:
         model = parallelize(gpt(), other["tp"], gpt_plan(gpt()))
         zerofx.compile(model, mesh["dp"])
 
-    def hybrid_and_tp():
-        mesh3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
-        model = parallelize(gpt(), mesh3["tp"], gpt_plan(gpt()))
-        zerofx.compile(model, mesh3, tp_dim="tp")
+    def three_dp_dims():  # hybrid sharding takes two data-parallel dims next to TP, not three
+        mesh4 = init_device_mesh("cpu", (1, 1, 2, 2), mesh_dim_names=("a", "b", "c", "tp"))
+        model = parallelize(gpt(), mesh4["tp"], gpt_plan(gpt()))
+        zerofx.compile(model, mesh4, tp_dim="tp")
+
+    def hpz_without_hybrid():  # hpZ's secondary partition is the inner of two data-parallel dims
+        model = parallelize(gpt(), mesh["tp"], gpt_plan(gpt()))
+        zerofx.compile(model, mesh, tp_dim="tp", secondary_shard=True)
 
     def tp_dim_without_plan():
         zerofx.compile(gpt(), mesh, tp_dim="tp")
@@ -451,7 +485,8 @@ def errors() -> dict:
     attempt("tp_on_dp", tp_on_dp)
     attempt("unnamed_3d", unnamed_3d)
     attempt("two_meshes", two_meshes)
-    attempt("hybrid_and_tp", hybrid_and_tp)
+    attempt("three_dp_dims", three_dp_dims)
+    attempt("hpz_without_hybrid", hpz_without_hybrid)
     attempt("tp_dim_without_plan", tp_dim_without_plan)
     attempt("tied_differently", tied_differently)
     return results
@@ -462,9 +497,17 @@ def errors() -> dict:
 # data-parallel rank takes its equal slice, so the mean over dp of the per-rank mean losses is
 # the global batch's mean loss in every layout.
 GLOBAL_BATCH = PER_DP_RANK * 2
-# (dp, tp) of each layout a checkpoint loads into; tp=None: a plain 1-D zerofx model, no TP plan
-LAYOUTS = {"2x2": (2, 2), "dp4": (4, None), "tp4": (1, 4)}
+# (dp, tp) of each layout a checkpoint loads into; tp=None: a plain 1-D zerofx model, no TP plan;
+# dp a pair: hybrid sharding (replicate, shard) next to TP (8 ranks)
+LAYOUTS = {"2x2": (2, 2), "dp4": (4, None), "tp4": (1, 4), "2x2x2": ((2, 2), 2), "4x2": (4, 2)}
 _FLAT: dict = {}
+
+
+def _dp_size_rank(dp_mesh) -> tuple[int, int]:
+    """A data-parallel mesh's size and this rank's index in it (row-major over a 2-D one)."""
+    if dp_mesh.ndim == 1:
+        return dp_mesh.size(), dp_mesh.get_local_rank()
+    return dp_mesh.size(), dp_mesh.get_local_rank(0) * dp_mesh.size(1) + dp_mesh.get_local_rank(1)
 
 
 def _layout(model: str, layout: str, stage: int, seed: int):
@@ -477,6 +520,16 @@ def _layout(model: str, layout: str, stage: int, seed: int):
         if dp not in _FLAT:
             _FLAT[dp] = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
         dp_mesh = _FLAT[dp]
+    elif isinstance(dp, tuple):
+        mesh = hybrid_mesh(*dp, tp)
+        parallelize(base, mesh["tp"], plan(base))
+        dp_mesh = mesh["replicate", "shard"]
+    elif dist.get_world_size() == 8:  # next to the hybrid mesh, whose "tp" slice DeviceMesh would hand out
+        if layout not in _FLAT:  # for this one's (equal by value: the same ranks and name)
+            _FLAT[layout] = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp_of_4x2"))
+        mesh = _FLAT[layout]
+        parallelize(base, mesh["tp_of_4x2"], plan(base))
+        dp_mesh = mesh["dp"]
     else:
         mesh = mesh_2x2(dp, tp)
         parallelize(base, mesh["tp"], plan(base))
@@ -486,17 +539,15 @@ def _layout(model: str, layout: str, stage: int, seed: int):
 
 def _train(model, opt, loss_fn, dp_mesh, steps) -> list[float]:
     """One AdamW step per batch of ``steps`` (each a global batch); the global mean losses."""
-    per = GLOBAL_BATCH // dp_mesh.size()
-    rank = dp_mesh.get_local_rank()
+    size, rank = _dp_size_rank(dp_mesh)
+    per = GLOBAL_BATCH // size
     losses = []
     for x, y in steps:
         loss = loss_fn(model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
         loss.backward()
         opt.step()
         opt.zero_grad()
-        t = loss.detach().float().clone()
-        dist.all_reduce(t, group=dp_mesh.get_group())
-        losses.append(float(t) / dp_mesh.size())
+        losses.append(_dp_mean(loss.float(), dp_mesh))
     return losses
 
 
@@ -514,8 +565,10 @@ def _full_state(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
-def checkpoint_layouts(model: str, folder: str, stage: int = 3, loads: tuple = (("2x2", 3),)) -> dict:
-    """Train 2 steps on (dp=2, tp=2) at ``stage``, save with zerofx.checkpoint.save, keep each
+def checkpoint_layouts(
+    model: str, folder: str, stage: int = 3, loads: tuple = (("2x2", 3),), saved_in: str = "2x2"
+) -> dict:
+    """Train 2 steps in layout ``saved_in`` (dp=2, tp=2) at ``stage``, save with zerofx.checkpoint.save, keep each
     parameter and optimizer state tensor whole, then train 2 more steps (the uninterrupted
     losses). Each ``(layout, stage)`` of ``loads`` then builds the model afresh from another
     seed, loads the checkpoint and trains the same 2 steps: what the tests compare."""
@@ -526,7 +579,7 @@ def checkpoint_layouts(model: str, folder: str, stage: int = 3, loads: tuple = (
     vocab = 64
     steps = batches(4, GLOBAL_BATCH // PER_DP_RANK, vocab=vocab)
     path = Path(folder) / f"{model}-stage{stage}"
-    ours, loss_fn, dp_mesh = _layout(model, "2x2", stage, seed=0)
+    ours, loss_fn, dp_mesh = _layout(model, saved_in, stage, seed=0)
     opt = torch.optim.AdamW(ours.parameters(), lr=LR)
     first = _train(ours, opt, loss_fn, dp_mesh, steps[:2])
     zerofx.checkpoint.save(path, ours, opt, extra={"step": 2})
@@ -579,7 +632,7 @@ def meta_built(model: str, folder: str | None = None, stage: int = 3) -> dict:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            losses.append(_dp_mean(loss, mesh))
+            losses.append(_dp_mean(loss, mesh["dp"]))
         return losses
 
     made = folder is None

@@ -186,7 +186,7 @@ def _guard_filter(model: nn.Module):
 def _same_mesh(given: DeviceMesh, runtime: Any, tp_dim: str | None) -> bool:
     """Whether ``given`` lays out the ranks the model was sharded over as its own mesh does (a
     new DeviceMesh object over the same ranks counts: Lightning builds one per stage), or is
-    the whole ``(dp, tp)`` mesh whose dimensions those are."""
+    the whole ``(dp, tp)`` or ``(replicate, shard, tp)`` mesh whose dimensions those are."""
 
     def same(a: DeviceMesh, b: DeviceMesh | None) -> bool:
         return a is b or (b is not None and a.device_type == b.device_type and torch.equal(a.mesh, b.mesh))
@@ -194,9 +194,9 @@ def _same_mesh(given: DeviceMesh, runtime: Any, tp_dim: str | None) -> bool:
     if same(given, runtime.mesh):
         return True
     names = given.mesh_dim_names or ()
-    if runtime.tp_mesh is not None and given.ndim == 2 and tp_dim in names:
-        dp = names[1 - names.index(tp_dim)]
-        return same(given[dp], runtime.mesh) and same(given[tp_dim], runtime.tp_mesh)
+    if runtime.tp_mesh is not None and given.ndim in (2, 3) and tp_dim in names:
+        dp = tuple(n for n in names if n != tp_dim)
+        return same(given[dp if len(dp) > 1 else dp[0]], runtime.mesh) and same(given[tp_dim], runtime.tp_mesh)
     return False
 
 
@@ -279,8 +279,10 @@ def gathered(model: nn.Module) -> Iterator[Gathered]:
             if state.full is not None:  # stages 1 and 2: the whole copy forward already reads
                 whole[state] = state.full
                 continue
-            if state.param.device_mesh.ndim == 2 and runtime.tp_mesh is not None:  # (dp, tp): the TP share
-                value = state.param.redistribute(placements=(Replicate(), *state.param.placements[1:])).to_local()
+            if runtime.tp_mesh is not None:  # (dp..., tp): the TP share, replicated over the dp dims
+                dp_dims = state.param.device_mesh.ndim - 1
+                placements = (*(Replicate(),) * dp_dims, state.param.placements[-1])
+                value = state.param.redistribute(placements=placements).to_local()
             else:
                 value = state.param.full_tensor()  # an all-gather unless the parameter is kept whole
             if state.compute_dtype is not None:

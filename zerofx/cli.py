@@ -143,7 +143,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="tensor-parallel size inside each node (the model's plan from zerofx.tensor_parallel.plan_for); "
-        "--mesh is then the data-parallel size, the job has mesh x tp ranks",
+        "--mesh is then the data-parallel size (or replicate x shard), the job has mesh x tp ranks",
     )
     plan.add_argument("--batch", type=int, default=1, help="sequences per rank per micro-step (default 1)")
     plan.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks")

@@ -107,11 +107,6 @@ class LayoutPolicy:
             raise ZeroFXError(f"option stage={self.stage!r}: choose 1, 2 or 3")
         if self.tp_dim is not None and (not isinstance(self.tp_dim, str) or not self.tp_dim):
             raise ZeroFXError(f"option tp_dim={self.tp_dim!r}: give the name of the mesh's tensor-parallel dimension")
-        if self.tp_dim is not None and self.secondary_shard:
-            raise ZeroFXError(
-                "option secondary_shard=True (hpZ) reads a 2-D data-parallel mesh (nodes, ranks per node); with "
-                f"tp_dim={self.tp_dim!r} the mesh's other dimensions are data-parallel: drop one of the two"
-            )
         if not isinstance(self.secondary_shard, bool):
             raise ZeroFXError(f"option secondary_shard={self.secondary_shard!r}: give True or False")
         if self.secondary_shard and self.stage != 3:
@@ -382,12 +377,15 @@ class Options:
             forward to backward (1/size(shard) of it, in the compute dtype), and the backward
             re-gathers them inside the inner dimension: no backward all-gather crosses the outer
             one (zerofx/sharding.py NOTE: hpZ, passes/secondary.py). A 1-D mesh is an error at
-            ``zerofx.compile`` / ``zerofx.shard``; stage 1 or 2, an error here.
+            ``zerofx.compile`` / ``zerofx.shard``; stage 1 or 2, an error here. With tensor
+            parallelism, the two data-parallel dimensions of a ``(replicate, shard, tp)`` mesh.
         tp_dim: the name of the tensor-parallel dimension of ``mesh`` when the model was
             parallelized on it (``parallelize_module(model, mesh[tp_dim], plan)``): zerofx then
-            shards over the mesh's other dimension. Not needed when ``mesh`` is the
-            data-parallel submesh itself (``zerofx.compile(model, mesh["dp"])``): the TP mesh is
-            read from the parameters (zerofx/sharding.py NOTE: ZeRO with tensor parallelism).
+            shards over the mesh's other dimension, or with a 3-D mesh the other two (hybrid
+            sharding: ``(replicate, shard, tp)``). Not needed when ``mesh`` is the data-parallel
+            submesh itself (``zerofx.compile(model, mesh["dp"])`` or ``mesh["replicate",
+            "shard"]``): the TP mesh is read from the parameters (zerofx/sharding.py NOTE: ZeRO
+            with tensor parallelism).
         shard_placement_fn: the dim each parameter is split along over the data-parallel
             ranks, as FSDP2's: a function of the (unsharded) parameter returning
             ``Shard(dim)``, or None for zerofx's choice. zerofx's choice: dim 0, unless the

@@ -574,7 +574,8 @@ def plan(
     factory keyword that sets the number of identical blocks (built-ins: ``n_layer``): deeper
     models are planned from traces of 3 and 4 blocks (NOTE: planning by depth) unless ``exact``;
     ``tensor_parallel``: the size of a tensor-parallel dimension inside each node next to
-    ``mesh_shape``'s data-parallel one (1-D: ``(dp,)``; the job has dp·tp ranks): the model is
+    ``mesh_shape``'s data-parallel ones (``(dp,)``, or ``(replicate, shard)`` for hybrid
+    sharding; the job has dp·tp ranks): the model is
     parallelized with ``tp_plan(model)`` (default ``zerofx.tensor_parallel.plan_for``) and zerofx
     shards over dp (zerofx/sharding.py, NOTE: ZeRO with tensor parallelism); its collectives are
     reported under "tp"; ``options``: those of
@@ -593,12 +594,7 @@ def plan(
         raise ZeroFXError(f"mesh {mesh_shape}: give (world,) or (replicate, shard), e.g. --mesh 128x8")
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ZeroFXError(f"tensor_parallel={tensor_parallel!r}: give the tensor-parallel size, an int >= 1")
-    if tensor_parallel > 1:
-        if len(mesh_shape) != 1:
-            raise ZeroFXError(
-                f"mesh {mesh_shape} with tensor_parallel={tensor_parallel}: zerofx shards over one data-parallel "
-                "dimension next to tensor parallelism; give the data-parallel size alone (--mesh 64 --tp 8)"
-            )
+    if tensor_parallel > 1:  # the data-parallel dims: (shard,) or (replicate, shard) for hybrid sharding
         if world_size is not None and world_size % tensor_parallel == 0 and mesh_shape == (world_size,):
             mesh_shape = (world_size // tensor_parallel,)  # --world-size counts every rank
         mesh_shape = (*mesh_shape, tensor_parallel)
@@ -781,7 +777,7 @@ class _Request:
     optimizer: str | Callable
     symbolic: bool
     options: dict[str, Any]
-    tensor_parallel: int = 1  # > 1: mesh_shape is (dp, tp)
+    tensor_parallel: int = 1  # > 1: mesh_shape is (dp, tp) or (replicate, shard, tp)
     tp_plan: Callable | None = None
 
 
@@ -790,7 +786,7 @@ def _plan_once(req: _Request) -> Plan:
     from torch.distributed.device_mesh import init_device_mesh
 
     if req.tensor_parallel > 1:
-        dims: tuple[str, ...] = ("shard", "tp")
+        dims: tuple[str, ...] = ("shard", "tp") if len(req.mesh_shape) == 2 else ("replicate", "shard", "tp")
     else:
         dims = ("shard",) if len(req.mesh_shape) == 1 else ("replicate", "shard")
     options = dict(req.options)
@@ -846,7 +842,10 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
         from zerofx.tensor_parallel import parallelize, plan_for
 
         parallelize(model, mesh["tp"], (req.tp_plan or plan_for)(model))
-    dp_mesh = mesh["shard"] if len(dims) == 1 or req.tensor_parallel > 1 else mesh
+    if req.tensor_parallel > 1:
+        dp_mesh = mesh["shard"] if len(dims) == 2 else mesh["replicate", "shard"]
+    else:
+        dp_mesh = mesh["shard"] if len(dims) == 1 else mesh
     _compile(model, dp_mesh, None, options, cost=decide, keep_graphs=True)
     opt = _make_optimizer(list(model.parameters()), req.optimizer, foreach=device != "cpu")
     hints = (max(batch, 2), max(seq, 3)) if symbolic else (batch, seq)
@@ -874,14 +873,14 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     opt_bytes = model_state_bytes(model, opt).optimizer
     group_dim = {mesh.get_group(i).group_name: d for i, d in enumerate(dims)}
     # any other group spans the whole mesh (hpZ's flattened mesh: secondary_shard) and crosses nodes
-    whole_mesh = "all" if len(dims) == 2 else "shard"
+    whole_mesh = "all" if "replicate" in dims else "shard"
     comm_bytes: dict[str, dict[str, int]] = {}
     for (kind, group), nbytes in comm.by_group.items():
         dim = group_dim.get(group, whole_mesh)
         comm_bytes.setdefault(kind, {}).setdefault(dim, 0)
         comm_bytes[kind][dim] += int(hint(nbytes))
 
-    inner = mesh_shape[-1] * (mesh_shape[0] if req.tensor_parallel > 1 else 1)  # ranks the shard dim spans
+    inner = mesh_shape[-1] * (mesh_shape[-2] if req.tensor_parallel > 1 else 1)  # ranks the shard dim spans
     links = {
         "tp": _link("intra"),  # tensor parallelism stays inside a node
         "shard": _link("intra" if inner <= req.gpus_per_node else "inter"),

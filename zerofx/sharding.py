@@ -531,7 +531,7 @@ def _make_state(
     if tp_mesh is not None:
         tp_placements = tp.placements if tp is not None else (Replicate(),)
         shape, stride = (tp.shape, tp.stride) if tp is not None else (param.shape, param.stride())
-        dt = _on_dp_and_tp(qualname, dt.to_local(), mesh, placements[0], tp_mesh, tp_placements, shape, stride)
+        dt = _on_dp_and_tp(qualname, dt.to_local(), mesh, placements, tp_mesh, tp_placements, shape, stride)
     master = param.dtype
     compute = opts.param_dtype if opts.param_dtype not in (None, master) and not full_precision else None
     full = None
@@ -855,11 +855,20 @@ def _flatten_unnamed(mesh: DeviceMesh) -> DeviceMesh:
 # ``state_dict()`` holds global shapes that DCP reshards to any other layout. Plain parameters
 # left out of the TP plan stay plain in forward and are ``(Shard(0), Replicate())``: as with
 # FSDP2, the plan must make their gradients equal across the TP group.
+#
+# Hybrid sharding next to TP (a ``(replicate, shard, tp)`` mesh, torchtitan's HSDP + TP) is the
+# same construction one dimension up: the data-parallel side is the 2-D ``(replicate, shard)``
+# mesh it is without TP (gathers and reduce-scatters on "shard", the gradient all-reduce on
+# "replicate"), and the optimizer's DTensors live on the 3-D mesh with ``(Replicate(), Shard(0)
+# or _StridedShard(0), <TP placement>)``. ZeRO++ hpZ (``secondary_shard``) flattens the two
+# data-parallel dimensions as it does without TP: ``(Shard(0) over both, <TP placement>)``, the
+# backward re-gathering within "shard". The TP dimension never takes part in zerofx's own
+# collectives, so nothing else changes.
 _SPMD_MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] = {}
 
 
 def _spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The (dp, tp) mesh of the optimizer's DTensors, made once per pair of meshes."""
+    """The (dp..., tp) mesh of the optimizer's DTensors, made once per pair of meshes."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     key = (id(dp_mesh), id(tp_mesh))
@@ -883,22 +892,25 @@ def _on_dp_and_tp(
     qualname: str,
     local: torch.Tensor,
     dp_mesh: DeviceMesh,
-    dp_placement,
+    dp_placements: list,
     tp_mesh: DeviceMesh,
     tp_placements: tuple,
     shape: torch.Size,
     stride: tuple[int, ...],
 ) -> DTensor:
-    """``local`` (this rank's dp rows of its TP-local value) as the optimizer's 2-D DTensor,
-    checked against DTensor's own idea of which rows that placement holds (NOTE: ZeRO with
-    tensor parallelism): a layout the two would disagree on is an error, never a wrong state dict."""
+    """``local`` (this rank's dp rows of its TP-local value) as the optimizer's DTensor on the
+    (dp..., tp) mesh, checked against DTensor's own idea of which rows those placements hold
+    (NOTE: ZeRO with tensor parallelism): a layout the two would disagree on is an error, never a
+    wrong state dict. ``dp_placements`` are zerofx's on the data-parallel mesh: ``[Shard(0)]`` or
+    ``[Replicate()]``, with hybrid sharding ``[Replicate(), Shard(0) or Replicate()]``."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh = _spmd_mesh(dp_mesh, tp_mesh)
-    if isinstance(dp_placement, Shard) and any(isinstance(p, Shard) and p.dim == 0 for p in tp_placements):
-        dp_placement = _StridedShard(0, split_factor=tp_mesh.size())
-    placements = (dp_placement, *tp_placements)
+    *outer, inner = dp_placements
+    if isinstance(inner, Shard) and any(isinstance(p, Shard) and p.dim == 0 for p in tp_placements):
+        inner = _StridedShard(0, split_factor=tp_mesh.size())
+    placements = (*outer, inner, *tp_placements)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # index arithmetic on the mesh's (real) rank tensor
@@ -946,10 +958,10 @@ def _tp_mesh_of(
         raise ZeroFXError(
             f"{name} is a DTensor on a {tp_mesh.ndim}-D mesh; zerofx composes with 1-D tensor parallelism"
         )
-    if mesh.ndim != 1:
+    if mesh.ndim > 2:
         raise ZeroFXError(
-            f"mesh {tuple(mesh.shape)}: with tensor parallelism zerofx shards over one data-parallel dimension "
-            "(hybrid sharding with TP is not supported); pass mesh['dp']"
+            f"mesh {tuple(mesh.shape)}: with tensor parallelism zerofx shards over one data-parallel dimension, or "
+            "two for hybrid sharding (replicate, shard); pass those (mesh['dp'] or mesh['replicate', 'shard'])"
         )
     if tp_mesh is mesh or tp_mesh == mesh or set(tp_mesh.mesh_dim_names or ()) & set(mesh.mesh_dim_names or ()):
         raise ZeroFXError(
@@ -971,9 +983,9 @@ def _dtensor_meshes(model: nn.Module) -> dict:
 
 
 def _implied_tp_dim(on: dict, mesh: DeviceMesh | None, tp_dim: str | None) -> str | None:
-    """``tp_dim``, or where a 2-D mesh was passed without it and the model's one TP mesh is one of
-    its named dimensions, that dimension's name."""
-    if tp_dim is not None or not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or len(on) != 1:
+    """``tp_dim``, or where a 2-D or 3-D mesh was passed without it and the model's one TP mesh is
+    one of its named dimensions, that dimension's name."""
+    if tp_dim is not None or not isinstance(mesh, DeviceMesh) or mesh.ndim not in (2, 3) or len(on) != 1:
         return tp_dim
     tp_mesh, _ = next(iter(on.values()))
     names = tp_mesh.mesh_dim_names
@@ -983,7 +995,8 @@ def _implied_tp_dim(on: dict, mesh: DeviceMesh | None, tp_dim: str | None) -> st
 
 
 def _data_parallel_dim(mesh: DeviceMesh, tp_dim: str | None, on: dict) -> DeviceMesh:
-    """The data-parallel dimension of a mesh of more than one dimension, named apart from ``tp_dim``."""
+    """The data-parallel dimensions of a mesh of more than one dimension, named apart from
+    ``tp_dim``: one (dp), or two (replicate, shard) for hybrid sharding, in the mesh's order."""
     names = mesh.mesh_dim_names
     if names is None:
         raise ZeroFXError(
@@ -999,11 +1012,11 @@ def _data_parallel_dim(mesh: DeviceMesh, tp_dim: str | None, on: dict) -> Device
     if tp_dim not in names:
         raise ZeroFXError(f"option tp_dim={tp_dim!r}: the mesh's dimensions are {names}")
     rest = tuple(n for n in names if n != tp_dim)
-    if len(rest) != 1:
+    if len(rest) > 2:
         raise ZeroFXError(
             f"option tp_dim={tp_dim!r} on mesh {names}: zerofx shards over one data-parallel dimension next to "
-            f"tensor parallelism, not {rest} (hybrid sharding with TP is not supported): pass mesh[{rest!r}] "
-            "flattened, or fewer dimensions"
+            f"tensor parallelism, or two (replicate, shard) for hybrid sharding, not {rest}: flatten some of "
+            "them, or pass fewer dimensions"
         )
     tp_expected = mesh[tp_dim]
     if on and all(m is not tp_expected and m != tp_expected for m, _ in on.values()):
@@ -1012,7 +1025,7 @@ def _data_parallel_dim(mesh: DeviceMesh, tp_dim: str | None, on: dict) -> Device
             f"option tp_dim={tp_dim!r}: the model's tensor-parallel parameters ({name}, ...) live on mesh "
             f"{m.mesh_dim_names}, not on that mesh's {tp_dim!r} dimension"
         )
-    return mesh[rest[0]]
+    return mesh[rest[0]] if len(rest) == 1 else mesh[rest]
 
 
 def _check_crossing(name: str, tp_mesh: DeviceMesh, mesh: DeviceMesh) -> None:

@@ -20,7 +20,8 @@ the two agree **bit for bit** on any CPU:
 With tensor parallelism (a model parallelized with ``parallelize_module`` on a TP mesh, then
 given to zerofx with the data-parallel mesh), the replica is the same TP model, not given to
 zerofx: the TP plan's arithmetic is the same on both sides, so only the data-parallel
-reduction is reproduced (within each rank's data-parallel group, on the TP-local values).
+reduction is reproduced (within each rank's data-parallel group, on the TP-local values; with
+hybrid sharding, the shard dimension's sum and then the replicate dimension's).
 Its gradient of a parameter the plan keeps replicated may be ``Partial`` over the TP group;
 the oracle sums it there first, as zerofx's rebuilt DTensor does in its backward.
 
@@ -177,12 +178,24 @@ class _Layout:
     shard_count: int
     groups: list[list[list[int]]]  # per mesh dim, innermost first: the global ranks of each group
     dim: int = 0  # the tensor dim it is split along
+    # with tensor parallelism: the data-parallel ranks of this rank's TP coordinate and their group
+    ranks: list[int] | None = None
+    group: Any = None
 
     def part(self, t: torch.Tensor, index: int | None = None) -> torch.Tensor:
         """Shard ``index`` (this rank's by default) of the whole ``t``; ``t`` if not sharded."""
         if not self.sharded:
             return t
         return shard_rows(t, self.shard_index if index is None else index, self.shard_count, self.dim)
+
+
+def _groups_per_dim(ranks: torch.Tensor) -> list[list[list[int]]]:
+    """Per dim of a mesh's rank tensor, innermost first: the global ranks of each of its groups."""
+    groups = []
+    for dim in reversed(range(ranks.ndim)):
+        moved = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim])
+        groups.append([[int(r) for r in row] for row in moved])
+    return groups
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -216,8 +229,8 @@ class ShardedReference:
         self.world = dist.get_world_size()
         self.backend = str(dist.get_backend())
         runtime = runtime_of(sharded)
-        # with tensor parallelism: the data-parallel mesh (gradients are combined within it only)
-        self.dp_mesh = runtime.mesh if runtime is not None and runtime.tp_mesh is not None else None
+        # with tensor parallelism gradients are combined within each TP coordinate's dp ranks only
+        self.tp = runtime is not None and runtime.tp_mesh is not None
         ours = dict(sharded.named_parameters())
         self.params = dict(replica.named_parameters())
         missing = set(self.params) ^ set(ours)
@@ -237,25 +250,40 @@ class ShardedReference:
         self._terms: dict[str, tuple[list[torch.Tensor], int]] = {}  # their summands, for the bound
 
     def _layout(self, p: torch.Tensor) -> _Layout:
-        if self.dp_mesh is not None:  # (dp, tp): zerofx's placement on dp is the first one
-            dp = self.dp_mesh
-            group = [int(r) for r in dp.mesh.flatten()]
-            sharded = not p.placements[0].is_replicate()  # Shard(0), or _StridedShard(0) over TP rows
-            return _Layout(sharded, dp.get_local_rank(), dp.size(), [[group]])
+        if self.tp:  # (dp..., tp): zerofx's placements on the data-parallel dims come first
+            return self._tp_layout(p)
         if not isinstance(p, DTensor):  # a one-rank mesh: nothing is sharded
             return _Layout(False, 0, 1, [[list(range(self.world))]])
         mesh = p.device_mesh
-        ranks = mesh.mesh
-        groups = []
-        for dim in reversed(range(mesh.ndim)):
-            moved = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim])
-            groups.append([[int(r) for r in row] for row in moved])
+        groups = _groups_per_dim(mesh.mesh)
         last = p.placements[-1]
         sharded = last.is_shard()
         if type(last) not in (Shard, Replicate) or any(not q.is_replicate() for q in p.placements[:-1]):
             raise ValueError(f"ShardedReference knows (Replicate(), ...) Shard(dim) layouts only, not {p.placements}")
         dim = last.dim if sharded else 0
         return _Layout(sharded, mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1), groups, dim)
+
+    def _tp_layout(self, p: DTensor) -> _Layout:
+        """A parameter on the (dp..., tp) mesh: its data-parallel dims are the mesh's leading ones
+        (one, two for hybrid sharding; hpZ's flattened one), the TP dim the last. Gradients are
+        combined among the ranks of this rank's TP coordinate only."""
+        mesh = p.device_mesh
+        dp_ndim = mesh.ndim - 1
+        tp_index = mesh.get_local_rank(dp_ndim)
+        groups = _groups_per_dim(mesh.mesh.select(dp_ndim, tp_index))
+        inner = p.placements[dp_ndim - 1]  # Shard(0), or _StridedShard(0) over TP rows
+        if any(not q.is_replicate() for q in p.placements[: dp_ndim - 1]):
+            raise ValueError(
+                f"ShardedReference knows (Replicate(), ...) Shard(0) data-parallel layouts only, not {p.placements}"
+            )
+        if dp_ndim == 1:
+            group = mesh.get_group(0)
+        else:  # every data-parallel rank of this TP coordinate (flattening names a new group once)
+            group = mesh[mesh.mesh_dim_names[:dp_ndim]]._flatten().get_group()
+        lay = _Layout(not inner.is_replicate(), mesh.get_local_rank(dp_ndim - 1), mesh.size(dp_ndim - 1), groups)
+        lay.group = group
+        lay.ranks = sorted(r for g in groups[0] for r in g)
+        return lay
 
     # -- forward and backward on this rank's slice ---------------------------------------------
 
@@ -292,9 +320,9 @@ class ShardedReference:
             if isinstance(grad, DTensor):  # a TP replica's: Partial over TP where the plan replicates
                 grad = grad.redistribute(placements=p.placements).to_local()
             local = grad.contiguous()
-            ranks = lay.groups[0][0] if self.dp_mesh is not None else list(range(self.world))
+            ranks = lay.ranks if lay.ranks is not None else list(range(self.world))
             everyone = [torch.empty_like(local) for _ in ranks]
-            dist.all_gather(everyone, local, group=self.dp_mesh.get_group() if self.dp_mesh is not None else None)
+            dist.all_gather(everyone, local, group=lay.group)
             values = dict(zip(ranks, everyone))
             exact = True
             for dim, groups in enumerate(lay.groups):  # innermost (the shard dim) first
@@ -307,7 +335,7 @@ class ShardedReference:
                 values = combined
             self.reduced[name] = values[self.rank]
             if not exact:
-                if self.dp_mesh is not None:
+                if self.tp:
                     raise ValueError(
                         f"{name}: with tensor parallelism the oracle reproduces data-parallel sums of two ranks "
                         "or gloo's sharded reduce only"
@@ -384,7 +412,7 @@ class ShardedReference:
         grads = list(self.reduced.values())
         squares = sum(float(g.double().pow(2).sum()) for g in grads)
         n = sum(g.numel() for g in grads)
-        if self.dp_mesh is not None:  # TP-local gradients: a TP-sharded one's squares add up over TP
+        if self.tp:  # TP-local gradients: a TP-sharded one's squares add up over TP
             tp_sharded = [
                 g
                 for name, g in self.reduced.items()
