@@ -48,12 +48,18 @@ def results(tmp_path_factory) -> dict:
     ]
     calls.append(("heads_not_divisible", {}))
     calls.append(("meta_built", {"model": "gpt", "folder": folder}))
+    calls.append(("meta_built", {"model": "llama", "folder": folder, "stage": 2}))
     per_rank = run_ranks(tp_scenarios.run, 4, calls, timeout=1500)
     out = {}
     for i, (name, kwargs) in enumerate(calls):
         ranks = [r[i] for r in per_rank]
         errors = [r["error"] for r in ranks if "error" in r]
-        key = (kwargs["model"], kwargs["stage"]) if name == "checkpoint_layouts" else name
+        if name == "checkpoint_layouts":
+            key = (kwargs["model"], kwargs["stage"])
+        elif name == "meta_built":
+            key = (name, kwargs["model"], kwargs.get("stage", 3))
+        else:
+            key = name
         out[key] = errors[0] if errors else [r["ok"] for r in ranks]
     return out
 
@@ -102,4 +108,12 @@ def test_a_gpt_built_on_meta_with_sequence_parallelism_and_tied_weights_loads_ev
     sequence-parallel norms, the tied embedding and head (one parameter under two names)."""
     from tests.test_tensor_parallel import check_meta_built
 
-    check_meta_built(_ranks(results, "meta_built"))
+    check_meta_built(_ranks(results, ("meta_built", "gpt", 3)))
+
+
+def test_a_llama_built_on_meta_at_stage_2_holds_its_shares_and_their_whole_copies_and_loads_every_way(results):
+    """Stages 1-2 keep a whole copy of each TP share next to the shard: built on meta, it is
+    allocated uninitialized and filled by each of the three loads (whole copies refreshed)."""
+    from tests.test_tensor_parallel import check_meta_built
+
+    check_meta_built(_ranks(results, ("meta_built", "llama", 2)), stage=2)

@@ -38,6 +38,7 @@ CALLS = [
     ("collective_bytes", {"model": "gpt", "secondary_shard": True, **HYBRID}),
     ("gathered", {"model": "gpt", **HYBRID}),
     ("whole_step", {"model": "gpt", "optimizer": "adafactor", **HYBRID}),
+    ("meta_built", {"model": "llama", **HYBRID}),
 ]
 CHECKPOINT = ("checkpoint_layouts", {"model": "gpt", "stage": 3, "saved_in": "2x2x2"})
 LOADS = (("2x2x2", 3), ("4x2", 3))
@@ -186,3 +187,11 @@ def test_a_hybrid_checkpoint_loads_into_hybrid_and_into_4x2_and_trains_on(result
                 assert got["losses"] == r["uninterrupted"]
             else:  # the data-parallel sum over 4 ranks in one reduce-scatter: another association
                 assert got["losses"] == pytest.approx(r["uninterrupted"], rel=tp_scenarios.SINGLE_RTOL)
+
+
+def test_a_model_built_on_meta_over_hybrid_and_tp_holds_its_shares_and_loads_every_way(results):
+    """The models this layout exists for do not fit one rank: built on meta over 2x2x2, each rank
+    allocates only its shard-dim rows of its TP share, and the three loads fill them."""
+    from tests.test_tensor_parallel import check_meta_built
+
+    check_meta_built(_ok(results, "meta_built", model="llama"))

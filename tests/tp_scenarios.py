@@ -19,6 +19,7 @@ run (tests/tp_torchrun.py).
 from __future__ import annotations
 
 import copy
+import time
 import traceback
 from typing import Any, Callable
 
@@ -607,9 +608,10 @@ def checkpoint_layouts(
     return out
 
 
-def meta_built(model: str, folder: str | None = None, stage: int = 3) -> dict:
+def meta_built(model: str, folder: str | None = None, stage: int = 3, layout: str = "2x2") -> dict:
     """The TP model built under ``torch.device("meta")`` (shapes only), parallelized and compiled
-    on the 2x2 mesh, so that no rank ever holds more than its dp rows of its TP share; then
+    on the 2x2 mesh (or ``layout``'s), so that no rank ever holds more than its dp rows of its TP
+    share (and at stages 1-2 the whole copy of that share zerofx keeps); then
     loaded from a model trained 2 steps on the same layout, three ways: ``zerofx.checkpoint.load``
     (DCP, with the optimizer), ``zerofx.checkpoint.load_hf`` (HF safetensors that
     ``zerofx.checkpoint.export`` wrote) and ``model.load_state_dict`` of whole tensors. What the
@@ -619,11 +621,11 @@ def meta_built(model: str, folder: str | None = None, stage: int = 3) -> dict:
 
     import zerofx.checkpoint
     from zerofx.measure.allocations import AllocationTrace
+    from zerofx.runtime.params import runtime_of
 
     factory, plan, loss_fn = MODELS[model]
-    mesh = mesh_2x2()
-    dp_rank = mesh.get_local_rank("dp")
-    steps = batches(4, mesh.size(0))
+    mesh, dp_mesh, dp_size, dp_rank = _data_parallel(layout)
+    steps = batches(4, dp_size)
 
     def train(m, opt, batch) -> list[float]:
         losses = []
@@ -632,7 +634,7 @@ def meta_built(model: str, folder: str | None = None, stage: int = 3) -> dict:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            losses.append(_dp_mean(loss, mesh["dp"]))
+            losses.append(_dp_mean(loss, dp_mesh))
         return losses
 
     made = folder is None
@@ -644,12 +646,12 @@ def meta_built(model: str, folder: str | None = None, stage: int = 3) -> dict:
         folder = named[0]
     source = factory(0)
     parallelize(source, mesh["tp"], plan(source))
-    zerofx.compile(source, mesh["dp"], stage=stage)
+    zerofx.compile(source, dp_mesh, stage=stage)
     opt = torch.optim.AdamW(source.parameters(), lr=LR)
     train(source, opt, steps[:2])
-    path = Path(folder) / f"meta-{model}-stage{stage}"
+    path = Path(folder) / f"meta-{model}-stage{stage}-{layout}"
     zerofx.checkpoint.save(path, source, opt, extra={"step": 2})
-    hf = Path(folder) / f"meta-{model}-stage{stage}-hf"
+    hf = Path(folder) / f"meta-{model}-stage{stage}-{layout}-hf"
     if dist.get_rank() == 0:
         zerofx.checkpoint.export(path, hf)
     dist.barrier()
@@ -663,10 +665,12 @@ def meta_built(model: str, folder: str | None = None, stage: int = 3) -> dict:
             with torch.device("meta"):
                 built = factory(1)
             parallelize(built, mesh["tp"], plan(built))
-            zerofx.compile(built, mesh["dp"], stage=stage)
+            zerofx.compile(built, dp_mesh, stage=stage)
             t1 = trace.mark()
+        copies = {id(s.full): s.full for s in runtime_of(built).states if s.full is not None}
         got: dict[str, Any] = {
             "bytes": _local_bytes(built),
+            "whole_copies": sum(t.numel() * t.element_size() for t in copies.values()),
             "build_peak": trace.peak_between(t0, t1) - trace.live_at(t0),
         }
         try:
@@ -716,9 +720,11 @@ def run(rank: int, world: int, calls: list[tuple[str, dict]]) -> dict:
     the other scenarios still run (every rank fails the same way: they run the same code)."""
     out = {}
     for i, (name, kwargs) in enumerate(calls):
+        started = time.perf_counter()
         try:
             out[i] = {"ok": globals()[name](**kwargs)}
         except Exception:  # noqa: BLE001 - reported to the test
             out[i] = {"error": traceback.format_exc()}
         torch._dynamo.reset()
+        out[i]["seconds"] = time.perf_counter() - started  # what the scenario costs the suite
     return out

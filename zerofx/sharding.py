@@ -588,7 +588,10 @@ def _make_state(
 # what is missing (``ModelRuntime.unloaded``), never a run on uninitialized memory.
 # Buffers no checkpoint holds (non-persistent ones, such as HF's rotary ``inv_freq``) are
 # recomputed by ``load_hf`` through the HF model's own ``_init_weights`` for modules that own
-# no parameters; any other must be set by the user, who then calls ``mark_loaded``.
+# no parameters; any other must be set by the user, who then calls ``mark_loaded``. The whole
+# copies of stages 1 and 2 are allocated but not refreshed by ``shard``: a gather of
+# uninitialized shards would cost a collective and its buffers at the build's peak for nothing;
+# every loader refreshes them (and forward refuses stale ones).
 
 
 # NOTE: an optimizer built before shard
@@ -1153,7 +1156,8 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
         _expect_loading(model, runtime)
     _install_retired_check()
     install_local_step()  # adopts optimizers at their first step (local_optimizer_step only picks the path)
-    runtime.refresh()
+    if not on_meta:  # built on meta, the shards hold nothing yet: every loader refreshes after loading
+        runtime.refresh()
     if runtime.whole_copies:
         model.register_load_state_dict_post_hook(_refresh_after_load)
         model.register_forward_pre_hook(_check_whole_copies)
