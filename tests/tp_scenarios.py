@@ -130,15 +130,23 @@ def hybrid_mesh(replicate: int = 2, shard: int = 2, tp: int = 2):
     return _MESHES[key]
 
 
+def _dp_size_rank(dp_mesh) -> tuple[int, int]:
+    """A data-parallel mesh's size and this rank's index in it (row-major over a 2-D one)."""
+    if dp_mesh.ndim == 1:
+        return dp_mesh.size(), dp_mesh.get_local_rank()
+    return dp_mesh.size(), dp_mesh.get_local_rank(0) * dp_mesh.size(1) + dp_mesh.get_local_rank(1)
+
+
 def _data_parallel(layout: str):
     """(the whole mesh, the mesh zerofx is given, data-parallel size, this rank's dp index) of a
     layout: "2x2" is (dp, tp), "2x2x2" hybrid (replicate, shard, tp)."""
     if layout == "2x2":
         mesh = mesh_2x2()
-        return mesh, mesh["dp"], mesh.size(0), mesh.get_local_rank("dp")
-    mesh = hybrid_mesh(*(int(n) for n in layout.split("x")))
-    dp = mesh["replicate", "shard"]
-    return mesh, dp, dp.size(), mesh.get_local_rank("replicate") * mesh.size(1) + mesh.get_local_rank("shard")
+        dp = mesh["dp"]
+    else:
+        mesh = hybrid_mesh(*(int(n) for n in layout.split("x")))
+        dp = mesh["replicate", "shard"]
+    return mesh, dp, *_dp_size_rank(dp)
 
 
 def _local_bytes(model) -> int:
@@ -502,13 +510,6 @@ GLOBAL_BATCH = PER_DP_RANK * 2
 # dp a pair: hybrid sharding (replicate, shard) next to TP (8 ranks)
 LAYOUTS = {"2x2": (2, 2), "dp4": (4, None), "tp4": (1, 4), "2x2x2": ((2, 2), 2), "4x2": (4, 2)}
 _FLAT: dict = {}
-
-
-def _dp_size_rank(dp_mesh) -> tuple[int, int]:
-    """A data-parallel mesh's size and this rank's index in it (row-major over a 2-D one)."""
-    if dp_mesh.ndim == 1:
-        return dp_mesh.size(), dp_mesh.get_local_rank()
-    return dp_mesh.size(), dp_mesh.get_local_rank(0) * dp_mesh.size(1) + dp_mesh.get_local_rank(1)
 
 
 def _layout(model: str, layout: str, stage: int, seed: int):

@@ -24,8 +24,9 @@ START_METHOD = "spawn"
 def local_ranks(fn: Callable, world: int, *args: Any, name: str = "zerofx") -> list[Any]:
     """``[fn(*args) on rank 0, ..., on rank world-1]``, one process per rank, started by
     :data:`START_METHOD` (spawn unless set; ``fn`` must be importable: a module-level function).
-    Each rank initializes its own process group. ``OMP_NUM_THREADS`` defaults to 1 so ranks sharing a machine do not oversubscribe it. A rank that fails makes the
-    launcher stop the others and raise (no restarts)."""
+    Each rank initializes its own process group. ``OMP_NUM_THREADS`` defaults to 1 so ranks
+    sharing a machine do not oversubscribe it. A rank that fails makes the launcher stop the
+    others and raise (no restarts)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")

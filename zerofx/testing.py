@@ -280,10 +280,9 @@ class ShardedReference:
             group = mesh.get_group(0)
         else:  # every data-parallel rank of this TP coordinate (flattening names a new group once)
             group = mesh[mesh.mesh_dim_names[:dp_ndim]]._flatten().get_group()
-        lay = _Layout(not inner.is_replicate(), mesh.get_local_rank(dp_ndim - 1), mesh.size(dp_ndim - 1), groups)
-        lay.group = group
-        lay.ranks = sorted(r for g in groups[0] for r in g)
-        return lay
+        ranks = sorted(r for g in groups[0] for r in g)  # the group's order (torch sorts a group's ranks)
+        index, count = mesh.get_local_rank(dp_ndim - 1), mesh.size(dp_ndim - 1)
+        return _Layout(not inner.is_replicate(), index, count, groups, ranks=ranks, group=group)
 
     # -- forward and backward on this rank's slice ---------------------------------------------
 
