@@ -242,6 +242,33 @@ def test_other_hf_architectures_train_bit_for_bit(factory):
         assert len(r["steps"]) == 2
 
 
+def test_gpt2_compiles_to_one_graph_with_transformers_own_loss(tmp_path):
+    """GPT-2's class name maps to no loss in transformers, whose ``loss_function`` then logs a
+    notice on every lookup; dynamo cannot trace a logger call and would break the forward in
+    two there. zerofx.compile keeps the loss transformers picks (zerofx/api.py,
+    ``_settle_hf_loss_functions``): one graph, no break, and the same loss as eager."""
+    from torch._dynamo.utils import counters
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from tests.multirank import one_rank_mesh
+
+    model, batch_fn = hs.tiny_gpt2()
+    lm = model.model
+    assert lm.loss_type is None and "_loss_function" not in vars(lm)
+    batch = batch_fn(2, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        eager = model(*batch)
+    with one_rank_mesh(str(tmp_path)) as mesh:
+        counters.clear()
+        zerofx.compile(model, mesh)
+        loss = model(*batch)
+        loss.backward()
+        assert dict(counters["graph_break"]) == {}
+        assert counters["stats"]["unique_graphs"] == 1
+    assert lm.loss_function is ForCausalLMLoss
+    assert torch.equal(loss.detach(), eager)
+
+
 @pytest.mark.parametrize("factory", ["tiny_llama_checkpointed", "tiny_t5_checkpointed"])
 def test_models_that_checkpoint_their_own_layers_train_bit_for_bit(factory):
     """transformers' activation checkpointing under torch.compile rounds otherwise than the eager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import warnings
 from dataclasses import dataclass
@@ -41,6 +42,38 @@ def _enter(fn):
 
     zerofx_entry.__code__ = zerofx_entry.__code__.replace()
     return zerofx_entry
+
+
+def _settle_hf_loss_functions(model: nn.Module) -> None:
+    """Pick each HF transformers model's loss function now and keep it (transformers' own
+    setter, ``module.loss_function = ...``), so that the traced forward does not log.
+
+    transformers looks the loss up on every read of ``loss_function`` and, for a model whose
+    class name maps to no loss (GPT-2's ``GPT2LMHeadModel``; every base model, which never
+    reads it), calls ``logger.warning_once`` and falls back to the causal-LM loss. dynamo cannot
+    trace a logger call: the forward would break into two graphs there (the logits, a whole
+    [batch, seq, vocab] activation, handed from one to the other outside any plan) and each
+    compile would trace the model twice. The lookup is transformers' own, read with its logger
+    quieted: the function kept is the one eager training uses, and the fallback's notice, which
+    a base model would print for a loss it never computes, is not printed. A module that
+    already has its own (``_loss_function``) is left alone."""
+    for module in model.modules():
+        prop = getattr(type(module), "loss_function", None)
+        if not (
+            type(module).__module__.startswith("transformers.")
+            and isinstance(prop, property)
+            and prop.fset is not None
+            and "_loss_function" not in vars(module)
+        ):
+            continue
+        log = logging.getLogger(prop.fget.__module__)
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            chosen = module.loss_function
+        finally:
+            log.setLevel(level)
+        module.loss_function = chosen
 
 
 def compile(model: nn.Module, mesh: DeviceMesh | None = None, *, config: Any = None, **options: Any) -> nn.Module:
@@ -93,6 +126,7 @@ def _compile(
     if not isinstance(model, nn.Module):
         raise ZeroFXError(f"zerofx.compile takes an nn.Module, got {type(model).__name__}")
     opts, checkpointing = take_over(model, opts)  # NOTE: a model's own layer checkpointing
+    _settle_hf_loss_functions(model)
     if is_sharded(model):
         runtime = runtime_of(model)
         if mesh is not None and not _same_mesh(mesh, runtime, opts.tp_dim):
