@@ -56,13 +56,15 @@ def _settle_hf_loss_functions(model: nn.Module) -> None:
     compile would trace the model twice. The lookup is transformers' own, read with its logger
     quieted: the function kept is the one eager training uses, and the fallback's notice, which
     a base model would print for a loss it never computes, is not printed. A module that
-    already has its own (``_loss_function``) is left alone."""
+    already has its own (``_loss_function``) is left alone; one whose ``loss_type`` changes after
+    compiling keeps the loss it had. ``torch.compile(backend="zerofx")`` on a sharded model does
+    not pass here, and GPT-2 there still breaks into two graphs."""
     for module in model.modules():
         prop = getattr(type(module), "loss_function", None)
         if not (
-            type(module).__module__.startswith("transformers.")
-            and isinstance(prop, property)
+            isinstance(prop, property)
             and prop.fset is not None
+            and prop.fget.__module__.startswith("transformers.")  # transformers' own, in a subclass too
             and "_loss_function" not in vars(module)
         ):
             continue
@@ -126,7 +128,6 @@ def _compile(
     if not isinstance(model, nn.Module):
         raise ZeroFXError(f"zerofx.compile takes an nn.Module, got {type(model).__name__}")
     opts, checkpointing = take_over(model, opts)  # NOTE: a model's own layer checkpointing
-    _settle_hf_loss_functions(model)
     if is_sharded(model):
         runtime = runtime_of(model)
         if mesh is not None and not _same_mesh(mesh, runtime, opts.tp_dim):
@@ -162,6 +163,7 @@ def _compile(
     if checkpointing is not None and (recorder := recorder_for(opts)) is not None:
         recorder.note("model", "checkpoint", checkpointing)
     runtime.training = training
+    _settle_hf_loss_functions(model)  # past every check: a call that raises leaves it alone
     backend = make_backend(opts, cost=cost)
     runtime.compiled = backend.zerofx_state
     if keep_graphs:
