@@ -60,10 +60,8 @@ _server_env: dict[str, str] | None = None  # the environment the fork server sta
 
 def _environment() -> dict[str, str]:
     """What a rank's behaviour may depend on: the environment, less what torch's elastic launcher
-    sets in its caller (``TORCHELASTIC_SIGNALS_TO_HANDLE``), which only its agents read, and
-    pytest's ``PYTEST_CURRENT_TEST`` (the running test's name, rewritten at every setup, call and
-    teardown: compared, it made every run after the first test's setup spawn its ranks)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_") and k != "PYTEST_CURRENT_TEST"}
+    sets in its caller (``TORCHELASTIC_SIGNALS_TO_HANDLE``), which only its agents read."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
 
 
 def start_fork_server() -> None:
