@@ -21,6 +21,7 @@ import contextlib
 import datetime
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -34,6 +35,7 @@ COLLECTIVE_TIMEOUT_S = 120
 # AOT autograd's compilers, Inductor's pattern matcher for the CSE our passes run, export's tracer),
 # about a second of a forked rank's CPU per run otherwise (one GPT's first compile, 2.5 s -> 1.4 s)
 PRELOAD = [
+    "tests.forkserver_path",  # first: the path the test process imports from
     "zerofx",
     "zerofx.testing",
     "tests.multirank",
@@ -60,8 +62,10 @@ _server_env: dict[str, str] | None = None  # the environment the fork server sta
 
 def _environment() -> dict[str, str]:
     """What a rank's behaviour may depend on: the environment, less what torch's elastic launcher
-    sets in its caller (``TORCHELASTIC_SIGNALS_TO_HANDLE``), which only its agents read."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    sets in its caller (``TORCHELASTIC_SIGNALS_TO_HANDLE``), which only its agents read, and
+    pytest's ``PYTEST_CURRENT_TEST`` (the running test's name, rewritten at every setup, call and
+    teardown: compared, it made every run after the first test's setup spawn its ranks)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_") and k != "PYTEST_CURRENT_TEST"}
 
 
 def start_fork_server() -> None:
@@ -71,6 +75,7 @@ def start_fork_server() -> None:
     if _server_env is None:
         from multiprocessing import forkserver
 
+        os.environ["ZEROFX_FORKSERVER_SYS_PATH"] = os.pathsep.join(sys.path)
         mp.set_forkserver_preload(PRELOAD)
         forkserver.ensure_running()
         _server_env = _environment()
