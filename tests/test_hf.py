@@ -242,11 +242,14 @@ def test_other_hf_architectures_train_bit_for_bit(factory):
         assert len(r["steps"]) == 2
 
 
-def test_gpt2_compiles_to_one_graph_with_transformers_own_loss(tmp_path):
+@pytest.mark.parametrize("entry", ["zerofx.compile", "torch.compile"])
+def test_gpt2_compiles_to_one_graph_with_transformers_own_loss(tmp_path, entry):
     """GPT-2's class name maps to no loss in transformers, whose ``loss_function`` then logs a
     notice on every lookup; dynamo cannot trace a logger call and would break the forward in
-    two there. zerofx.compile keeps the loss transformers picks (zerofx/api.py,
-    ``_settle_hf_loss_functions``): one graph, no break, and the same loss as eager."""
+    two there. zerofx.shard keeps the loss transformers picks (zerofx/sharding.py,
+    ``_settle_hf_loss_functions``): through ``zerofx.compile`` and through
+    ``torch.compile(backend="zerofx")`` on a sharded model, one graph, no break, and the same
+    loss as eager."""
     from torch._dynamo.utils import counters
     from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -259,9 +262,15 @@ def test_gpt2_compiles_to_one_graph_with_transformers_own_loss(tmp_path):
     with torch.no_grad():
         eager = model(*batch)
     with one_rank_mesh(str(tmp_path)) as mesh:
+        torch._dynamo.reset()
         counters.clear()
-        zerofx.compile(model, mesh)
-        loss = model(*batch)
+        if entry == "zerofx.compile":
+            zerofx.compile(model, mesh)
+            run = model
+        else:
+            zerofx.shard(model, mesh)
+            run = torch.compile(model, backend="zerofx")
+        loss = run(*batch)
         loss.backward()
         assert dict(counters["graph_break"]) == {}
         assert counters["stats"]["unique_graphs"] == 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 import warnings
 from dataclasses import dataclass
@@ -42,40 +41,6 @@ def _enter(fn):
 
     zerofx_entry.__code__ = zerofx_entry.__code__.replace()
     return zerofx_entry
-
-
-def _settle_hf_loss_functions(model: nn.Module) -> None:
-    """Pick each HF transformers model's loss function now and keep it (transformers' own
-    setter, ``module.loss_function = ...``), so that the traced forward does not log.
-
-    transformers looks the loss up on every read of ``loss_function`` and, for a model whose
-    class name maps to no loss (GPT-2's ``GPT2LMHeadModel``; every base model, which never
-    reads it), calls ``logger.warning_once`` and falls back to the causal-LM loss. dynamo cannot
-    trace a logger call: the forward would break into two graphs there (the logits, a whole
-    [batch, seq, vocab] activation, handed from one to the other outside any plan) and each
-    compile would trace the model twice. The lookup is transformers' own, read with its logger
-    quieted: the function kept is the one eager training uses, and the fallback's notice, which
-    a base model would print for a loss it never computes, is not printed. A module that
-    already has its own (``_loss_function``) is left alone; one whose ``loss_type`` changes after
-    compiling keeps the loss it had. ``torch.compile(backend="zerofx")`` on a sharded model does
-    not pass here, and GPT-2 there still breaks into two graphs."""
-    for module in model.modules():
-        prop = getattr(type(module), "loss_function", None)
-        if not (
-            isinstance(prop, property)
-            and prop.fset is not None
-            and prop.fget.__module__.startswith("transformers.")  # transformers' own, in a subclass too
-            and "_loss_function" not in vars(module)
-        ):
-            continue
-        log = logging.getLogger(prop.fget.__module__)
-        level = log.level
-        log.setLevel(logging.ERROR)
-        try:
-            chosen = module.loss_function
-        finally:
-            log.setLevel(level)
-        module.loss_function = chosen
 
 
 def compile(model: nn.Module, mesh: DeviceMesh | None = None, *, config: Any = None, **options: Any) -> nn.Module:
@@ -163,7 +128,6 @@ def _compile(
     if checkpointing is not None and (recorder := recorder_for(opts)) is not None:
         recorder.note("model", "checkpoint", checkpointing)
     runtime.training = training
-    _settle_hf_loss_functions(model)  # past every check: a call that raises leaves it alone
     backend = make_backend(opts, cost=cost)
     runtime.compiled = backend.zerofx_state
     if keep_graphs:

@@ -1089,6 +1089,40 @@ def _cast_floating_inputs(dtype: torch.dtype, module: nn.Module, args: Any, kwar
     return tree_map(cast, args), tree_map(cast, kwargs)
 
 
+def _settle_hf_loss_functions(model: nn.Module) -> None:
+    """Pick each HF transformers model's loss function now and keep it (transformers' own
+    setter, ``module.loss_function = ...``), so that the traced forward does not log.
+
+    transformers looks the loss up on every read of ``loss_function`` and, for a model whose
+    class name maps to no loss (GPT-2's ``GPT2LMHeadModel``; every base model, which never
+    reads it), calls ``logger.warning_once`` and falls back to the causal-LM loss. dynamo cannot
+    trace a logger call: the forward would break into two graphs there (the logits, a whole
+    [batch, seq, vocab] activation, handed from one to the other outside any plan) and each
+    compile would trace the model twice. The lookup is transformers' own, read with its logger
+    quieted: the function kept is the one eager training uses, and the fallback's notice, which
+    a base model would print for a loss it never computes, is not printed. A module that
+    already has its own (``_loss_function``) is left alone; one whose ``loss_type`` changes after
+    sharding keeps the loss it had. Done in ``shard``, so that ``zerofx.compile`` and
+    ``torch.compile(backend="zerofx")`` on a sharded model both trace one graph."""
+    for module in model.modules():
+        prop = getattr(type(module), "loss_function", None)
+        if not (
+            isinstance(prop, property)
+            and prop.fset is not None
+            and prop.fget.__module__.startswith("transformers.")  # transformers' own, in a subclass too
+            and "_loss_function" not in vars(module)
+        ):
+            continue
+        log = logging.getLogger(prop.fget.__module__)
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            chosen = module.loss_function
+        finally:
+            log.setLevel(level)
+        module.loss_function = chosen
+
+
 def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | None = None, **kwargs) -> nn.Module:
     """Give every parameter of ``model`` ZeRO's layout over ``mesh``, in place.
 
@@ -1114,6 +1148,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     if opts.secondary_shard:
         _flat_mesh(mesh)  # a 1-D mesh is an error here, before anything changes
     full_precision = _full_precision_params(model, opts)
+    _settle_hf_loss_functions(model)  # past every check: a call that raises leaves it alone
     runtime = ModelRuntime(stage=opts.stage, mesh=mesh, options=opts, local_step=opts.local_optimizer_step)
     runtime.tp_mesh = tp_mesh
     runtime.lockstep = make_lockstep([m for m in (mesh, tp_mesh) if m is not None], checks=opts.check_lockstep)
