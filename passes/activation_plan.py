@@ -77,7 +77,11 @@ def cannot_recompute(node: fx.Node) -> str | None:
     if node.meta.get(RECOMPUTE) == CheckpointPolicy.MUST_SAVE and not is_alias(node):
         return "marked MUST_SAVE"  # a view cannot be saved itself: its base is (see _policy_constraints)
     target = node.target
-    if target is operator.getitem or is_sym_node(node):
+    if target is operator.getitem:  # one output of a multi-output op: recomputable where the op is
+        parent = node.args[0] if node.args else None
+        why = cannot_recompute(parent) if isinstance(parent, fx.Node) and parent.op == "call_function" else None
+        return f"{why}: output of {parent.name}" if why is not None else None
+    if is_sym_node(node):
         return None
     if not isinstance(target, torch._ops.OpOverload):
         return "higher-order or Python op"

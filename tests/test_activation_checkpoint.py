@@ -7,6 +7,8 @@ so the pass sees exactly what the backend gives it.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import operator
 import os
 import re
 
@@ -170,6 +172,46 @@ def test_full_policy_saves_block_boundaries_and_recomputes_inside(gpt_joint):
     # the two blocks' internal matmuls are not saved
     stacks = {n.name: str(n.meta.get("nn_module_stack", "")) for n in gm.graph.nodes}
     assert not [s for s in p["saved"] if "blocks.1.fc" in stacks.get(s, "") and s.startswith("addmm")]
+
+
+@pytest.mark.parametrize("policy", [{"checkpoint": "full"}, {"checkpoint_modules": ("blocks.*",)}])
+def test_checkpointed_blocks_with_dropout_save_its_outputs_and_train_like_no_checkpointing(one_rank, policy):
+    """A dropout inside a checkpointed block is never drawn again: its output (a getitem of
+    ``native_dropout``) is saved with the op it unpacks, where tagging it for recompute left
+    the cut no solution. The rest of each block is still recomputed; with the same seeds (the
+    same masks) two steps' losses and gradients equal those without the checkpoint pass, bit
+    for bit."""
+    cfg = dataclasses.replace(GPT_CFG, dropout=0.25)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    batch = random_batch(cfg, 2, torch.Generator().manual_seed(0))
+    gm, messages, p = plan(capture_joint(zerofx.shard(copy.deepcopy(base), one_rank), batch), **policy)
+    dropped = [n.name for n in gm.graph.nodes if n.target is operator.getitem and "dropout" in n.args[0].name]
+    assert dropped and not set(dropped) & set(p["recomputed"]), (dropped, p["recomputed"])
+    kept = [name for name in dropped if name in p["saved"]]  # the rest only the forward reads
+    assert kept
+    for name in kept:
+        line = next(m for m in messages if re.match(rf"\s+saved\s+{name}\s", m))
+        assert "random op" in line, line
+    assert any("inside checkpointed blocks." in m for m in messages if m.strip().startswith("recomputed"))
+
+    models = {
+        "policy": zerofx.compile(copy.deepcopy(base), one_rank, **policy),
+        "torch": zerofx.compile(copy.deepcopy(base), one_rank, disable_passes=("checkpoint",)),
+    }
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        x, y = random_batch(cfg, 2, gen)
+        losses = {}
+        for name, m in models.items():
+            torch.manual_seed(100 + step)
+            losses[name] = m(x, y)
+            losses[name].backward()
+        assert torch.equal(losses["policy"], losses["torch"])
+        for a, b in zip(models["policy"].parameters(), models["torch"].parameters()):
+            assert torch.equal(a.grad, b.grad)
+            a.grad = b.grad = None
+    torch._dynamo.reset()
 
 
 def test_module_and_op_policies(gpt_joint):

@@ -21,13 +21,19 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 4
     d_model: int = 64
-    dropout: float = 0.0
+    dropout: float = 0.0  # after the embeddings, on attention weights, after each residual branch (training only)
+
+
+def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """``F.dropout`` where ``p`` > 0; at 0 the value itself (dropout at p = 0 traces a copy)."""
+    return F.dropout(x, p) if p > 0 else x
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
         # no qkv bias: a key bias has an exactly-zero gradient (softmax ignores it), and Adam
         # turns the rounding noise in that gradient into lr-sized updates
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
@@ -41,8 +47,9 @@ class Attention(nn.Module):
         head_dim = c // self.n_head
         qkv = self.qkv(x).view(b, t, -1, 3, head_dim)
         q, k, v = (z.transpose(1, 2) for z in qkv.unbind(3))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).flatten(2))
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return _dropout(self.proj(y.transpose(1, 2).flatten(2)), p)
 
 
 class Block(nn.Module):
@@ -53,10 +60,11 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
         self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return x + _dropout(self.out(F.gelu(self.fc(self.ln2(x)))), self.dropout if self.training else 0.0)
 
 
 class GPT(nn.Module):
@@ -83,7 +91,7 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         pos = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.wte(tokens) + self.wpe(pos)
+        x = _dropout(self.wte(tokens) + self.wpe(pos), self.cfg.dropout if self.training else 0.0)
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
