@@ -147,3 +147,153 @@ def test_loading_another_models_checkpoint_is_one_clear_error_with_the_model_unt
     with pytest.raises(ZeroFXError, match=r"3\.weight is missing"):
         zerofx.checkpoint.load(tmp_path / "ck", other)
     assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+
+
+def test_save_replaces_only_a_checkpoint_or_an_empty_folder(tmp_path):
+    """A folder of the user's is never deleted by a save into it; an empty one is used."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train_log.txt").write_text("step 100: loss 2.1")
+    with pytest.raises(ZeroFXError, match=r"is not a zerofx checkpoint \(no ZEROFX_COMPLETE marker\).*nothing"):
+        zerofx.checkpoint.save(tmp_path / "run", _model(0))
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["train_log.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no temporary folder either
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ZeroFXError, match="exists and is not a folder"):
+        zerofx.checkpoint.save(tmp_path / "file", _model(0))
+    (tmp_path / "empty").mkdir()
+    zerofx.checkpoint.save(tmp_path / "empty", _model(0))
+    loaded = _model(1)
+    zerofx.checkpoint.load(tmp_path / "empty", loaded)
+    assert _equal(loaded, _model(0))
+
+
+def test_a_crash_between_the_renames_is_named_by_load(tmp_path, monkeypatch):
+    zerofx.checkpoint.save(tmp_path / "ck", _model(0))
+    real_replace, calls = zerofx.checkpoint.os.replace, []
+
+    def die_on_the_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed between the renames")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(zerofx.checkpoint.os, "replace", die_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        zerofx.checkpoint.save(tmp_path / "ck", _model(1))
+    monkeypatch.undo()
+    with pytest.raises(ZeroFXError, match=r"stopped between its two renames: .*\.ck\.tmp-\w+ is complete") as info:
+        zerofx.checkpoint.load(tmp_path / "ck", _model(2))
+    left = str(info.value).split(": ")[1].split(" is complete")[0]
+    real_replace(left, tmp_path / "ck")  # as the error says
+    loaded = _model(2)
+    zerofx.checkpoint.load(tmp_path / "ck", loaded)
+    assert _equal(loaded, _model(1))
+
+
+def _train(model, opt, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(3, 4, generator=gen)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_saving_before_the_first_step_leaves_the_optimizer_as_it_was(tmp_path):
+    """torch's helpers would run a step at lr 0 on an optimizer that never stepped (Adam's step
+    count 1 from then on): the saved run and the resumed one both train like a run never saved."""
+    plain, saved = _model(0), _model(0)
+    plain_opt, saved_opt = torch.optim.AdamW(plain.parameters(), lr=0.1), torch.optim.AdamW(saved.parameters(), lr=0.1)
+    zerofx.checkpoint.save(tmp_path / "ck", saved, saved_opt)
+    assert not saved_opt.state and all(p.grad is None for p in saved.parameters())
+    resumed = _model(1)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=0.1)
+    zerofx.checkpoint.load(tmp_path / "ck", resumed, resumed_opt)
+    assert not resumed_opt.state
+    for model, opt in ((plain, plain_opt), (saved, saved_opt), (resumed, resumed_opt)):
+        _train(model, opt, 3, seed=5)
+    assert _equal(saved, plain) and _equal(resumed, plain)
+
+
+def test_load_reads_the_optimizer_state_when_gradients_are_present(tmp_path):
+    """A warm-up backward before resuming: torch's helpers would request no optimizer state at
+    all; the state is read, and the gradients are left as they were."""
+    model = _model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, opt, 2, seed=3)
+    zerofx.checkpoint.save(tmp_path / "ck", model, opt)
+    other = _model(1)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)
+    other(torch.randn(3, 4)).sum().backward()
+    grads = [p.grad.clone() for p in other.parameters()]
+    zerofx.checkpoint.load(tmp_path / "ck", other, other_opt)
+    assert all(torch.equal(p.grad, g) for p, g in zip(other.parameters(), grads))
+    state, other_state = opt.state_dict()["state"], other_opt.state_dict()["state"]
+    assert state.keys() == other_state.keys() and len(state) == 4
+    for k in state:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(other_state[k][name], state[k][name])
+
+
+class _WithUnused(nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.used, self.unused = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_a_parameter_with_no_optimizer_state_resumes_with_none(tmp_path):
+    """An unused parameter (an expert no token reached) has no Adam state at the save: it gets
+    none at the load, and the resumed run trains like the uninterrupted one."""
+    model = _WithUnused(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, opt, 2, seed=3)
+    assert len(opt.state) == 2
+    zerofx.checkpoint.save(tmp_path / "ck", model, opt)
+    other = _WithUnused(1)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)
+    zerofx.checkpoint.load(tmp_path / "ck", other, other_opt)
+    assert set(other_opt.state) == {other.used.weight, other.used.bias}
+    _train(model, opt, 2, seed=4)
+    _train(other, other_opt, 2, seed=4)
+    assert _equal(model, other)
+
+
+def test_another_optimizer_or_other_groups_or_no_optimizer_state_is_one_clear_error(tmp_path):
+    model = _model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, opt, 1, seed=3)
+    zerofx.checkpoint.save(tmp_path / "adamw", model, opt)
+    zerofx.checkpoint.save(tmp_path / "model_only", model)
+    other = _model(1)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    sgd = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(
+        ZeroFXError,
+        match=r"does not fit this optimizer.*0\.weight has \['exp_avg', 'exp_avg_sq', 'step'\] there, \['momentum_buffer'\] here",
+    ):
+        zerofx.checkpoint.load(tmp_path / "adamw", other, sgd)
+    weights, biases = (
+        [p for n, p in other.named_parameters() if "weight" in n],
+        [p for n, p in other.named_parameters() if "bias" in n],
+    )
+    grouped = torch.optim.AdamW([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=0.1)
+    with pytest.raises(ZeroFXError, match=r"has 1 optimizer parameter group\(s\), this optimizer 2"):
+        zerofx.checkpoint.load(tmp_path / "adamw", other, grouped)
+    with pytest.raises(ZeroFXError, match="holds no optimizer state"):
+        zerofx.checkpoint.load(tmp_path / "model_only", other, torch.optim.AdamW(other.parameters()))
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+
+
+def test_a_checkpoint_with_tensors_the_model_lacks_is_refused(tmp_path):
+    """A resume with the wrong depth: the checkpoint's extra layer is named, nothing is loaded."""
+    torch.manual_seed(0)
+    deeper = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2), nn.Linear(2, 2))
+    zerofx.checkpoint.save(tmp_path / "ck", deeper)
+    other = _model(1)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ZeroFXError, match=r"does not fit this Sequential: 3\.weight is not in the model; 3\.bias"):
+        zerofx.checkpoint.load(tmp_path / "ck", other)
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())

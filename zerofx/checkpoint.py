@@ -21,12 +21,28 @@ next to the target, waits for every rank, and only then has rank 0 write the com
 fsynced) and rename the folder into place. A crash before the rename leaves only a temporary
 folder (never the target); ``load`` refuses any folder without the marker with an error saying
 so. Replacing an existing checkpoint moves the old one aside first, so at no instant is a
-half-written folder under the target name. Assumes, as DCP's FileSystemWriter does, a file
-system every rank sees.
+half-written folder under the target name; a crash between the two renames leaves the new
+checkpoint complete in its temporary folder, which ``load`` names. Only a checkpoint (a folder
+with the marker) or an empty folder is ever replaced: any other ``path`` is an error, before
+anything is written. Assumes, as DCP's FileSystemWriter does, a file system every rank sees.
+
+# NOTE: optimizer state that does not exist yet
+torch's state-dict helpers build an optimizer's state dict from its state, and give an optimizer
+that has none (it never stepped) some by running a step at lr 0 with zero gradients, unless a
+parameter holds a gradient. Both ways go wrong for a checkpoint: ``save`` before the first step
+would leave that step in the live optimizer (Adam's step count 1, so every later bias correction
+differs), and ``load`` into a fresh optimizer after a warm-up backward would request no state at
+all and silently resume with none. So ``save`` keeps an optimizer that never stepped as it is and
+writes no state for it (a parameter's gradient stands in for the duration of the call), and
+``load`` holds back the gradients while it builds the state to read into. A parameter with no
+state in the checkpoint (it had no gradient before the save: an unused expert) gets none, as in
+the uninterrupted run; state of another optimizer, of parameters this optimizer does not hold, or
+in another number of parameter groups is one error naming it, raised before anything is read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -41,6 +57,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
@@ -90,11 +107,63 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+@contextlib.contextmanager
+def _grads_held_back(optimizer: torch.optim.Optimizer | None):
+    """No parameter of ``optimizer`` holds a gradient inside (NOTE: optimizer state that does
+    not exist yet): torch's helpers then give a fresh optimizer the state a load reads into."""
+    held = [(p, p.grad) for p in _params(optimizer) if p.grad is not None] if optimizer is not None else []
+    for p, _ in held:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in held:
+            p.grad = grad
+
+
+@contextlib.contextmanager
+def _left_unstepped(optimizer: torch.optim.Optimizer):
+    """An optimizer that never stepped stays so inside (NOTE: optimizer state that does not
+    exist yet): one parameter holds a zero gradient, so torch's helpers run no step at lr 0."""
+    params = [p for p in _params(optimizer) if p.requires_grad]
+    if optimizer.state or not params or any(p.grad is not None for p in params):
+        yield
+        return
+    params[0].grad = torch.zeros_like(params[0])
+    try:
+        yield
+    finally:
+        params[0].grad = None
+
+
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What ``save`` writes."""
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with _left_unstepped(optimizer):
+        model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optimizer": optim_sd}
+
+
+def _refuse_replacing(path: Path) -> None:
+    """``save`` replaces a checkpoint or an empty folder, nothing else: rank 0 looks, every rank
+    raises together."""
+    problem = ""
+    if _rank() == 0 and path.exists():
+        if not path.is_dir():
+            problem = f"{path} exists and is not a folder"
+        elif not (path / COMPLETE_MARKER).is_file() and any(path.iterdir()):
+            problem = (
+                f"{path} exists and is not a zerofx checkpoint (no {COMPLETE_MARKER} marker): saving would delete "
+                "what it holds; choose another path or empty it"
+            )
+    problem = same_on_every_rank(problem)
+    if problem:
+        raise ZeroFXError(f"zerofx.checkpoint.save: {problem} (nothing was written)")
 
 
 def save(
@@ -107,13 +176,16 @@ def save(
     """Save ``model`` (and ``optimizer``) sharded to the folder ``path``; a collective.
 
     ``extra`` is JSON-serializable metadata (say, the step) returned by :func:`load`. An
-    existing checkpoint at ``path`` is replaced only once the new one is complete.
+    existing checkpoint at ``path`` is replaced only once the new one is complete; any other
+    non-empty ``path`` is an error. An optimizer that never stepped is saved without state and
+    left as it was (NOTE: optimizer state that does not exist yet).
     """
     path = Path(path)
     try:
         extra_json = json.dumps(extra or {})
     except TypeError as e:
         raise ZeroFXError(f"checkpoint extra must be JSON-serializable: {e}") from e
+    _refuse_replacing(path)
     tmp = path.parent / same_on_every_rank(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
     if _rank() == 0:
         tmp.mkdir(parents=True)
@@ -148,6 +220,15 @@ def save(
 
 def _check_complete(path: Path) -> dict[str, Any]:
     if not path.is_dir():
+        left = sorted(
+            (p for p in path.parent.glob(f".{path.name}.tmp-*") if (p / COMPLETE_MARKER).is_file()),
+            key=lambda p: p.stat().st_mtime,
+        )
+        if left and not path.exists():
+            raise ZeroFXError(
+                f"checkpoint {path} does not exist, but a save into it stopped between its two renames: "
+                f"{left[-1]} is complete (it has the {COMPLETE_MARKER} marker); rename it to {path} to load it"
+            )
         raise ZeroFXError(f"checkpoint {path} does not exist (or is not a folder)")
     marker = path / COMPLETE_MARKER
     if not marker.is_file():
@@ -178,13 +259,29 @@ def load(
     if not load_model:
         return _load_optimizer_only(path, info, model, optimizer)
     _init_unsaved_buffers(model)
-    state = _state(model, optimizer)
-    _check_compatible(f"checkpoint {path}", model, state["model"], _model_tensors(path)[1])
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    with _grads_held_back(optimizer):
+        if optimizer is None:
+            state = {"model": get_model_state_dict(model)}
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optimizer": optim_sd}
+    _check_compatible(f"checkpoint {path}", model, state["model"], _model_entries(path, stored), exact=True)
+    if optimizer is not None:
+        _check_optimizer_state(path, state["optimizer"], stored)
     dcp.load(state, checkpoint_id=str(path))
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        # not strict: _check_optimizer_state left out the parameters with no saved state, which
+        # get none; every key was checked against the checkpoint before the read
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(strict=False),
+        )
     mark_loaded(model, state["model"])
     _after_load(model, info)
     return info["extra"]
@@ -198,12 +295,14 @@ def _load_optimizer_only(
             "zerofx.checkpoint.load(load_model=False) reads only an optimizer's state: pass the optimizer"
         )
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    _check_compatible(f"checkpoint {path}", model, get_model_state_dict(model), _model_entries(path, stored))
-    if not any(key.startswith("optimizer.") for key in stored):
-        raise ZeroFXError(f"checkpoint {path} holds no optimizer state (it was saved without an optimizer)")
-    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    _check_compatible(
+        f"checkpoint {path}", model, get_model_state_dict(model), _model_entries(path, stored), exact=True
+    )
+    with _grads_held_back(optimizer):
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    _check_optimizer_state(path, state["optimizer"], stored)
     dcp.load(state, checkpoint_id=str(path))
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
     _after_load(model, info, parameters_changed=False)
     return info["extra"]
 
@@ -459,10 +558,15 @@ def _config_dict(config: Any) -> dict[str, Any]:
 
 
 def _check_compatible(
-    what: str, model: nn.Module, state: dict[str, Any], stored: dict[str, TensorStorageMetadata]
+    what: str,
+    model: nn.Module,
+    state: dict[str, Any],
+    stored: dict[str, TensorStorageMetadata],
+    exact: bool = False,
 ) -> None:
-    """Every tensor ``state`` (the model's state_dict) needs is stored with its shape; else one
-    error naming the differences, raised before anything is read into the model."""
+    """Every tensor ``state`` (the model's state_dict) needs is stored with its shape, and with
+    ``exact`` (a checkpoint of zerofx's own, written from a model's state_dict) nothing else is
+    stored; else one error naming the differences, raised before anything is read into the model."""
     problems = []
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
@@ -472,9 +576,53 @@ def _check_compatible(
             problems.append(f"{key} is missing")
         elif tuple(item.size) != tuple(value.shape):
             problems.append(f"{key} has shape {tuple(item.size)} there, {tuple(value.shape)} in the model")
+    if exact:
+        problems += [f"{key} is not in the model" for key in stored if key not in state]
     if problems:
         shown = some_names(problems, 5, "; ")
         raise ZeroFXError(f"{what} does not fit this {type(model).__name__}: {shown} (the model was not changed)")
+
+
+def _check_optimizer_state(path: Path, request: dict[str, Any], stored: dict[str, Any]) -> None:
+    """Fit the optimizer state ``load`` reads (``request``, torch's fqn-keyed optimizer state
+    dict) to what the checkpoint holds (NOTE: optimizer state that does not exist yet): a
+    parameter with no state there is left out, to have none after the load; state of another
+    optimizer, of parameters this optimizer does not hold, or another number of parameter
+    groups is one ``ZeroFXError``, raised before anything is read."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    if not any(key.startswith("optimizer.") for key in stored):
+        raise ZeroFXError(f"checkpoint {path} holds no optimizer state (it was saved without an optimizer)")
+    groups = {key.split(".")[2] for key in stored if key.startswith("optimizer.param_groups.")}
+    if len(groups) != len(request["param_groups"]):
+        raise ZeroFXError(
+            f"checkpoint {path} has {len(groups)} optimizer parameter group(s), this optimizer "
+            f"{len(request['param_groups'])}: build the optimizer with the groups it was saved with "
+            "(nothing was loaded)"
+        )
+    saved = {key for key in stored if key.startswith("optimizer.state.")}
+    claimed: set[str] = set()
+    problems = []
+    for fqn in list(request["state"]):
+        prefix = f"optimizer.state.{fqn}."
+        here = set(flatten_state_dict({"optimizer": {"state": {fqn: request["state"][fqn]}}})[0])
+        there = {key for key in saved if key.startswith(prefix)}
+        claimed |= there
+        if not there:
+            del request["state"][fqn]  # no state before the save: none after the load
+        elif here != there:
+            names = lambda keys: sorted(k[len(prefix) :] for k in keys)  # noqa: E731
+            problems.append(f"{fqn} has {names(there)} there, {names(here)} here")
+    if saved - claimed:
+        problems.append(
+            f"state of {len(saved - claimed)} value(s) for parameters this optimizer does not hold "
+            f"({some_names(sorted(k.removeprefix('optimizer.state.') for k in saved - claimed), 3)})"
+        )
+    if problems:
+        raise ZeroFXError(
+            f"checkpoint {path}: its optimizer state does not fit this optimizer (another optimizer, "
+            f"or other parameters): {some_names(problems, 4, '; ')} (nothing was loaded)"
+        )
 
 
 def _init_unsaved_buffers(model: nn.Module) -> None:
