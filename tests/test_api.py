@@ -705,3 +705,24 @@ def test_weights_with_fewer_rows_than_ranks_split_along_another_dim_or_warn():
             zerofx.shard(_Experts(2), mesh, shard_placement_fn=1)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_retained_graph_backpropagates_twice_after_the_first_step(one_rank):
+    """AOT autograd compiles a backward with "donated buffers" by default and then refuses
+    ``retain_graph=True``; zerofx's backward reuses no saved tensor in place and says so
+    (zerofx/backend.py, ``_no_donated_buffers``): two backward passes through one retained
+    graph, after a normal step, give twice eager's gradients."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    eager = copy.deepcopy(base)
+    model = zerofx.compile(base, one_rank, param_dtype=torch.float32)
+    x = torch.randn(4, 8)
+    for m in (model, eager):
+        m(x).pow(2).mean().backward()  # a normal step first: the backward is compiled
+        m.zero_grad()
+        loss = m(x).pow(2).mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    torch._dynamo.reset()

@@ -237,10 +237,24 @@ class _FrameCompiler:
         return self._compile(gm, example_inputs, "forward")
 
     def backward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
+        if self.state.options.codegen.executor != "inductor":
+            _no_donated_buffers()
         return self._compile(gm, example_inputs, "backward")
 
     def inference(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
         return self._compile(gm, example_inputs, "inference")
+
+
+def _no_donated_buffers() -> None:
+    """The backward being compiled reuses none of its saved tensors' memory in place ("donated
+    buffers", which only Inductor's codegen does): tell AOT autograd so, and
+    ``loss.backward(retain_graph=True)`` then works after the first step, as in eager DDP and
+    FSDP2. AOT autograd refuses retained graphs for a backward compiled with donated buffers;
+    it marks them by default, and this backward is compiled before any step knows whether a
+    graph will be retained."""
+    context = torch._guards.TracingContext.try_get()
+    if context is not None and context.fw_metadata is not None:
+        context.fw_metadata.bw_donated_idxs = []
 
 
 def make_backend(
