@@ -121,6 +121,17 @@ def _expected_state(stage: int, psi: int, n: int, *, bf16: bool = False) -> dict
     }[stage]
 
 
+@pytest.mark.parametrize("stage", (1, 2))
+def test_every_rank_pickles_and_copies_its_state_dict_at_stages_1_and_2(runs, stage):
+    """torch.save(model.state_dict()) and copy.deepcopy of it on every rank: rank 1's shards
+    start past their storage's first element (views of the whole copy), which made both fail
+    there and only there (zerofx/sharding.py, ``_save_aliasing_shards``)."""
+    per_rank = _case(runs, 2, f"state_dict_pickles_stage{stage}")
+    assert per_rank[1]["offsets"][-1] > 0  # the case the fix is for is exercised
+    for rank, r in enumerate(per_rank):
+        assert r["versions_kept"] and r["keys"] and r["saved_equal"] and r["copied_equal"], (rank, r)
+
+
 @pytest.mark.parametrize("world_size,stage", [(w, s) for w in (2, 4) for s in STAGES])
 def test_model_state_memory_per_stage_matches_zero_formulas(runs, world_size, stage):
     for r in _case(runs, world_size, f"mlp_stage{stage}"):  # every dim 0 divisible by 2 and 4

@@ -310,7 +310,14 @@ def _save_aliasing_shards(self: nn.Module, destination: dict, prefix: str, keep_
     bump the shard's version counter and the next forward sees that the whole copy is stale
     (NOTE: stale whole copies, zerofx/runtime/params.py). Same storage, sizes and strides as the
     alias DTensor's ``detach`` makes; writes through the value as a DTensor bump the parameter's
-    version counter, which ``detach`` shares."""
+    version counter, which ``detach`` shares.
+
+    Such a shard starts past its storage's first element (every rank's but the first), and
+    DTensor gives its wrapper the local tensor's storage offset: ``torch.save`` of that wrapper
+    fails ("invalid python storage") on those ranks only, and the other ranks would go on alone.
+    The value's wrapper is set to offset 0, metadata only (a wrapper has no storage; no version
+    bump, so nothing counts as stale); ``torch.save`` then writes the local shard as it writes
+    any view, with its storage (the rows of the whole copy)."""
     super(type(self), self)._save_to_state_dict(destination, prefix, keep_vars)
     if keep_vars:
         return
@@ -318,6 +325,9 @@ def _save_aliasing_shards(self: nn.Module, destination: dict, prefix: str, keep_
         value = destination.get(prefix + name)
         if state.full is not None and isinstance(value, DTensor):
             value._local_tensor = self._parameters[name]._local_tensor
+            if value.storage_offset() != 0:
+                with torch._C._AutoDispatchBelowADInplaceOrView(), torch._C._DisableTorchDispatch():
+                    torch.Tensor.as_strided_(value, value.size(), value.stride(), 0)
 
 
 def _copy_local(local: torch.Tensor, memo: dict) -> torch.Tensor:
