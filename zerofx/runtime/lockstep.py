@@ -117,7 +117,10 @@ class Lockstep:
             "the ranks are about to issue different collectives, which would not pair up (gloo aborts, NCCL "
             "waits forever, or each rank silently takes another parameter's rows): "
             + (" / ".join(lines) if lines else "ranks of another group differ (their errors say how)")
-            + ". This usually means Python control flow that depends on the data or on the rank, such as a "
+            + ". This usually means Python control flow that depends on the data or on the rank: a model "
+            "run on some ranks only (an evaluation or generation under `if rank == 0:` gathers parameters "
+            "that the other ranks never send: run it on every rank, or on a model of its own, such as one "
+            "loaded from zerofx.checkpoint.export_full_state_dict), or a "
             "mixture-of-experts layer that skips the experts no token of this rank was routed to. Every rank "
             "must read the same parameters in the same order: run every expert (an empty batch costs little), "
             "or use a batched experts implementation (transformers: experts_implementation='grouped_mm'); "
