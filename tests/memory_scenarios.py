@@ -46,6 +46,13 @@ POLICIES: dict[str, dict] = {
         "offload_dir": "{dir}",
         "host_memory_cap": 64 * 1024,
     },
+    # stage 1: the parameter shards in files, the whole copies in memory (not views of each other)
+    "stage1+optimizer_disk": {
+        "stage": 1,
+        "activation_budget": 1.0,
+        "offload_optimizer": "disk",
+        "offload_dir": "{dir}",
+    },
     "budget_50+disk": {"activation_budget": 0.5, "offload_activations": "disk", "offload_dir": "{dir}"},
     "budget_25": {"activation_budget": 0.25},
     "full": {"checkpoint": "full"},
@@ -94,7 +101,7 @@ def _train_policy(model_name: str, policy: str, rank: int, world: int, mesh, ini
     model = copy.deepcopy(initial)
     options = zerofx.Options(**_options(policy, model_name, folder))
     recorder = Recorder()
-    zerofx.shard(model, mesh)
+    zerofx.shard(model, mesh, options)
     from zerofx.runtime.offload_store import place_model_state
 
     place_model_state(model, options)
@@ -172,6 +179,16 @@ def train_policies(rank: int, world: int, folder: str) -> dict:
             except Exception:
                 out[key] = {"error": traceback.format_exc()}
             torch._dynamo.reset()
+    if world > 1:
+        from zerofx.runtime.offload_store import place_model_state
+
+        model = zerofx.shard(CASES["gpt"].build(), mesh, stage=1)
+        options = zerofx.Options(stage=1, offload_optimizer="disk", offload_dir=os.path.join(folder, f"rank{rank}"))
+        try:
+            place_model_state(model, options)
+            out["stage1_disk_after_plain_shard"] = {"message": ""}
+        except zerofx.ZeroFXError as e:
+            out["stage1_disk_after_plain_shard"] = {"message": str(e)}
     return out
 
 

@@ -82,8 +82,17 @@ def test_policies_do_what_they_say(runs, world_size):
     assert full["memory"]["activation_peak"] < 0.3 * budget_100["memory"]["activation_peak"]
     assert full["memory"]["flops"]["backward"] > budget_100["memory"]["flops"]["backward"]
     assert budget_100["params_on_disk"] == len(list(GPT(GPT_CFG).parameters()))  # every shard is in a file
+    assert gpt("stage1+optimizer_disk")["params_on_disk"] == len(list(GPT(GPT_CFG).parameters()))
     for policy in POLICIES:  # every graph explained its plan
         assert "predicted activation peak" in gpt(policy)["summary"], policy
+
+
+def test_disk_offload_of_a_model_sharded_without_it_at_stage_1_is_a_clear_error(runs):
+    """At stages 1 and 2 a shard sharded without offload_optimizer is a view of its rows of the
+    whole copy, which no file can hold: refused with what to do (it used to fail inside dynamo,
+    on every rank but the first)."""
+    for r in _results(runs, 2, "stage1_disk_after_plain_shard"):
+        assert "sharded without it" in r["message"] and "offload_optimizer='disk'" in r["message"], r
 
 
 # -- budgets on the benchmark GPT ----------------------------------------------------------------

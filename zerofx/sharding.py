@@ -547,7 +547,9 @@ def _make_state(
     full = None
     if opts.stage in (1, 2) and not whole:
         full = torch.empty(param.shape, dtype=compute or master, device=device)
-        if compute is None and dim == 0:  # (split along another dim its part is not one block of it)
+        # (split along another dim its part is not one block of it; on disk it is a file of its
+        # own, which a view of the whole copy in memory cannot be: offload_store.DiskStore.adopt)
+        if compute is None and dim == 0 and opts.offload_optimizer not in ("disk", "auto"):
             # the shard is a view of its own rows of the whole copy: no second copy of them
             offset = row_offset(param.shape[0], shard_group.size, shard_group.rank)
             view = full.detach()[offset : offset + dt.to_local().shape[0]]

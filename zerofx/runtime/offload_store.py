@@ -34,7 +34,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zerofx.errors import ZeroFXError
+from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.layout import pack_consecutive
 from zerofx.ir.offload_ops import default_offload_dir, new_file, paged_storages
 from zerofx.runtime.local_step import step_over_whole_tensors
@@ -194,7 +194,21 @@ def place_model_state(model: torch.nn.Module, options) -> str:
         tier = "disk" if 3 * param_bytes > options.host_memory_cap else "host"
     window = options.host_memory_cap // 8 if options.host_memory_cap else 64 * 2**20
     store = None
+    runtime = runtime_of(model)
     if tier == "disk":
+        in_whole = [
+            s.qualname
+            for s in runtime.states
+            if s.full is not None
+            and _local(s.param).untyped_storage().data_ptr() == s.full.untyped_storage().data_ptr()
+        ]
+        if in_whole:
+            raise ZeroFXError(
+                f"offload_optimizer='disk' at stage {runtime.stage}: the model was sharded without it, so "
+                f"its shards are rows of the whole copies in memory ({some_names(in_whole)}), not tensors "
+                "a file can hold; shard with the same option (zerofx.shard(model, mesh, stage=..., "
+                "offload_optimizer='disk')) or let zerofx.compile shard the model"
+            )
         store = DiskStore(options.offload_dir)
         for p in params:
             if _local(p).device.type != "cpu":
@@ -206,7 +220,6 @@ def place_model_state(model: torch.nn.Module, options) -> str:
             store.adopt(p)
     for p in params:
         _param_store[p] = (tier, store, window)
-    runtime = runtime_of(model)
     for state in runtime.whole_copies:
         state.mark_synced()  # adopting a shard re-points it (set_), which counts as a write
     for state in runtime.states if store is not None else ():
