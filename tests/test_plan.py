@@ -423,6 +423,15 @@ def test_cli_writes_json_with_the_documented_keys(tmp_path):
         (dict(model_fn=build, mesh_shape=(2, 2), tensor_parallel=2, global_batch=6), "data-parallel size 4"),
         (dict(model_fn=build, mesh_shape=(2,), tensor_parallel=0), "tensor_parallel=0: give the tensor-parallel size"),
         (dict(model_fn=build, mesh_shape=(4,), tensor_parallel=2, global_batch=6), "data-parallel size 4"),
+        (dict(model_fn=build, world_size=4, tensor_parallel=3), "world size 4 is not divisible by the tensor-parallel"),
+        (dict(model_fn=build, mesh_shape=(2,), seq=0), "seq 0: give the sequence length"),
+        (dict(model_fn=build, mesh_shape=(2,), seq=-5), "seq -5: give the sequence length"),
+        (dict(model_fn=build, mesh_shape=(2,), device_memory=-1), "device_memory=-1: give a positive number"),
+        (dict(model_fn=build, mesh_shape=(2,), device_memory=True), "device_memory=True: give bytes"),
+        (dict(model_fn=build, mesh_shape=(2,), device_memory=80e9), "device_memory=80000000000.0: give bytes"),
+        (dict(model_fn=build, mesh_shape=(2,), device_memory="inf"), "'inf' is not a size"),
+        (dict(model_fn=build, mesh_shape=(2,), device_memory="1e30TiB"), "'1e30TiB' is not a size"),
+        (dict(model_fn=build, mesh_shape=(2,), device_memory="0.1"), "'0.1' is not a size"),
     ],
 )
 def test_bad_input_is_one_clear_error(kwargs, message):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from zerofx.demo import DemoConfig, check_plotting, run_demo
@@ -262,9 +263,10 @@ def parse_size(text: str) -> int:
         value = float(number)
     except ValueError:
         value = -1.0
-    if unit not in _UNITS or value <= 0:
+    size = value * _UNITS.get(unit, 0) if math.isfinite(value) else -1.0
+    if unit not in _UNITS or not 1 <= size < 2**63:  # whole bytes, at least one, an int64's worth at most
         raise ValueError(f"{text!r} is not a size (e.g. 5GB, 500MiB, 1048576)")
-    return int(value * _UNITS[unit])
+    return int(size)
 
 
 def _convert(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

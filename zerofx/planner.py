@@ -137,7 +137,13 @@ def load_factory(spec: str | Callable[..., nn.Module], kwargs: dict | None = Non
 def _parse_memory(value: int | str | None) -> int | None:
     from zerofx.cli import parse_size
 
-    if value is None or isinstance(value, int):
+    if value is None:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ZeroFXError(f"device_memory={value!r}: give bytes as an int or a size such as '80GiB'")
+    if isinstance(value, int):
+        if value < 1:
+            raise ZeroFXError(f"device_memory={value}: give a positive number of bytes")
         return value
     try:
         return parse_size(value)
@@ -595,6 +601,11 @@ def plan(
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ZeroFXError(f"tensor_parallel={tensor_parallel!r}: give the tensor-parallel size, an int >= 1")
     if tensor_parallel > 1:  # the data-parallel dims: (shard,) or (replicate, shard) for hybrid sharding
+        if world_size is not None and mesh_shape == (world_size,) and world_size % tensor_parallel:
+            raise ZeroFXError(
+                f"world size {world_size} is not divisible by the tensor-parallel size {tensor_parallel}: give a "
+                "world size that is a multiple of it"
+            )
         if world_size is not None and world_size % tensor_parallel == 0 and mesh_shape == (world_size,):
             mesh_shape = (world_size // tensor_parallel,)  # --world-size counts every rank
         mesh_shape = (*mesh_shape, tensor_parallel)
@@ -614,6 +625,8 @@ def plan(
         batch = global_batch // dp
     if batch < 1:
         raise ZeroFXError(f"batch {batch}: give at least one sequence per rank")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
+        raise ZeroFXError(f"seq {seq!r}: give the sequence length, an int >= 1 (or none: the model's positions)")
     memory = _parse_memory(device_memory)
     from zerofx.passes.cost_model import DeviceModel
 
