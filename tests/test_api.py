@@ -726,3 +726,31 @@ def test_a_retained_graph_backpropagates_twice_after_the_first_step(one_rank):
     for a, b in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
     torch._dynamo.reset()
+
+
+class _Outputs(nn.Module):
+    """A model whose output is a dict with a loss, or a tuple starting with None, taking keywords."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, *, target=None):
+        logits = self.lin(x)
+        loss = (logits - target).pow(2).mean()
+        return {"logits": logits, "loss": loss} if self.kind == "dict" else (None, loss)
+
+
+@pytest.mark.parametrize("kind", ["dict", "tuple"])
+def test_explain_backpropagates_the_loss_of_dict_and_tuple_outputs_with_keyword_inputs(kind):
+    """explain(model, x, example_kwargs={...}): an output's loss (a key, or the first tensor that
+    requires grad) is backpropagated, so the report has the backward graph; gradients are left
+    as they were."""
+    model = _Outputs(kind)
+    report = zerofx.explain(model, torch.randn(2, 4), example_kwargs={"target": torch.randn(2, 3)})
+    assert "_forward:" in report and "_backward:" in report, report
+    assert all(p.grad is None for p in model.parameters())
+    quiet = zerofx.explain(model, torch.randn(2, 4), example_kwargs={"target": torch.randn(2, 3)}, backward=False)
+    assert "_forward:" in quiet and "_backward:" not in quiet
+    torch._dynamo.reset()

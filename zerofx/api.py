@@ -200,13 +200,21 @@ def _same_mesh(given: DeviceMesh, runtime: Any, tp_dim: str | None) -> bool:
     return False
 
 
-def explain(model: nn.Module, *example_inputs: Any, backward: bool = True, **options: Any) -> str:
-    """Compile ``model`` on ``example_inputs`` once and print what every pass did.
+def explain(
+    model: nn.Module,
+    *example_inputs: Any,
+    example_kwargs: dict[str, Any] | None = None,
+    backward: bool = True,
+    **options: Any,
+) -> str:
+    """Compile ``model`` on ``example_inputs`` (and ``example_kwargs``: an HF model's
+    ``input_ids=``, ``labels=``) once and print what every pass did.
 
-    Runs one forward (and, with ``backward=True``, a backward of the output's sum, or of the
-    output itself when it is a scalar loss) so that backward graphs are compiled too; gradients
-    it produces are cleared again. On a sharded model this is a collective: every rank calls it.
-    Returns the report it printed.
+    Runs one forward and, with ``backward=True``, a backward so that backward graphs are
+    compiled too: of the output's ``loss`` (an attribute or key, as HF's outputs have), else of
+    the first tensor in the output that requires grad (summed unless a scalar); with none, no
+    backward. Gradients it produces are cleared again. On a sharded model this is a collective:
+    every rank calls it. Returns the report it printed.
     """
     opts = Options.from_kwargs(**options)
     recorder = Recorder(dump_dir=opts.dump_dir)
@@ -224,21 +232,31 @@ def explain(model: nn.Module, *example_inputs: Any, backward: bool = True, **opt
             f"split along another dim than 0 (fewer rows than ranks, or shard_placement_fn): {some_names(split, shown=8)}",
         )
 
-    def run(*args: Any) -> Any:
-        return model(*args)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return model(*args, **kwargs)
 
     compiled = torch.compile(run, backend=make_backend(opts, recorder))
     had_grad = {p: p.grad for p in model.parameters()}
-    out = compiled(*example_inputs)
-    if backward:
-        loss = out if isinstance(out, torch.Tensor) else out[0]
-        if loss.requires_grad:
-            (loss if loss.dim() == 0 else loss.sum()).backward()
+    out = compiled(*example_inputs, **(example_kwargs or {}))
+    loss = _loss_of(out) if backward else None
+    if loss is not None:
+        (loss if loss.dim() == 0 else loss.sum()).backward()
     for p, g in had_grad.items():
         p.grad = g
     report = recorder.summary()
     print(report)
     return report
+
+
+def _loss_of(out: Any) -> torch.Tensor | None:
+    """What ``explain`` backpropagates: ``out``'s loss, else its first tensor that requires grad."""
+    loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss
+    leaves = torch.utils._pytree.tree_leaves(out)
+    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
 @dataclass(frozen=True)
