@@ -87,6 +87,24 @@ def test_a_typical_hf_zero3_config_maps_every_key():
         assert key in text, key  # every key with no effect here is named, none dropped silently
 
 
+def test_deepspeeds_field_names_read_as_its_stage3_keys():
+    """DeepSpeed's config model takes ``prefetch_bucket_size`` for ``stage3_prefetch_bucket_size``
+    (and so on): both spellings give the same options and warnings; its NVMe ``aio`` section has
+    no effect here and is named."""
+    stage3 = {
+        "stage": 3,
+        "stage3_prefetch_bucket_size": 1000,
+        "stage3_param_persistence_threshold": 10,
+        "stage3_max_live_parameters": 5,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    }
+    fields = {k.removeprefix("stage3_"): v for k, v in stage3.items()}
+    a = from_deepspeed({"zero_optimization": stage3})
+    b = from_deepspeed({"zero_optimization": fields, "aio": {"block_size": 1048576}})
+    assert a.options == b.options == {"stage": 3, "prefetch_bytes": 4000, "persistence_threshold": 10}
+    assert "stage3_max_live_parameters" in "\n".join(b.warnings) and "aio" in "\n".join(b.warnings)
+
+
 def test_precision_stage_and_communication_keys():
     t = from_deepspeed(
         {
@@ -196,6 +214,10 @@ def test_hidden_size_comes_from_an_hf_style_config():
         ),
         ({"zero_optimization": {"stage": 3, "reduce_bucket_size": -1}}, "number of elements"),
         ({"zero_optimization": {"stage": 3}, "gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+        (
+            {"zero_optimization": {"stage": 3, "prefetch_bucket_size": 8, "stage3_prefetch_bucket_size": 8}},
+            "both prefetch_bucket_size and stage3_prefetch_bucket_size",
+        ),
     ],
 )
 def test_bad_configs_are_clear_errors(config, message):

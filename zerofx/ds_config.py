@@ -21,6 +21,10 @@ contradiction, a feature zerofx does not have). Nothing is dropped silently.
     communication_data_type                             reduce_dtype
     activation_checkpointing (+ cpu_checkpointing)      checkpoint="full" (+ offload_activations="host")
 
+DeepSpeed's field names for its ``stage3_*`` keys (``prefetch_bucket_size``,
+``param_persistence_threshold``, ``max_live_parameters``, ...), which its config model takes as
+well, read as those keys; both spellings of one key is an error.
+
 ``"auto"`` values are resolved as the HF transformers integration resolves them: bucket sizes
 and the persistence threshold from the model's hidden size (``hidden_size**2``,
 ``0.9 * hidden_size**2``, ``10 * hidden_size``), or zerofx's own ``"auto"`` when the hidden size
@@ -68,6 +72,7 @@ _NO_EFFECT = (
     "wandb",
     "csv_monitor",
     "comms_logger",
+    "aio",  # the NVMe tier's async-I/O tuning: zerofx's disk tier maps files instead
     "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer",
     "prescale_gradients",
@@ -113,6 +118,7 @@ _ZERO_NO_EFFECT = {
     "ignore_unused_parameters",
     "legacy_stage1",
     "stage3_gather_16bit_weights_on_model_save",
+    "stage3_model_persistence_threshold",
     "stage3_gather_fp16_weights_on_model_save",
     "memory_efficient_linear",
     "use_multi_rank_bucket_allreduce",
@@ -124,6 +130,28 @@ _ZERO_UNSUPPORTED = {
     "mics_shard_size": "MiCS sub-group sharding",
     "mics_hierarchical_params_gather": "MiCS hierarchical gathers",
 }
+# DeepSpeed's own field names for its stage3_* keys (its config model takes either spelling)
+_STAGE3_FIELDS = {
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+}
+
+
+def _stage3_spellings(zero: dict) -> dict:
+    """``zero_optimization`` with DeepSpeed's field names spelled as its ``stage3_`` keys."""
+    out = dict(zero)
+    for name, key in _STAGE3_FIELDS.items():
+        if name in out:
+            if key in out:
+                raise ZeroFXError(f"DeepSpeed config: zero_optimization has both {name} and {key}: give one")
+            out[key] = out.pop(name)
+    return out
+
+
 _ZERO = _ZERO_MAPPED | set(_ZERO_BUILT_IN) | _ZERO_NO_EFFECT | set(_ZERO_UNSUPPORTED) | {"zero_hpz_partition_size"}
 _OFFLOAD_KEYS = {
     "device",
@@ -282,7 +310,7 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
         )
 
     # -- ZeRO --------------------------------------------------------------------------------------
-    zero = cfg.get("zero_optimization", {})
+    zero = _stage3_spellings(cfg.get("zero_optimization", {}))
     _check_keys(zero, _ZERO, "zero_optimization")
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
