@@ -608,4 +608,42 @@ def accelerate_loop(world: int) -> dict:
                 norms.append(accelerator.clip_grad_norm_(model.parameters(), 1.0).item())
             opt.step()
             opt.zero_grad()
-    return {"losses": losses, "reduces": reduces, "norms": norms, "params": _full_state(model)}
+    return {
+        "losses": losses,
+        "reduces": reduces,
+        "norms": norms,
+        "params": _full_state(model),
+        "saving": _rank0_only_saving(accelerator, model),
+    }
+
+
+def _rank0_only_saving(accelerator, model) -> dict:
+    """What accelerate's and HF's rank-0 saving paths do with a sharded model: the messages of
+    save_state, load_state and save_pretrained of its own shards (errors on every rank), and
+    whether save_pretrained of whole tensors on every rank writes the trained weights."""
+    import tempfile
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from zerofx import ZeroFXError
+
+    out = {}
+    folder = tempfile.mkdtemp(prefix="zerofx_accelerate_")
+    for name, call in (
+        ("save_state", lambda: accelerator.save_state(f"{folder}/state")),
+        ("load_state", lambda: accelerator.load_state(f"{folder}/state")),
+        ("save_pretrained", lambda: model.save_pretrained(f"{folder}/shards")),
+    ):
+        try:
+            call()
+            out[name] = ""
+        except ZeroFXError as e:
+            out[name] = str(e)
+    whole = _full_state(model)
+    model.save_pretrained(f"{folder}/whole", state_dict=whole, is_main_process=dist.get_rank() == 0)
+    if dist.get_rank() == 0:
+        written = load_file(f"{folder}/whole/model.safetensors")
+        common = written.keys() & whole.keys()  # (HF may name a tied weight by either of its names)
+        out["whole_written"] = len(common) >= len(whole) - 1 and all(torch.equal(written[k], whole[k]) for k in common)
+    return out

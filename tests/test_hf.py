@@ -518,6 +518,14 @@ def test_accelerate_loop_trains_like_the_plain_loop(tmp_path):
         assert all(n > 0 for n in got["reduces"][1::2]), (rank, got["reduces"])
         for k, v in want["params"].items():
             torch.testing.assert_close(got["params"][k], v, rtol=0, atol=1e-5, msg=k)
+    # rank-0 saving paths: accelerate's save_state / load_state would write and hand every rank
+    # rank 0's shards, save_pretrained of the shards failed on rank 0 alone; whole tensors save
+    for rank, got in enumerate(per_rank):
+        saving = got["saving"]
+        for name in ("save_state", "load_state"):
+            assert "from the main process only" in saving[name] and "zerofx.checkpoint.save" in saving[name], saving
+        assert "the parameters are zerofx shards" in saving["save_pretrained"], saving
+    assert per_rank[0]["saving"]["whole_written"]
 
 
 def test_accelerate_prepare_needs_a_zerofx_model():

@@ -173,13 +173,33 @@ def _check_loop_settings(training: dict[str, Any], args: TrainingArguments) -> N
         )
 
 
+def _refuse_rank0_state(models: list, *_: Any) -> None:
+    """accelerate's save/load-state pre-hook: a zerofx model sharded over several ranks is an
+    error there, on every rank alike (see ``prepare``)."""
+    for model in models:
+        if is_sharded(model) and zerofx.sharding.mesh_of(model).size() > 1:
+            raise ZeroFXError(
+                "accelerator.save_state/load_state write and read model and optimizer state from the main "
+                "process only: for a zerofx model that is rank 0's shards, and loading them gives every rank "
+                "rank 0's rows. Save with zerofx.checkpoint.save(folder, model, optimizer) on every rank and "
+                "resume with zerofx.checkpoint.load(folder, model, optimizer)"
+            )
+
+
 def prepare(accelerator: Any, *objects: Any) -> Any:
     """``accelerator.prepare(*objects)`` for objects that include zerofx models: those are
-    registered with the accelerator (``accumulate``, ``save_state`` and ``unwrap_model`` know
-    them) but neither wrapped in DDP nor moved, as transformers' Trainer prepares models that own
-    their placement and gradient reduction; everything else (optimizers, data loaders,
-    schedulers) is prepared as accelerate would. Returns what ``accelerator.prepare`` returns: the
-    objects in order, or the one object."""
+    registered with the accelerator (``accumulate`` and ``unwrap_model`` know them) but neither
+    wrapped in DDP nor moved, as transformers' Trainer prepares models that own their placement
+    and gradient reduction; everything else (optimizers, data loaders, schedulers) is prepared as
+    accelerate would. Returns what ``accelerator.prepare`` returns: the objects in order, or the
+    one object.
+
+    ``accelerator.save_state`` / ``load_state`` of a zerofx model sharded over several ranks are
+    errors: accelerate writes the model's and the optimizer's state dicts from the main process
+    only, which for sharded parameters are rank 0's shards, and its load gives every rank those
+    rows, silently. Save with ``zerofx.checkpoint.save(folder, model, optimizer)`` on every rank
+    (and ``zerofx.checkpoint.load``); the RNG and data-loader state are accelerate's to save as
+    before."""
     if not objects:
         raise ZeroFXError("zerofx.hf.prepare(accelerator, *objects) needs at least one object to prepare")
     models = [i for i, obj in enumerate(objects) if is_sharded(obj)]
@@ -188,6 +208,10 @@ def prepare(accelerator: Any, *objects: Any) -> Any:
             "zerofx.hf.prepare: none of the objects is a model zerofx compiled; run zerofx.compile(model, mesh) "
             "first, or use accelerator.prepare"
         )
+    if not getattr(accelerator, "_zerofx_state_hooks", False):
+        accelerator.register_save_state_pre_hook(_refuse_rank0_state)
+        accelerator.register_load_state_pre_hook(_refuse_rank0_state)
+        accelerator._zerofx_state_hooks = True
     prepared = list(objects)
     for i in models:  # evaluation_mode: no DDP wrap (the model reduces its own gradients)
         prepared[i] = accelerator.prepare_model(objects[i], device_placement=False, evaluation_mode=True)

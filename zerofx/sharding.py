@@ -402,6 +402,23 @@ def _deepcopy_keeping_views(self: nn.Module, memo: dict) -> nn.Module:
     return clone
 
 
+def _save_pretrained_of_whole_tensors(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """HF's ``save_pretrained`` for a model with zerofx parameters: given whole tensors
+    (``state_dict=``), as transformers' own; from the model's own state dict, whose values are
+    shards, an error saying what to do, on every rank alike. (safetensors cannot read a
+    DTensor's storage: rank 0 failed inside while the other ranks, which write nothing, went on.)"""
+    state_dict = kwargs.get("state_dict")
+    values = state_dict.values() if state_dict is not None else self.state_dict().values()
+    if any(isinstance(v, DTensor) for v in values):
+        raise ZeroFXError(
+            f"{type(self).__name__}.save_pretrained: the parameters are zerofx shards; pass whole tensors, on "
+            "every rank: save_pretrained(out, state_dict={k: v.full_tensor() for k, v in "
+            "model.state_dict().items()}, is_main_process=rank == 0), or write a checkpoint with "
+            "zerofx.checkpoint.save(folder, model) and zerofx.checkpoint.export(folder, out, to='hf')"
+        )
+    return type(self).save_pretrained(self, save_directory, *args, **kwargs)
+
+
 def _refuse_pickling(self: nn.Module, protocol: int) -> Any:
     """``__reduce_ex__`` of a module with zerofx parameters: pickling one (``torch.save(model)``,
     ``copy.copy``, handing it to another process) is an error saying what to save instead. Its
@@ -1195,6 +1212,8 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     _warn_few_rows(runtime.states)
     for module in model.modules():  # an instance attribute: containers hold no parameter to swap a class for
         module.get_parameter = types.MethodType(_get_parameter, module)
+        if callable(getattr(type(module), "save_pretrained", None)):  # HF transformers' (and PEFT's)
+            module.save_pretrained = types.MethodType(_save_pretrained_of_whole_tensors, module)
     if on_meta:
         for module in model.modules():
             for name, buf in module._buffers.items():
