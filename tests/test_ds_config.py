@@ -242,6 +242,20 @@ def test_keywords_override_auto_and_may_not_contradict_the_config():
     assert merged["bucket_bytes"] == 1 << 20 and merged["param_dtype"] is torch.bfloat16
     with pytest.raises(ZeroFXError, match=r"option stage=2 contradicts the DeepSpeed config, which gives 3"):
         merge_with_keywords(t, {"stage": 2})
+    # switched off in so many words is a value too: a keyword switching it on contradicts
+    off = from_deepspeed(
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}}, "bf16": {"enabled": False}}
+    )
+    with pytest.raises(ZeroFXError, match=r"option param_dtype=torch.bfloat16 contradicts .* gives None"):
+        merge_with_keywords(off, {"param_dtype": torch.bfloat16})
+    with pytest.raises(ZeroFXError, match=r"option offload_optimizer='host' contradicts .* gives 'none'"):
+        merge_with_keywords(off, {"offload_optimizer": "host"})
+    silent = from_deepspeed({"zero_optimization": {"stage": 3}})  # said nothing: a keyword decides
+    assert merge_with_keywords(silent, {"param_dtype": torch.bfloat16})["param_dtype"] is torch.bfloat16
+    partial = from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})
+    assert partial.options["offload_optimizer"] == "host" and "ratio=0.3 (partial offload)" in "\n".join(
+        partial.warnings
+    )
 
 
 def test_compile_takes_a_config_file(tmp_path, one_rank):

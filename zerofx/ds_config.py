@@ -31,7 +31,9 @@ and the persistence threshold from the model's hidden size (``hidden_size**2``,
 is unknown; ``bf16`` / ``fp16`` ``"auto"`` (which the Trainer resolves from ``--bf16`` /
 ``--fp16``) is off unless a keyword argument of ``zerofx.compile`` says otherwise. Options that
 came from ``"auto"`` yield to keyword arguments; an explicit config value that a keyword argument
-contradicts is an error naming both.
+contradicts is an error naming both, an explicit "off" too (``bf16.enabled: false`` and no fp16,
+an offload ``device: "none"``). A partial offload (``ratio`` below 1) offloads all of it, with a
+warning.
 """
 
 from __future__ import annotations
@@ -276,6 +278,8 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
                 f'{name}.enabled="auto" is resolved by the HF Trainer from --{name}; here it is off '
                 f"unless zerofx.compile(..., param_dtype=...) says otherwise"
             )
+    if b is False and f is False and ("enabled" in bf16 or "enabled" in fp16):
+        opts["param_dtype"] = None  # switched off in so many words: a keyword turning it on contradicts
     if b is True:
         opts["param_dtype"] = torch.bfloat16
     if f is True:
@@ -350,7 +354,7 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
         notes.append(f"zero_optimization.{', zero_optimization.'.join(no_effect)}: no effect in zerofx")
     if zero.get("overlap_comm", True) is False:
         opts["disable_passes"] = ("schedule",)
-    _offload(zero, stage, opts)
+    _offload(zero, stage, opts, notes)
 
     compute = opts.get("param_dtype") or torch.float32
     reduce = opts.get("reduce_dtype") or torch.float32
@@ -418,8 +422,9 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
     return out
 
 
-def _offload(zero: dict, stage: int, opts: dict) -> None:
+def _offload(zero: dict, stage: int, opts: dict, notes: list[str]) -> None:
     sections = {}
+    switched_off = False
     for key in ("offload_optimizer", "offload_param"):
         if key in zero:
             _check_keys(zero[key], _OFFLOAD_KEYS, f"zero_optimization.{key}")
@@ -434,6 +439,14 @@ def _offload(zero: dict, stage: int, opts: dict) -> None:
                 )
             if device != "none":
                 sections[key] = zero[key]
+            else:
+                switched_off = switched_off or "device" in zero[key]
+            ratio = zero[key].get("ratio", 1.0)
+            if device != "none" and ratio != 1.0:
+                notes.append(
+                    f"zero_optimization.{key}.ratio={ratio!r} (partial offload): zerofx offloads all of it "
+                    "(less device memory than asked, more host traffic)"
+                )
     if zero.get("cpu_offload"):  # DeepSpeed's old spelling of offload_optimizer.device=cpu
         sections.setdefault("offload_optimizer", {"device": "cpu"})
     if "offload_param" in sections and stage != 3:
@@ -455,6 +468,8 @@ def _offload(zero: dict, stage: int, opts: dict) -> None:
         )
     if devices:
         opts["offload_optimizer"] = _TIERS[devices.pop()]
+    elif switched_off:  # device "none" in so many words: a keyword offloading contradicts
+        opts["offload_optimizer"] = "none"
     if paths:
         opts["offload_dir"] = paths.pop()
 
