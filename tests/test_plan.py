@@ -441,6 +441,37 @@ def test_bad_input_is_one_clear_error(kwargs, message):
     assert "\n" not in str(info.value)
 
 
+class _Float32Positions(torch.nn.Module):
+    """A float32 buffer added to the embedding's output: under param_dtype=bf16 the sum is float32
+    and reaches a bf16 weight's matmul, which real kernels refuse (fake ones do not check)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+        self.register_buffer("pos", torch.randn(32, 16))
+        self.fc = torch.nn.Linear(16, 64)
+
+    def forward(self, tokens, targets):
+        x = self.emb(tokens) + self.pos[: tokens.shape[1]]
+        return torch.nn.functional.cross_entropy(self.fc(x).flatten(0, 1).float(), targets.flatten())
+
+
+def _positions_inputs(batch, seq):
+    tokens = torch.randint(0, 64, (batch, seq))
+    return tokens, tokens
+
+
+def test_a_matmul_of_two_dtypes_is_refused_before_launch():
+    """The real step fails at its first forward ("mat1 and mat2 must have the same dtype"); the
+    plan says so, naming the op, instead of planning a step that cannot run."""
+    common = dict(batch=2, seq=32, device="cpu", example_inputs_fn=_positions_inputs)
+    with pytest.raises(
+        ZeroFXError, match=r"forward graph of frame\d+ runs aten.(add)?mm.default on bfloat16 and float32"
+    ):
+        zerofx.plan(_Float32Positions, (2,), param_dtype=torch.bfloat16, **common)
+    assert zerofx.plan(_Float32Positions, (2,), **common).per_rank.peak_bytes > 0  # one dtype: planned
+
+
 def raises():
     raise ValueError("bad config")
 

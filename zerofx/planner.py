@@ -212,6 +212,36 @@ class PerRank:
 # leaves the same state either way.
 
 
+# kernels whose floating operands must share one dtype on a real device: fake tensors compute
+# their outputs' metadata without checking, so the plan would pass a step the first forward fails
+_SAME_DTYPE_KERNELS = {
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.baddbmm.default",
+    "aten.convolution.default",
+}
+
+
+def _refuse_mixed_dtype_kernels(graphs: dict | None) -> None:
+    """A matmul or convolution of two floating dtypes in the planned graphs is the error the real
+    step raises at its first forward ("mat1 and mat2 must have the same dtype"), said before launch."""
+    for (graph_id, kind), gm in sorted((graphs or {}).items(), key=lambda item: (item[0][0], item[0][1] == "backward")):
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or str(node.target) not in _SAME_DTYPE_KERNELS:
+                continue
+            vals = [a.meta.get("val") for a in node.args if isinstance(a, torch.fx.Node)]
+            dtypes = {v.dtype for v in vals if isinstance(v, torch.Tensor) and v.dtype.is_floating_point}
+            if len(dtypes) > 1:
+                names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+                raise ZeroFXError(
+                    f"the {kind} graph of {graph_id} runs {node.target} on {names} operands ({node.name}), which "
+                    "the real step refuses at its first forward: a tensor the model keeps in another dtype than "
+                    "param_dtype (a float32 buffer added to bf16 activations) reaches a matmul; cast it in the "
+                    "model or keep that module in full precision"
+                )
+
+
 class _PlaceholderScalars(TorchDispatchMode):
     """Answers each value read of a tensor that fake tensors cannot answer
     (``aten._local_scalar_dense``: ``.item()``, ``bool()``) with a placeholder of its kind: 1,
@@ -881,6 +911,7 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
         _same_state_either_way(opt)
     runtime = runtime_of(model)
     compiled = runtime.compiled
+    _refuse_mixed_dtype_kernels(compiled.graphs)
     whole = sum({id(s.full): local_nbytes(s.full) for s in runtime.states if s.full is not None}.values())
     buffers = sum(local_nbytes(b) for b in model.buffers())
     opt_bytes = model_state_bytes(model, opt).optimizer
