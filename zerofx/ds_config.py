@@ -317,8 +317,9 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
     zero = _stage3_spellings(cfg.get("zero_optimization", {}))
     _check_keys(zero, _ZERO, "zero_optimization")
     stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ZeroFXError(f"DeepSpeed config: zero_optimization.stage={stage!r}: choose 1, 2 or 3")
+    stage = int(stage)  # (3.0 from a JSON writer that prints floats)
     if stage == 0:
         raise ZeroFXError(
             "DeepSpeed config: zero_optimization.stage is 0 (or missing): that is plain data "
