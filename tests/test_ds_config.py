@@ -250,6 +250,8 @@ def test_keywords_override_auto_and_may_not_contradict_the_config():
         merge_with_keywords(off, {"param_dtype": torch.bfloat16})
     with pytest.raises(ZeroFXError, match=r"option offload_optimizer='host' contradicts .* gives 'none'"):
         merge_with_keywords(off, {"offload_optimizer": "host"})
+    no_overlap = from_deepspeed({"zero_optimization": {"stage": 3, "overlap_comm": False}})
+    assert merge_with_keywords(no_overlap, {"disable_passes": ("bucket",)})["disable_passes"] == ("schedule", "bucket")
     assert from_deepspeed({"zero_optimization": {"stage": 3.0}}).options["stage"] == 3
     assert type(from_deepspeed({"zero_optimization": {"stage": 3.0}}).options["stage"]) is int
     silent = from_deepspeed({"zero_optimization": {"stage": 3}})  # said nothing: a keyword decides

@@ -480,6 +480,9 @@ def merge_with_keywords(translation: DeepSpeedTranslation, keywords: dict[str, A
     said "auto" (or nothing); a keyword that contradicts an explicit config value raises."""
     merged = dict(translation.options)
     for name, value in keywords.items():
+        if name == "disable_passes" and name in merged:  # passes turned off: both lists' (overlap_comm=false adds one)
+            merged[name] = tuple(dict.fromkeys((*merged[name], *((value,) if isinstance(value, str) else value))))
+            continue
         if name in merged and name not in translation.from_auto and merged[name] != value:
             raise ZeroFXError(
                 f"option {name}={value!r} contradicts the DeepSpeed config, which gives "
