@@ -238,9 +238,9 @@ def explain(
     compiled = torch.compile(run, backend=make_backend(opts, recorder))
     had_grad = {p: p.grad for p in model.parameters()}
     out = compiled(*example_inputs, **(example_kwargs or {}))
-    loss = _loss_of(out) if backward else None
+    loss = loss_of(out) if backward else None
     if loss is not None:
-        (loss if loss.dim() == 0 else loss.sum()).backward()
+        loss.backward()
     for p, g in had_grad.items():
         p.grad = g
     report = recorder.summary()
@@ -248,15 +248,17 @@ def explain(
     return report
 
 
-def _loss_of(out: Any) -> torch.Tensor | None:
-    """What ``explain`` backpropagates: ``out``'s loss, else its first tensor that requires grad."""
+def loss_of(out: Any) -> torch.Tensor | None:
+    """The scalar to backpropagate from a model's output (``explain``'s and the planner's step):
+    its ``loss`` (an attribute or key, as HF's outputs have), else its first tensor that requires
+    grad, summed unless a scalar; None when no tensor in it requires grad."""
     loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
     if loss is None and isinstance(out, dict):
         loss = out.get("loss")
-    if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        return loss
-    leaves = torch.utils._pytree.tree_leaves(out)
-    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
+    if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+        leaves = torch.utils._pytree.tree_leaves(out)
+        loss = next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
+    return loss if loss is None or loss.dim() == 0 else loss.float().sum()
 
 
 @dataclass(frozen=True)

@@ -112,10 +112,10 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _grads_held_back(optimizer: torch.optim.Optimizer | None):
+def _grads_held_back(optimizer: torch.optim.Optimizer):
     """No parameter of ``optimizer`` holds a gradient inside (NOTE: optimizer state that does
     not exist yet): torch's helpers then give a fresh optimizer the state a load reads into."""
-    held = [(p, p.grad) for p in _params(optimizer) if p.grad is not None] if optimizer is not None else []
+    held = [(p, p.grad) for p in _params(optimizer) if p.grad is not None]
     for p, _ in held:
         p.grad = None
     try:
@@ -140,11 +140,12 @@ def _left_unstepped(optimizer: torch.optim.Optimizer):
         params[0].grad = None
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """What ``save`` writes."""
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, around: Any) -> dict[str, Any]:
+    """What ``save`` writes (``around``: ``_left_unstepped``) or ``load`` reads into
+    (``_grads_held_back``), the optimizer's state dict built inside ``around(optimizer)``."""
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
-    with _left_unstepped(optimizer):
+    with around(optimizer):
         model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optimizer": optim_sd}
 
@@ -190,7 +191,7 @@ def save(
     if _rank() == 0:
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp))
+    dcp.save(_state(model, optimizer, _left_unstepped), checkpoint_id=str(tmp))
     _barrier()  # every rank's shards and DCP's metadata are on disk
     if _rank() == 0:
         runtime = runtime_of(model)
@@ -260,12 +261,7 @@ def load(
         return _load_optimizer_only(path, info, model, optimizer)
     _init_unsaved_buffers(model)
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    with _grads_held_back(optimizer):
-        if optimizer is None:
-            state = {"model": get_model_state_dict(model)}
-        else:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optimizer": optim_sd}
+    state = _state(model, optimizer, _grads_held_back)
     _check_compatible(f"checkpoint {path}", model, state["model"], _model_entries(path, stored), exact=True)
     if optimizer is not None:
         _check_optimizer_state(path, state["optimizer"], stored)

@@ -90,7 +90,7 @@ from zerofx.checkpoint import same_on_every_rank
 from zerofx.errors import ZeroFXError, some_names
 from zerofx.runtime.accumulation import no_sync
 from zerofx.runtime.params import runtime_of
-from zerofx.sharding import is_sharded
+from zerofx.sharding import is_sharded, mesh_of
 
 __all__ = ["ZeroFXTrainer", "prepare", "STATE_DIR"]
 
@@ -177,7 +177,7 @@ def _refuse_rank0_state(models: list, *_: Any) -> None:
     """accelerate's save/load-state pre-hook: a zerofx model sharded over several ranks is an
     error there, on every rank alike (see ``prepare``)."""
     for model in models:
-        if is_sharded(model) and zerofx.sharding.mesh_of(model).size() > 1:
+        if is_sharded(model) and mesh_of(model).size() > 1:
             raise ZeroFXError(
                 "accelerator.save_state/load_state write and read model and optimizer state from the main "
                 "process only: for a zerofx model that is rank 0's shards, and loading them gives every rank "

@@ -543,13 +543,6 @@ def _default_inputs(model: nn.Module) -> Callable[[int, int], tuple]:
     return inputs
 
 
-def _loss_of(out: Any) -> torch.Tensor:
-    loss = getattr(out, "loss", None)
-    if loss is None:
-        loss = out if isinstance(out, torch.Tensor) else out[0]
-    return loss if loss.dim() == 0 else loss.float().sum()
-
-
 def _max_positions(model: nn.Module) -> int | None:
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
     if type(model).__name__ == "GPT":
@@ -849,7 +842,7 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     from torch.fx.experimental import _config as fx_config
 
     import zerofx
-    from zerofx.api import _compile
+    from zerofx.api import _compile, loss_of
     from zerofx.measure.model_state import local_nbytes, model_state_bytes
     from zerofx.passes.cost_model import CommModel, CostModel, DeviceModel
     from zerofx.runtime.eager_buckets import reduce_transient_bytes
@@ -902,7 +895,12 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
         duck = fx_config.use_duck_shape
         fx_config.use_duck_shape = False  # batch and seq get symbols of their own even when equal
         try:
-            _loss_of(model(*args, **kwargs)).backward()
+            loss = loss_of(model(*args, **kwargs))
+            if loss is None:
+                raise ZeroFXError(
+                    "zerofx.plan: the model's output holds no tensor that requires grad: no backward to plan"
+                )
+            loss.backward()
         finally:
             fx_config.use_duck_shape = duck
         state = model_state_bytes(model, opt)  # the backward's gradients still held: the step's peak

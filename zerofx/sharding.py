@@ -408,7 +408,7 @@ def _save_pretrained_of_whole_tensors(self: nn.Module, save_directory: Any, *arg
     shards, an error saying what to do, on every rank alike. (safetensors cannot read a
     DTensor's storage: rank 0 failed inside while the other ranks, which write nothing, went on.)"""
     state_dict = kwargs.get("state_dict")
-    values = state_dict.values() if state_dict is not None else self.state_dict().values()
+    values = state_dict.values() if state_dict is not None else self.parameters()  # (its state dict's are those)
     if any(isinstance(v, DTensor) for v in values):
         raise ZeroFXError(
             f"{type(self).__name__}.save_pretrained: the parameters are zerofx shards; pass whole tensors, on "
