@@ -152,6 +152,31 @@ def test_precision_stage_and_communication_keys():
     assert any("partition_activations" in w for w in ac.warnings)
 
 
+def test_newer_deepspeed_keys_map_or_say_they_have_no_effect():
+    t = from_deepspeed(
+        {
+            "zero_optimization": {"stage": 3},
+            "bf16": {"enabled": True},
+            "data_types": {"grad_accum_dtype": "fp32"},
+            "torch_autocast": {"enabled": False},
+            "sparse_gradients": False,
+            "compile": {"deepcompile": True},
+        }
+    )
+    assert t.options == {"stage": 3, "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    assert any(w.startswith("compile") and "no effect" in w for w in t.warnings), t.warnings
+    same = from_deepspeed(
+        {
+            "zero_optimization": {"stage": 3},
+            "communication_data_type": "bf16",
+            "data_types": {"grad_accum_dtype": "bf16"},
+        }
+    )
+    assert same.options["reduce_dtype"] is torch.bfloat16
+    fp16 = from_deepspeed({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, "auto_cast": False}})
+    assert any("auto_cast" in w for w in fp16.warnings), fp16.warnings
+
+
 def test_zero_plus_plus_quantization_keys_map_to_the_quantize_options():
     t = from_deepspeed(
         {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}}
@@ -217,6 +242,24 @@ def test_hidden_size_comes_from_an_hf_style_config():
         (
             {"zero_optimization": {"stage": 3, "prefetch_bucket_size": 8, "stage3_prefetch_bucket_size": 8}},
             "both prefetch_bucket_size and stage3_prefetch_bucket_size",
+        ),
+        (
+            {"zero_optimization": {"stage": 3}, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+            r"torch_autocast: zerofx does not wrap the model's forward",
+        ),
+        ({"zero_optimization": {"stage": 3}, "sparse_gradients": True}, "reduces dense gradients only"),
+        ({"zero_optimization": {"stage": 3}, "data_types": {"grad_accum_dtype": "int8"}}, "choose one of"),
+        (
+            {"zero_optimization": {"stage": 3}, "data_types": {"grad_accum": "fp32"}},
+            "unknown key data_types.grad_accum",
+        ),
+        (
+            {
+                "zero_optimization": {"stage": 3},
+                "communication_data_type": "bf16",
+                "data_types": {"grad_accum_dtype": "fp32"},
+            },
+            "reduces gradients in the dtype it accumulates",
         ),
     ],
 )

@@ -557,6 +557,35 @@ def test_hf_trainer_refuses_a_deepspeed_config_that_contradicts_training_argumen
             )
 
 
+def test_hf_trainer_fills_deepspeed_precision_auto_from_its_flags(tmp_path):
+    """bf16.enabled="auto" under --bf16 is bf16 training (bf16 parameters, fp32 master weights),
+    as HF's DeepSpeed integration resolves it; without the flag it is fp32; an explicit value the
+    flag contradicts is an error naming both. The bf16 run trains: finite losses, bf16 gathers."""
+    from tests.multirank import one_rank_mesh
+    from zerofx.hf import ZeroFXTrainer
+    from zerofx.sharding import runtime_of
+
+    config = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}
+    with one_rank_mesh(str(tmp_path / "pg")) as mesh:
+        for bf16, want in ((True, torch.bfloat16), (False, None)):
+            args = hs.trainer_args(str(tmp_path / f"run{bf16}"), 2, bf16=bf16, max_steps=2)
+            trainer = ZeroFXTrainer(
+                model=hs.tiny_llama(), args=args, train_dataset=hs.TokenDataset(), mesh=mesh, zerofx_config=config
+            )
+            assert runtime_of(trainer.model).options.param_dtype is want, bf16
+            if bf16:
+                trainer.train()
+                losses = [h["loss"] for h in hs.trainer_history(trainer)]
+                assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), losses
+                assert all(p.dtype is torch.float32 for p in trainer.model.parameters())  # the master copy
+        explicit = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+        args = hs.trainer_args(str(tmp_path / "clash"), 2)
+        with pytest.raises(ZeroFXError, match=r"bf16\.enabled=True but TrainingArguments give bf16=False"):
+            ZeroFXTrainer(
+                model=hs.tiny_llama(), args=args, train_dataset=hs.TokenDataset(), mesh=mesh, zerofx_config=explicit
+            )
+
+
 def test_a_model_built_on_meta_is_never_whole_on_any_rank(trained):
     """Built under torch.device("meta"), compiled on 2 ranks: at stage 3 sharding allocates each
     rank's rows only (half the model, plus uneven rows) and load_hf reads exactly those rows out

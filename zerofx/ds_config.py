@@ -19,6 +19,7 @@ contradiction, a feature zerofx does not have). Nothing is dropped silently.
     bf16.enabled                                        param_dtype=torch.bfloat16
     fp16.enabled (+ initial_scale_power, loss_scale_window)  param_dtype=torch.float16, loss_scale="dynamic"
     communication_data_type                             reduce_dtype
+    data_types.grad_accum_dtype                         reduce_dtype (zerofx accumulates and reduces in one dtype)
     activation_checkpointing (+ cpu_checkpointing)      checkpoint="full" (+ offload_activations="host")
 
 DeepSpeed's field names for its ``stage3_*`` keys (``prefetch_bucket_size``,
@@ -28,12 +29,17 @@ well, read as those keys; both spellings of one key is an error.
 ``"auto"`` values are resolved as the HF transformers integration resolves them: bucket sizes
 and the persistence threshold from the model's hidden size (``hidden_size**2``,
 ``0.9 * hidden_size**2``, ``10 * hidden_size``), or zerofx's own ``"auto"`` when the hidden size
-is unknown; ``bf16`` / ``fp16`` ``"auto"`` (which the Trainer resolves from ``--bf16`` /
-``--fp16``) is off unless a keyword argument of ``zerofx.compile`` says otherwise. Options that
+is unknown; ``bf16`` / ``fp16`` ``"auto"`` is resolved from ``--bf16`` / ``--fp16`` by
+``zerofx.hf.ZeroFXTrainer`` (as HF's integration resolves it) and is off elsewhere unless a
+keyword argument of ``zerofx.compile`` says otherwise. Options that
 came from ``"auto"`` yield to keyword arguments; an explicit config value that a keyword argument
 contradicts is an error naming both, an explicit "off" too (``bf16.enabled: false`` and no fp16,
 an offload ``device: "none"``). A partial offload (``ratio`` below 1) offloads all of it, with a
 warning.
+
+Not in zerofx, so an error when switched on: ``torch_autocast`` (zerofx does not wrap the
+forward: run it under ``torch.autocast`` yourself, or use ``bf16``), ``sparse_gradients``.
+DeepSpeed's ``compile`` section has no effect (zerofx always compiles, with its own passes).
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ _NO_EFFECT = (
     "checkpoint",
     "data_efficiency",
     "elasticity",
+    "compile",  # DeepSpeed's own compile switches (deepcompile): zerofx always compiles, its own way
 )
 _TOP = {
     "zero_optimization",
@@ -91,6 +98,9 @@ _TOP = {
     "activation_checkpointing",
     "gradient_predivide_factor",
     "amp",
+    "torch_autocast",
+    "data_types",
+    "sparse_gradients",
     *_TRAINING,
     *_NO_EFFECT,
 }
@@ -295,6 +305,8 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
             opts["initial_loss_scale"] = 2.0 ** fp16["initial_scale_power"]
         if "loss_scale_window" in fp16:
             opts["loss_scale_window"] = fp16["loss_scale_window"]
+        if fp16.get("auto_cast") is False:
+            notes.append("fp16.auto_cast=false has no effect: zerofx casts floating inputs to param_dtype")
         ignored = sorted(set(fp16) & {"hysteresis", "consecutive_hysteresis", "min_loss_scale"})
         if ignored:
             notes.append(
@@ -306,6 +318,34 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
         if name not in _DTYPES:
             raise ZeroFXError(f"DeepSpeed config: communication_data_type={name!r}: choose one of {sorted(_DTYPES)}")
         opts["reduce_dtype"] = _DTYPES[name]
+    data_types = cfg.get("data_types", {})
+    _check_keys(data_types, {"grad_accum_dtype"}, "data_types")
+    if data_types.get("grad_accum_dtype") is not None:
+        name = data_types["grad_accum_dtype"]
+        if name not in _DTYPES:
+            raise ZeroFXError(
+                f"DeepSpeed config: data_types.grad_accum_dtype={name!r}: choose one of {sorted(_DTYPES)}"
+            )
+        if "reduce_dtype" in opts and opts["reduce_dtype"] is not _DTYPES[name]:
+            raise ZeroFXError(
+                f"DeepSpeed config: data_types.grad_accum_dtype={name!r} but communication_data_type="
+                f"{cfg['communication_data_type']!r}: zerofx reduces gradients in the dtype it accumulates "
+                "them in (reduce_dtype); give one dtype"
+            )
+        opts["reduce_dtype"] = _DTYPES[name]
+    autocast = cfg.get("torch_autocast", {})
+    _check_keys(autocast, {"enabled", "dtype", "lower_precision_safe_modules"}, "torch_autocast")
+    if _enabled(autocast, "torch_autocast") is not False:
+        raise ZeroFXError(
+            "DeepSpeed config: torch_autocast: zerofx does not wrap the model's forward in torch.autocast; "
+            "remove the section and run the forward under torch.autocast(device_type, dtype=...) yourself, "
+            "or train with bf16 parameters and fp32 master weights (bf16.enabled=true)"
+        )
+    if cfg.get("sparse_gradients", False) not in (False, None):
+        raise ZeroFXError(
+            f"DeepSpeed config: sparse_gradients={cfg['sparse_gradients']!r}: zerofx reduces dense gradients "
+            "only (nn.Embedding(sparse=True) is not supported); remove the key or set it false"
+        )
     factor = cfg.get("gradient_predivide_factor", 1.0)
     if factor != 1.0:
         raise ZeroFXError(

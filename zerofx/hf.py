@@ -10,7 +10,10 @@
 The one subclass a DeepSpeed user needs instead of ``--deepspeed ds_config.json``: the same
 config (``zerofx_config``, translated by zerofx/ds_config.py) or zerofx's own keywords
 (``zerofx_options``), the same ``TrainingArguments``, datasets, callbacks and logging. Requires
-``pip install 'zerofx[hf]'`` (transformers >= 5 and accelerate).
+``pip install 'zerofx[hf]'`` (transformers >= 5 and accelerate). As with HF's DeepSpeed
+integration, the config's ``"auto"`` values are filled from ``TrainingArguments`` (``bf16`` /
+``fp16`` from ``--bf16`` / ``--fp16``: bf16 parameters over fp32 master weights), and an explicit
+value they contradict is an error naming both.
 
 How it plugs in (what was tried: ``Trainer`` wraps any multi-process model in DDP through
 accelerate's ``prepare``, which a model of DTensor shards cannot take, and accelerate has no
@@ -173,6 +176,33 @@ def _check_loop_settings(training: dict[str, Any], args: TrainingArguments) -> N
         )
 
 
+def _with_trainer_precision(config: Any, args: TrainingArguments) -> Any:
+    """The DeepSpeed config with ``bf16`` / ``fp16`` ``"enabled": "auto"`` filled from ``--bf16`` /
+    ``--fp16``, as HF's DeepSpeed integration fills them (so ``"auto"`` under ``--bf16`` trains
+    with bf16 parameters and fp32 master weights, as DeepSpeed would); an explicit ``enabled``
+    that the flag contradicts is an error naming both, as it is there. ``None`` stays ``None``."""
+    if config is None:
+        return None
+    from zerofx.ds_config import _load
+
+    config = dict(_load(config))
+    flags = {"bf16": bool(args.bf16 or args.bf16_full_eval), "fp16": bool(args.fp16 or args.fp16_full_eval)}
+    clashes = []
+    for key, spelled in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+        section = config.get(key)
+        if not isinstance(section, dict) or "enabled" not in section:
+            continue
+        if section["enabled"] == "auto":
+            config[key] = {**section, "enabled": flags[spelled]}
+        elif section["enabled"] in (True, False) and section["enabled"] != flags[spelled]:
+            clashes.append(
+                f"{key}.enabled={section['enabled']!r} but TrainingArguments give {spelled}={flags[spelled]}"
+            )
+    if clashes:
+        raise ZeroFXError("ZeroFXTrainer: the DeepSpeed config contradicts TrainingArguments: " + "; ".join(clashes))
+    return config
+
+
 def _refuse_rank0_state(models: list, *_: Any) -> None:
     """accelerate's save/load-state pre-hook: a zerofx model sharded over several ranks is an
     error there, on every rank alike (see ``prepare``)."""
@@ -266,7 +296,9 @@ class ZeroFXTrainer(Trainer):
             _checkpoint_layers(model, args)  # before compiling: zerofx takes the layers' checkpointing over
             with warnings.catch_warnings():  # the loop settings are the Trainer's: checked below instead
                 warnings.filterwarnings("ignore", message=".*training-loop settings zerofx leaves to the loop")
-                zerofx.compile(model, mesh, config=zerofx_config, **(zerofx_options or {}))
+                zerofx.compile(
+                    model, mesh, config=_with_trainer_precision(zerofx_config, args), **(zerofx_options or {})
+                )
             _check_loop_settings(runtime_of(model).training, args)
         elif zerofx_config is not None or zerofx_options:
             raise ZeroFXError("the model is already compiled by zerofx: drop zerofx_config / zerofx_options")
