@@ -129,10 +129,12 @@ def scenarios(rank: int, world: int) -> dict:
             ("stage2", {"stage": 2}),
             ("stage3", {}),
             ("bf16", {"param_dtype": torch.bfloat16}),
+            ("stage1_assign", {"stage": 1}),  # assign=True: copied into the shards all the same
+            ("stage3_assign", {}),
         ):
             torch.manual_seed(0)
             model = zerofx.compile(case.build(), mesh, **options)
-            model.load_state_dict(whole)
+            model.load_state_dict(whole, assign=label.endswith("assign"))
             params = {k: v.full_tensor() for k, v in model.state_dict().items() if isinstance(v, DTensor)}
             got[label] = {
                 "param_err": max((params[k] - whole[k]).abs().max().item() for k in params),
@@ -143,6 +145,11 @@ def scenarios(rank: int, world: int) -> dict:
         zerofx.compile(meta, mesh)
         meta.load_state_dict(whole)
         got["meta"] = {"loss": meta(x, y).item()}
+        with torch.device("meta"):
+            meta = case.build()
+        zerofx.compile(meta, mesh)
+        meta.load_state_dict(whole, assign=True)  # what loading code for meta-built models passes
+        got["meta_assign"] = {"loss": meta(x, y).item()}
         wrong = {k: (v[:-1] if v.ndim == 2 else v) for k, v in whole.items()}
         try:
             model.load_state_dict(wrong)

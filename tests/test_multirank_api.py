@@ -91,9 +91,9 @@ def test_a_whole_plain_state_dict_loads_into_the_shards(results):
     A tensor of another shape still gets torch's size-mismatch error."""
     for r in _get(results, "whole_state_dict"):
         want, got = r["want"], r["got"]
-        for label in ("stage1", "stage2", "stage3", "bf16"):
+        for label in ("stage1", "stage2", "stage3", "bf16", "stage1_assign", "stage3_assign"):
             assert got[label]["param_err"] == 0.0, (label, got[label])
-        for label in ("stage1", "stage2", "stage3", "meta"):
+        for label in ("stage1", "stage2", "stage3", "meta", "stage1_assign", "stage3_assign", "meta_assign"):
             assert abs(got[label]["loss"] - want) <= 1e-6 * abs(want), (label, got[label]["loss"], want)
         assert "size mismatch" in got["mismatch"], got["mismatch"]
 

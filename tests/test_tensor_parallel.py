@@ -165,6 +165,7 @@ def test_gpt_sequence_parallel_tp_bytes_follow_the_analytic_formula(results):
             "tied_differently",
             r"wte.weight and lm_head.weight are one \(tied\) parameter.*Shard\(dim=0\).*Shard\(dim=1\)",
         ),
+        ("tp_outer", r"mesh dimension \('tp',\), which is outer to the data-parallel dimension \('dp',\)"),
     ],
 )
 def test_bad_inputs_are_clear_errors(results, case, message):
@@ -346,3 +347,37 @@ def check_meta_built(ranks: list[dict], stage: int = 3) -> None:
             else:
                 assert got["losses"][0] == r["uninterrupted"][0]
                 assert got["losses"][1] != r["uninterrupted"][1]  # a fresh AdamW: the test can tell
+
+
+def test_parallelize_keeps_frozen_parameters_frozen_and_refuses_unknown_plan_keys(tmp_path):
+    """torch's SequenceParallel re-creates the norms' parameters without their requires_grad: a
+    frozen norm (a LoRA base model) would train. parallelize puts every flag back. A plan key that
+    names no submodule (torch warns and skips it, and the first forward fails in the compiler) is
+    an error naming the key."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from tests.multirank import one_rank_mesh
+    from zerofx import ZeroFXError
+    from zerofx.models import Llama, LlamaConfig
+    from zerofx.tensor_parallel import gpt_plan, llama_plan, parallelize
+
+    def llama():
+        return Llama(LlamaConfig(vocab_size=64, seq_len=16, d_model=32, ffn_hidden=64))
+
+    with one_rank_mesh(str(tmp_path)) as mesh:
+        for build, make_plan in ((tp_scenarios.gpt, gpt_plan), (llama, llama_plan)):
+            model = build()
+            for name, p in model.named_parameters():
+                p.requires_grad_("norm" in name or "ln" in name or name.endswith("bias"))
+            before = {name: p.requires_grad for name, p in model.named_parameters()}
+            assert any(before.values()) and not all(before.values())
+            parallelize(model, mesh, make_plan(model))
+            assert {name: p.requires_grad for name, p in model.named_parameters()} == before
+            frozen = build()
+            frozen.requires_grad_(False)
+            parallelize(frozen, mesh, make_plan(frozen))
+            assert not any(p.requires_grad for p in frozen.parameters())
+        model = tp_scenarios.gpt()
+        plan = {**gpt_plan(model), "blocks.*.attn.qkvv": ColwiseParallel()}
+        with pytest.raises(ZeroFXError, match=r"plan key 'blocks.\*.attn.qkvv': .*matches 'qkvv' \(did you mean 'qkv'"):
+            parallelize(model, mesh, plan)

@@ -498,6 +498,13 @@ def errors() -> dict:
     attempt("hpz_without_hybrid", hpz_without_hybrid)
     attempt("tp_dim_without_plan", tp_dim_without_plan)
     attempt("tied_differently", tied_differently)
+
+    def tp_outer():  # one mesh, tp its outer dimension: DTensor cannot reduce the norm over (dp, tp)
+        other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))
+        model = parallelize(gpt(), other["tp"], gpt_plan(gpt()))
+        zerofx.compile(model, other["dp"])
+
+    attempt("tp_outer", tp_outer)
     return results
 
 

@@ -288,7 +288,13 @@ def _load_whole_into_shards(self: nn.Module, state_dict: dict, prefix: str, *arg
     rank, ``model.load_state_dict(torch.load("model.pt"))``) becomes this rank's shard of it,
     with no communication, instead of DTensor's "got mixed torch.Tensor and DTensor". Every
     rank must pass the same values, as loading the same file does. DTensor values (a sharded
-    state dict) load as before; a value of another shape gets torch's shape error."""
+    state dict) load as before; a value of another shape gets torch's shape error.
+
+    ``load_state_dict(..., assign=True)`` would put the state dict's tensors in place of the
+    parameters zerofx sharded (the next forward then refuses the module); on such a module the
+    values are copied into the shards instead, as without ``assign``."""
+    if args and isinstance(args[0], dict) and args[0].get("assign_to_params_buffers"):
+        args = ({**args[0], "assign_to_params_buffers": False}, *args[1:])
     for name in self._zerofx_params:
         key = prefix + name
         value, param = state_dict.get(key), self._parameters[name]
@@ -1067,16 +1073,28 @@ def _check_crossing(name: str, tp_mesh: DeviceMesh, mesh: DeviceMesh) -> None:
     # coordinate one rank), which concatenating them checks
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    problem = None
+    problem, outer = None, False
     with unset_fake_temporarily():
         if tp_mesh._get_root_mesh() != mesh._get_root_mesh():
             problem = "their root meshes differ"
         else:
             try:
-                _spmd_mesh(mesh, tp_mesh)
+                spmd = _spmd_mesh(mesh, tp_mesh)
             except RuntimeError as e:
                 problem = str(e)
+            else:
+                order = spmd.mesh.flatten().tolist()
+                outer = order != sorted(order)
         ranks = (tp_mesh.mesh.tolist(), mesh.mesh.tolist())
+    if problem is None and outer:
+        # DTensor reduces over the (dp..., tp) mesh by flattening it, which needs its dimensions in
+        # the root mesh's order: with tp outer, clip_grad_norm_'s norm fails in DTensor's redistribute
+        raise ZeroFXError(
+            f"{name} is tensor-parallel on mesh dimension {tp_mesh.mesh_dim_names}, which is outer to the "
+            f"data-parallel dimension {mesh.mesh_dim_names} in the mesh they were sliced from; zerofx needs "
+            "tensor parallelism as the inner (last) dimension, as torchtitan lays it out: "
+            "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))"
+        )
     if problem is not None:
         raise ZeroFXError(
             f"{name} is tensor-parallel on mesh {tp_mesh.mesh_dim_names} {ranks[0]}, which is not the "

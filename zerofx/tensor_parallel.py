@@ -30,6 +30,7 @@ this module adds:
 from __future__ import annotations
 
 from collections.abc import Callable
+from fnmatch import fnmatch
 from typing import Any
 
 from torch import nn
@@ -45,6 +46,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from zerofx.errors import ZeroFXError
+from zerofx.options import closest
 
 __all__ = ["gpt_plan", "llama_plan", "hf_plan", "plan_for", "parallelize"]
 
@@ -198,19 +200,57 @@ def _check_heads(model: nn.Module, tp: int, plan: dict[str, Any]) -> None:
             )
 
 
+def _check_plan_keys(model: nn.Module, plan: dict[str, Any]) -> None:
+    """Every key of ``plan`` names at least one submodule (``parallelize_module`` matches each
+    dot-separated token with fnmatch). torch only warns about a key that resolves to nothing and
+    skips it, and the first forward then fails deep in the compiler on a matmul of a DTensor with
+    a plain tensor; a misspelled key is always a wrong plan, so it is an error naming it."""
+    for key in plan:
+        if not key:
+            continue
+        frontier = [("", model)]
+        for token in key.split("."):
+            matched = [
+                (f"{path}.{name}" if path else name, child)
+                for path, module in frontier
+                for name, child in module.named_children()
+                if fnmatch(name, token)
+            ]
+            if not matched:
+                there = sorted({name for _, module in frontier for name, _ in module.named_children()})
+                where = ", ".join(sorted({path or "the model" for path, _ in frontier})[:3])
+                raise ZeroFXError(
+                    f"tensor-parallel plan key {key!r}: no submodule of {where} matches {token!r}"
+                    f"{closest(token, there)} (its submodules: {', '.join(there[:12]) or 'none'})"
+                )
+            frontier = matched
+
+
 def parallelize(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Any]) -> nn.Module:
-    """``parallelize_module(model, tp_mesh, plan)``, keeping tied parameters tied and checking
-    that the TP size divides the attention heads (see the module docstring). Returns ``model``."""
+    """``parallelize_module(model, tp_mesh, plan)``, keeping tied parameters tied and frozen
+    parameters frozen, after checking that every plan key names a submodule and that the TP size
+    divides the attention heads (see the module docstring). Returns ``model``.
+
+    Frozen parameters: torch's ``SequenceParallel`` re-creates the norm layers' parameters as
+    replicated DTensors without their ``requires_grad`` (the column- and row-wise styles keep
+    it), so a frozen norm would train; each parameter's flag is put back by qualified name."""
+    _check_plan_keys(model, plan)
     _check_heads(model, tp_mesh.size(), plan)
     tied: list[list[tuple[nn.Module, str, str]]] = []  # per shared parameter: (module, attribute, qualified name)
     owners: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    trainable: list[tuple[nn.Module, str, bool]] = []
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, p in module._parameters.items():
             if p is not None:
                 qualname = f"{module_name}.{name}" if module_name else name
                 owners.setdefault(id(p), []).append((module, name, qualname))
+                trainable.append((module, name, p.requires_grad))
     tied = [users for users in owners.values() if len({q for _, _, q in users}) > 1]
     parallelize_module(model, tp_mesh, plan)
+    for module, name, requires_grad in trainable:
+        p = module._parameters.get(name)
+        if p is not None and p.requires_grad != requires_grad:
+            p.requires_grad_(requires_grad)
     for users in tied:
         first_module, first_name, first_qualname = users[0]
         shared = first_module._parameters[first_name]
