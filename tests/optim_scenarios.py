@@ -140,14 +140,17 @@ def _failing_step(mesh, rank) -> dict:
     }
 
 
-# optimizers zerofx steps over whole tensors (zerofx/runtime/whole_step.py), and Rprop, whose
-# every step runs on local shards: each against the same optimizer stepping an unsharded copy of
+# optimizers zerofx steps over whole tensors (zerofx/runtime/whole_step.py), and Rprop and fused
+# SGD / Adagrad, whose every step runs on local shards: each against the same optimizer stepping an unsharded copy of
 # the model on the same (gathered) gradients
 WHOLE = {
     "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2, weight_decay=0.1),
     "hf_adafactor": lambda ps: _hf_adafactor(ps),
     "muon": lambda ps: torch.optim.Muon([p for p in ps if p.dim() == 2], lr=2e-2),
     "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+    # fused kernels without a DTensor strategy: every step on local shards, as Rprop's
+    "sgd_fused": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+    "adagrad_fused": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True),
 }
 
 

@@ -29,7 +29,8 @@ not a DTensor with its parameter's placements and shape, when the optimizer also
 DTensors zerofx does not manage (foreach kernels cannot mix the two), when it is stepped in
 windows by ``zerofx.offload_optimizer``, or when the model was compiled with
 ``local_optimizer_step=False``. Rprop's step fails inside DTensor, so its first step runs on the
-local shards too (``_LOCAL_FROM_THE_FIRST``), and where that cannot be, its first step is an
+local shards too (``_LOCAL_FROM_THE_FIRST``), as does that of SGD and Adagrad with ``fused=True``
+(their fused kernels have no DTensor strategy), and where that cannot be, the first step is an
 error. Optimizers whose update of an element reads others (Adafactor, Muon) step over whole
 tensors (zerofx/runtime/whole_step.py); the other optimizers outside ``ELEMENTWISE`` take the
 DTensor path. The steps zerofx runs itself run in its last step pre-hook (NOTE: the last
@@ -74,6 +75,17 @@ ELEMENTWISE: frozenset[type] = frozenset(
 # Rprop clears gradient entries through a boolean mask, an index_put_ DTensor cannot apply to a
 # shard in place.
 _LOCAL_FROM_THE_FIRST: frozenset[type] = frozenset({torch.optim.Rprop})
+# and those whose fused kernel has no DTensor sharding strategy (torch 2.13: aten._fused_sgd_,
+# aten._fused_adagrad_; Adam's and AdamW's have one), when a param group asks for it
+_FUSED_WITHOUT_DTENSOR: frozenset[type] = frozenset({torch.optim.SGD, torch.optim.Adagrad})
+
+
+def _local_from_the_first(optimizer: torch.optim.Optimizer) -> bool:
+    kind = type(optimizer)
+    if kind in _LOCAL_FROM_THE_FIRST:
+        return True
+    return kind in _FUSED_WITHOUT_DTENSOR and any(g.get("fused") for g in optimizer.param_groups)
+
 
 _PRE_HOOK = None
 
@@ -110,15 +122,15 @@ def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple
     ours = any(hasattr(p, "_zerofx_state") for p in params)
     whole = ours and whole_step_class(optimizer) is not None
     adopt = type(optimizer) in ELEMENTWISE and any(_managed(p) for p in params)
-    first_local = ours and type(optimizer) in _LOCAL_FROM_THE_FIRST
+    first_local = ours and _local_from_the_first(optimizer)
     # the refusals first: an optimizer refused at its first step is decided again at its next
     if whole:
         step_over_whole_tensors(optimizer)  # refuses what it cannot step before it keeps any state
         return
     if first_local and not (adopt and _swappable(params)):
         raise ZeroFXError(
-            f"torch.optim.{type(optimizer).__name__} steps zerofx's sharded parameters on their local shards "
-            "only (its step fails inside DTensor): keep local_optimizer_step=True (the default), step no "
+            f"torch.optim.{type(optimizer).__name__}{'(fused=True)' if type(optimizer) in _FUSED_WITHOUT_DTENSOR else ''} "
+            "steps zerofx's sharded parameters on their local shards only (its step fails inside DTensor): keep local_optimizer_step=True (the default), step no "
             "DTensors zerofx does not manage with it, and leave the gradients zerofx's backward made"
         )
     state = optimizer_state(optimizer, create=True)
