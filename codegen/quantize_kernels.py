@@ -40,7 +40,8 @@ def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, numel, nb, row_bytes, QMAX: t
         mask = (offs < BLOCK) & (col < numel)
         x = tl.load(src + col, mask=mask, other=0.0).to(tl.float32)
         absmax = tl.max(tl.abs(x), axis=0)
-        inv = tl.where(absmax > 0, QMAX / tl.where(absmax > 0, absmax, 1.0), 0.0)
+        inv = QMAX / tl.where(absmax > 0, absmax, 1.0)
+        inv = tl.where((absmax > 0) & (inv <= 3.4028234663852886e38), inv, 0.0)  # as zerofx/ir/quantize.py
         q = tl.minimum(tl.maximum(tl.floor(x * inv + 0.5), -QMAX), QMAX)
         tl.store(dst + col, q.to(tl.int8).to(tl.uint8, bitcast=True), mask=mask)
     else:  # HALF values per parity: element 2i goes to the low nibble of byte i
@@ -50,7 +51,8 @@ def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, numel, nb, row_bytes, QMAX: t
         xe = tl.load(src + even, mask=m_even, other=0.0).to(tl.float32)
         xo = tl.load(src + even + 1, mask=m_odd, other=0.0).to(tl.float32)
         absmax = tl.maximum(tl.max(tl.abs(xe), axis=0), tl.max(tl.abs(xo), axis=0))
-        inv = tl.where(absmax > 0, QMAX / tl.where(absmax > 0, absmax, 1.0), 0.0)
+        inv = QMAX / tl.where(absmax > 0, absmax, 1.0)
+        inv = tl.where((absmax > 0) & (inv <= 3.4028234663852886e38), inv, 0.0)  # as zerofx/ir/quantize.py
         qe = tl.minimum(tl.maximum(tl.floor(xe * inv + 0.5), -QMAX), QMAX).to(tl.int32)
         qo = tl.minimum(tl.maximum(tl.floor(xo * inv + 0.5), -QMAX), QMAX).to(tl.int32)
         byte = (qe & 0xF) | ((qo & 0xF) << 4)

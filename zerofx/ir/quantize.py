@@ -21,7 +21,8 @@ gathered ``[N, row_bytes]`` buffer are aligned fp32s (a dtype view, no copy).
 
 Rounding is ``floor(x · (qmax / absmax) + 0.5)`` (qmax = 127 or 7), written the same way in
 ATen and Triton so both produce the same bytes; the value is then at most
-``absmax / qmax / 2`` (plus fp32 rounding) from the original. An all-zero block has scale 0.
+``absmax / qmax / 2`` (plus fp32 rounding) from the original. An all-zero block has scale 0; a block whose largest magnitude is below about 1e-36 (where
+``qmax / absmax`` overflows fp32) quantizes to zeros.
 Stochastic rounding is not implemented (off, as the issue asks by default).
 
 fp8 (``quantize_weights="fp8"``): the same packed rows with one byte per value, each
@@ -90,6 +91,9 @@ class QuantFormat:
         return f"{self.name} (blocks of {self.block}, fp32 scales)"
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def quant_format(option: str, block: int) -> QuantFormat:
     """The wire format an option value (``"int8"``, ``"int4"``, ``"fp8"``) names."""
     bits, floating = QUANT_BITS[option]
@@ -103,7 +107,11 @@ def _quantize_aten(x: torch.Tensor, rows: int, fmt: QuantFormat) -> torch.Tensor
     values = torch.nn.functional.pad(values, (0, nb * block - numel)).view(rows, nb, block)
     absmax = values.abs().amax(-1)
     scale = absmax / fmt.qmax
-    inv = torch.where(absmax > 0, fmt.qmax / absmax, torch.zeros_like(absmax))
+    inv = fmt.qmax / absmax
+    # an all-zero block, and one whose largest value is so small that qmax / absmax overflows
+    # (below ~1e-36): every value quantizes to 0 (then 0 · inf would be NaN); a NaN or inf
+    # absmax keeps its scale, so the dequantized block is NaN and a loss scaler sees the overflow
+    inv = torch.where((absmax > 0) & (inv <= _FLOAT32_MAX), inv, torch.zeros_like(absmax))
     if fmt.floating:
         q = (values * inv.unsqueeze(-1)).clamp_(-fmt.qmax, fmt.qmax).to(torch.float8_e4m3fn)
     else:
