@@ -26,6 +26,7 @@ from benchmarks import checkpoint_vs_torch as bench
 from tests.memory_scenarios import MODELS, POLICIES, train_on_disk, train_policies
 from tests.models import GPT_CFG
 from tests.multirank import run_ranks, scenario_results
+from zerofx import ZeroFXError
 from zerofx.backend import make_backend
 from zerofx.dump import Recorder
 from zerofx.models import GPT, GPTConfig, random_batch
@@ -206,6 +207,33 @@ def test_disk_store_gives_its_files_back_when_the_tensors_die(tmp_path):
     gc.collect()
     assert store.files == {} and ptr not in paged_storages and store.nbytes == 0
     assert not _holds_a_file_under(tmp_path)
+
+
+def test_a_full_offload_disk_is_an_error_naming_the_folder_not_a_crash(tmp_path, monkeypatch):
+    """Files are allocated when created: a disk without room for one is a ZeroFXError there,
+    leaving no file behind, instead of a sparse file whose first write through its memory map
+    kills the process (SIGBUS) once the disk is full. Out of space is simulated (the test
+    cannot fill a real disk); the allocation itself runs in the test above."""
+    import errno
+
+    from zerofx.runtime.offload_store import DiskStore
+
+    asked = []
+
+    def full(fd, offset, nbytes):
+        asked.append(nbytes)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    store = DiskStore(str(tmp_path))
+    t = torch.arange(4096, dtype=torch.float32)
+    with pytest.raises(
+        ZeroFXError, match=r"offload folder .*: no room for 16,384 more bytes \(No space left on device\)"
+    ):
+        store.adopt(t)
+    assert asked == [16384] and store.files == {} and not _holds_a_file_under(tmp_path)
+    assert not any(tmp_path.iterdir())
+    assert torch.equal(t, torch.arange(4096, dtype=torch.float32))  # the tensor is left as it was
 
 
 def test_tracker_stops_counting_a_buffer_the_graph_frees():

@@ -18,6 +18,7 @@ the writer until its bytes are on disk, then freed.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import tempfile
 import threading
@@ -25,6 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from zerofx.errors import ZeroFXError
 
 __all__ = [
     "OFFLOAD",
@@ -43,10 +46,28 @@ def default_offload_dir() -> str:
 
 
 def new_file(directory: str, nbytes: int) -> int:
-    """An open, unlinked file of ``nbytes`` bytes: it disappears when the last user closes it."""
+    """An open, unlinked file of ``nbytes`` bytes: it disappears when the last user closes it.
+
+    Its blocks are allocated now (``posix_fallocate``), not at the first write: a sparse file
+    (``ftruncate`` alone) on a disk that fills up later fails at a write through its memory
+    map, and the process dies of SIGBUS. Out of space here is a ``ZeroFXError`` naming the
+    folder and the bytes. A file system that cannot preallocate keeps the sparse file."""
     fd, path = tempfile.mkstemp(dir=directory, prefix="zerofx-", suffix=".bin")
     try:
         os.ftruncate(fd, nbytes)
+        if nbytes:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    os.close(fd)
+                    raise ZeroFXError(
+                        f"offload folder {directory!r}: no room for {nbytes:,} more bytes ({e.strerror}); "
+                        "free space there or pass another offload_dir"
+                    ) from None
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    os.close(fd)
+                    raise
     finally:
         os.unlink(path)
     return fd
