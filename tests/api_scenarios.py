@@ -8,6 +8,7 @@ import io
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -422,6 +423,80 @@ def scenarios(rank: int, world: int) -> dict:
     attempt("routed_experts", routed_experts)
     attempt("lockstep_twin", lockstep_twin)
     attempt("ranks_disagree", lambda: ranks_disagree(rank, world, mesh))
+    attempt("accumulation_windows", lambda: accumulation_windows(rank, mesh))
+    return out
+
+
+def accumulation_windows(rank: int, mesh) -> dict:
+    """Per stage, against DDP's arithmetic (the mean of the ranks' gradients): an accumulation
+    window abandoned after one no_sync micro-batch and dropped by zero_grad (the model's, and an
+    adopted optimizer's) leaves nothing in the next step; a step right after a no_sync backward
+    is refused; gradient hooks registered after compile run once per reduction, on the reduced
+    gradient, with and without a no_sync window; hooks registered before compile are refused."""
+    out = {}
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(3)]
+
+    def reference(model: nn.Module, batches: list) -> dict:
+        """Each rank's gradient of the model's current (whole) weights, averaged over ranks."""
+        ref = nn.Linear(8, 4)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                ref.get_parameter(n).copy_(p.full_tensor())
+        for x in batches:
+            ref(x).pow(2).mean().backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        return {n: p.grad for n, p in ref.named_parameters()}
+
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = zerofx.compile(nn.Linear(8, 4), mesh, stage=stage)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        dropped = {}
+        for how, zero in (("model", lambda: model.zero_grad()), ("optimizer", lambda: opt.zero_grad())):
+            with model.no_sync():
+                model(xs[0]).pow(2).mean().backward()
+            zero()
+            want = reference(model, [xs[1]])
+            model(xs[1]).pow(2).mean().backward()
+            got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            dropped[how] = max((got[n] - g).abs().max().item() for n, g in want.items())
+            opt.step()  # (the optimizer's zero_grad drops the window from its first step on)
+            opt.zero_grad()
+        with model.no_sync():
+            model(xs[2]).pow(2).mean().backward()
+        try:
+            opt.step()
+            refused = "no error"
+        except zerofx.ZeroFXError as e:
+            refused = str(e)
+        opt.zero_grad()
+        calls = []
+        for name, p in model.named_parameters():
+            p.register_hook(lambda g: g * 0.5)
+            p.register_post_accumulate_grad_hook(lambda p, name=name: calls.append(name))
+        hooked = {}
+        for window in (False, True):
+            calls.clear()
+            batches = [xs[0], xs[1]] if window else [xs[1]]
+            want = reference(model, batches)
+            for i, x in enumerate(batches):
+                with model.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
+                    model(x).pow(2).mean().backward()
+            got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            err = max((got[n] - 0.5 * g).abs().max().item() for n, g in want.items())
+            hooked[f"window={window}"] = {"err": err, "calls": sorted(calls)}
+            model.zero_grad()
+        torch._dynamo.reset()
+        out[f"stage{stage}"] = {"dropped": dropped, "refused": refused, "hooked": hooked}
+    early = nn.Linear(8, 4)
+    early.weight.register_hook(lambda g: g)
+    try:
+        zerofx.compile(early, mesh)
+        out["hooked_before"] = "no error"
+    except zerofx.ZeroFXError as e:
+        out["hooked_before"] = str(e)
     return out
 
 

@@ -247,3 +247,17 @@ def test_a_failing_rank_ends_the_run_promptly_with_its_traceback():
     with pytest.raises(AssertionError, match="rank 1 fails on purpose"):
         run_ranks(fail_on_rank_one, WORLD, timeout=120)
     assert time.monotonic() - start < 60
+
+
+def test_accumulation_windows_zero_grad_step_refusal_and_hooks(results):
+    """zero_grad drops an abandoned no_sync window as DDP's does; a step over unreduced
+    gradients is an error; hooks run once per reduction at every stage (tests/api_scenarios.py)."""
+    for r in _get(results, "accumulation_windows"):
+        for stage in ("stage1", "stage2", "stage3"):
+            got = r[stage]
+            assert got["dropped"] == {"model": 0.0, "optimizer": 0.0}, (stage, got["dropped"])
+            assert "whose gradients from a backward under zerofx.no_sync" in got["refused"], (stage, got["refused"])
+            for window, h in got["hooked"].items():
+                assert h["err"] <= 1e-7, (stage, window, h)
+                assert h["calls"] == ["bias", "weight"], (stage, window, h)
+        assert "weight: gradient hooks registered before zerofx sharded the model" in r["hooked_before"]

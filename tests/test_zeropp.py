@@ -215,6 +215,10 @@ def test_secondary_shard_bad_input_is_one_error_naming_the_option(runs):
             error = rank["secondary_shard_error"]
             assert error.startswith("option secondary_shard=True") and says in error
             assert len(error.splitlines()) == 1
+    for rank in runs(4):
+        for shape, says in (("1x4", "gathers over the same ranks"), ("4x1", "keeps every gathered parameter whole")):
+            error = rank[f"secondary_shard_error_{shape}"]
+            assert error.startswith("option secondary_shard=True on mesh") and says in error, (shape, error)
 
 
 def test_the_triton_kernels_run_the_quantized_step_with_the_same_losses_as_aten():

@@ -191,6 +191,10 @@ def run(rank: int, world: int) -> dict:
         mesh, scenarios = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), W4
     # a 1-D mesh has no inner dimension; on the 2x2 mesh, stages 1 and 2 gather nothing to keep
     results = {"secondary_shard_error": _secondary_shard_error(mesh, **({} if world == 2 else {"stage": 2}))}
+    if world == 4:  # a dimension of one rank: hpZ would only cost (memory, or a second copy)
+        for shape in ((1, 4), (4, 1)):
+            flat = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+            results[f"secondary_shard_error_{shape[0]}x{shape[1]}"] = _secondary_shard_error(flat)
     for name, (case, options, steps) in scenarios.items():
         torch._dynamo.reset()
         on = zerofx.sharding._flat_mesh(mesh) if name in FLAT else mesh

@@ -63,6 +63,7 @@ from zerofx.runtime.params import (
     ParamState,
     TensorParallel,
     added_after_sharding,
+    discard_pending,
     runtime_of,
     track,
 )
@@ -853,6 +854,18 @@ def _flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
             f"{tuple(mesh.shape)} (build it with init_device_mesh(device, (nodes, ranks_per_node)), or drop "
             "secondary_shard)"
         )
+    if 1 in tuple(mesh.shape):
+        outer, inner = tuple(mesh.shape)
+        waste = (
+            "keeps every gathered parameter whole from the forward to the backward (the whole model on every rank)"
+            if inner == 1
+            else "gathers over the same ranks as plain ZeRO-3 and keeps a secondary copy besides"
+        )
+        raise ZeroFXError(
+            f"option secondary_shard=True on mesh {tuple(mesh.shape)}: the secondary partition is the inner "
+            f"(shard) dimension, {inner} rank(s) here, so hpZ {waste}; use a mesh whose two dimensions both "
+            "exceed 1 (nodes, ranks per node), or drop secondary_shard"
+        )
     if id(mesh) not in _FLAT_MESHES:  # the mesh itself is kept too, so its id is never reused
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -1105,6 +1118,32 @@ def _check_crossing(name: str, tp_mesh: DeviceMesh, mesh: DeviceMesh) -> None:
         )
 
 
+def _zero_grad_and_pending(self: nn.Module, set_to_none: bool = True) -> None:
+    """``nn.Module.zero_grad`` that also drops the gradients ``zerofx.no_sync`` holds for the
+    module's parameters, unreduced (zerofx/runtime/params.py, ``discard_pending``)."""
+    type(self).zero_grad(self, set_to_none)
+    discard_pending(self.parameters())
+
+
+def _refuse_hooked_parameters(model: nn.Module) -> None:
+    """Refuse parameters with gradient hooks (``register_hook``,
+    ``register_post_accumulate_grad_hook``) registered before sharding: each parameter becomes a
+    new one, which the hooks and their handles do not follow, so they would never run. Hooks
+    registered on ``model.parameters()`` afterwards run when the reduced gradient shard lands
+    (once per accumulation window)."""
+    hooked = [
+        name
+        for name, p in model.named_parameters()
+        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)
+    ]
+    if hooked:
+        raise ZeroFXError(
+            f"{some_names(hooked)}: gradient hooks registered before zerofx sharded the model would never run "
+            "(sharding gives each parameter a new tensor); register them on model.parameters() after "
+            "zerofx.compile / zerofx.shard"
+        )
+
+
 def _refuse_sharded_parts(model: nn.Module) -> None:
     """Refuse a model that holds zerofx-sharded parameters already: FSDP2's idiom of sharding
     each block and then the root (``fully_shard`` per block), or a block of a model zerofx has
@@ -1194,6 +1233,8 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     check_ranks_agree(model, [m for m in (mesh, tp_mesh) if m is not None], opts)
     if opts.secondary_shard:
         _flat_mesh(mesh)  # a 1-D mesh is an error here, before anything changes
+    if not (mesh.size() == 1 and opts.param_dtype is None and tp_mesh is None):  # (else nothing is sharded)
+        _refuse_hooked_parameters(model)
     full_precision = _full_precision_params(model, opts)
     _settle_hf_loss_functions(model)  # past every check: a call that raises leaves it alone
     runtime = ModelRuntime(stage=opts.stage, mesh=mesh, options=opts, local_step=opts.local_optimizer_step)
@@ -1230,6 +1271,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     _warn_few_rows(runtime.states)
     for module in model.modules():  # an instance attribute: containers hold no parameter to swap a class for
         module.get_parameter = types.MethodType(_get_parameter, module)
+        module.zero_grad = types.MethodType(_zero_grad_and_pending, module)
         if callable(getattr(type(module), "save_pretrained", None)):  # HF transformers' (and PEFT's)
             module.save_pretrained = types.MethodType(_save_pretrained_of_whole_tensors, module)
     if on_meta:

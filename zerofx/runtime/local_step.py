@@ -48,7 +48,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from zerofx.errors import ZeroFXError
-from zerofx.runtime.params import optimizer_state
+from zerofx.runtime.params import PENDING, discard_pending, optimizer_state, refuse_unreduced
 from zerofx.runtime.whole_step import Windows, check_steppable, stand_in, step_whole, whole_step_class
 
 __all__ = ["ELEMENTWISE", "install", "step_over_whole_tensors", "steps_locally"]
@@ -110,16 +110,34 @@ def _managed(p: torch.Tensor) -> bool:
     return state is not None and state.runtime.local_step
 
 
+def _drop_pending_on_zero_grad(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.zero_grad`` also drops what ``no_sync`` holds for its parameters (as DDP's
+    drops an abandoned window's local gradients), from the optimizer's first step on: before
+    it, ``model.zero_grad()`` does (zerofx/sharding.py)."""
+
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        type(self).zero_grad(self, set_to_none)
+        discard_pending(p for g in self.param_groups for p in g["params"])
+
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+
+
 def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple | None:
     if torch.compiler.is_compiling() or _is_stand_in(optimizer):
         return
+    if PENDING:  # a no_sync window left unreduced (rare: one look at the parameters only then)
+        refuse_unreduced([p for g in optimizer.param_groups for p in g["params"]])
     state = optimizer_state(optimizer)
     if state is not None:  # decided at its first step already (or zerofx.offload_optimizer took it)
+        if "zero_grad" not in optimizer.__dict__:  # (offload_optimizer made the state before any step)
+            _drop_pending_on_zero_grad(optimizer)
         if state.last_hook is not None:  # behind the step pre-hooks registered since (NOTE: the last pre-hook)
             optimizer._optimizer_step_pre_hooks.move_to_end(state.last_hook)
         return _refreshing_closure(optimizer, state, args, kwargs)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     ours = any(hasattr(p, "_zerofx_state") for p in params)
+    if ours and "zero_grad" not in optimizer.__dict__:
+        _drop_pending_on_zero_grad(optimizer)
     whole = ours and whole_step_class(optimizer) is not None
     adopt = type(optimizer) in ELEMENTWISE and any(_managed(p) for p in params)
     first_local = ours and _local_from_the_first(optimizer)

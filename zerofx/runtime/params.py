@@ -96,6 +96,7 @@ the graphs the DTensors.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -356,7 +357,22 @@ class ParamState:
     @torch.no_grad()
     def land(self, pending: torch.Tensor, reduced: torch.Tensor) -> None:
         """Add ``reduced`` (this rank's rows of the average of every rank's ``pending``) to the
-        parameter's gradient, or make it the gradient."""
+        parameter's gradient, or make it the gradient. The parameter's gradient hooks run here as
+        in ``_land_leaf_grad``: once per reduction (stage 1's end of backward, the end of a
+        ``no_sync`` window), on the reduced shard."""
+        param = self.param
+        if param._backward_hooks:  # Tensor.register_hook: they see the gradient before it accumulates
+            hooked = DTensor(reduced, param._spec, requires_grad=False)
+            for hook in list(param._backward_hooks.values()):
+                out = hook(hooked)
+                hooked = hooked if out is None else out
+            reduced = hooked.to_local() if isinstance(hooked, DTensor) else hooked
+        self._accumulate(pending, reduced)
+        if param._post_accumulate_grad_hooks:
+            for hook in list(param._post_accumulate_grad_hooks.values()):
+                hook(param)
+
+    def _accumulate(self, pending: torch.Tensor, reduced: torch.Tensor) -> None:
         grad = self.param.grad
         if grad is not None:
             grad.to_local().add_(reduced)
@@ -402,6 +418,7 @@ class ModelRuntime:
     def on_local_grad(self, sink: torch.Tensor) -> None:
         """Post-accumulate-grad hook of every sink: schedule the boundary reduce."""
         self.pending = True
+        PENDING.add(self)
         if self.sync and not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.reduce_pending)
@@ -414,6 +431,7 @@ class ModelRuntime:
             self.lockstep.pend_everywhere(self.states)
         eager_buckets.reduce_pending(self.states)
         self.pending = False
+        PENDING.discard(self)
 
     @property
     def whole_copies(self) -> list[ParamState]:
@@ -483,6 +501,48 @@ class OptimizerState:
     windows: Any = None  # how those steps walk their windows (whole_step.Windows; None: the default)
     first_local: bool = False  # its first step is still to run on local shards (local_step.py)
     last_hook: int | None = None  # the id of its step pre-hook that runs such steps (NOTE: the last pre-hook)
+
+
+# runtimes some of whose sinks hold gradients not reduced yet (inside, or left by, a no_sync window)
+PENDING: weakref.WeakSet[ModelRuntime] = weakref.WeakSet()
+
+
+def discard_pending(params: Any) -> None:
+    """Drop the unreduced gradients that ``zerofx.no_sync`` holds for ``params``: ``zero_grad``'s
+    part (of the model's modules, and of optimizers zerofx adopted), as DDP's ``zero_grad``
+    drops the local gradients of an abandoned accumulation window, which the next synced
+    backward would otherwise reduce with its own."""
+    touched = set()
+    for p in params:
+        state = getattr(p, "_zerofx_state", None)
+        if state is not None and state.sink.grad is not None:
+            state.sink.grad = None
+            touched.add(state.runtime)
+    for runtime in touched:
+        runtime.pending = any(s.sink.grad is not None for s in runtime.states)
+        if not runtime.pending:
+            PENDING.discard(runtime)
+
+
+def refuse_unreduced(params: list) -> None:
+    """An optimizer step over parameters whose last backward ran under ``no_sync`` and was never
+    reduced would step without those gradients (their ``.grad`` is not set until the reduction):
+    an error, on every rank alike (the window is the same on every rank)."""
+    if not PENDING:
+        return
+    waiting = [p._zerofx_state.qualname for p in params if _unreduced(p)]
+    if waiting:
+        raise ZeroFXError(
+            f"optimizer.step() over {some_names(waiting)}, whose gradients from a backward under zerofx.no_sync "
+            "(model.no_sync()) were never reduced: run the accumulation window's last backward outside no_sync "
+            "(it reduces the whole window's gradients) before stepping, or drop them with optimizer.zero_grad() "
+            "/ model.zero_grad()"
+        )
+
+
+def _unreduced(p: torch.Tensor) -> bool:
+    state = getattr(p, "_zerofx_state", None)
+    return state is not None and state.sink.grad is not None
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, create: bool = False) -> OptimizerState | None:
