@@ -269,3 +269,70 @@ def train_on_disk(rank: int, world: int, folder: str, cap_fraction: float, steps
     disk, ram = out["disk"], out["none"]
     out["param_error"] = max((p - q).abs().max().item() for p, q in zip(disk.pop("params"), ram.pop("params")))
     return out
+
+
+# -- step hooks around the disk tier's windows ---------------------------------------------------
+
+HOOKS_CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16)
+
+
+def train_with_step_hooks(mesh, folder: str, disk: bool, scheduler_first: bool, steps: int, events: list) -> dict:
+    """Train a small GPT on this rank with the optimizer's own and torch's global step pre- and
+    post-hooks recording, into ``events``, each call and how many parameters its groups hold;
+    ``disk``: the optimizer state in files under a cap that splits each step into windows (the
+    caller records the windows into ``events`` too). An LR scheduler halves the rate every step,
+    built before ``zerofx.offload_optimizer`` or after it."""
+    import warnings
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(HOOKS_CFG)
+    options = {"offload_optimizer": "disk", "offload_dir": folder, "host_memory_cap": 4096} if disk else {}
+    zerofx.compile(model, mesh, **options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler_first else None
+    if disk:
+        opt = zerofx.offload_optimizer(opt)
+    if sched is None:
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def record(kind):
+        def hook(o, args, kwargs):
+            if o is opt:
+                events.append((kind, sum(len(g["params"]) for g in o.param_groups)))
+
+        return hook
+
+    opt.register_step_pre_hook(record("pre"))
+    opt.register_step_post_hook(record("post"))
+    handles = [
+        register_optimizer_step_pre_hook(record("global pre")),
+        register_optimizer_step_post_hook(record("global post")),
+    ]
+    gen = torch.Generator().manual_seed(5)
+    losses, lrs = [], []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                x, y = random_batch(HOOKS_CFG, PER_RANK, gen)
+                loss = model(x, y)
+                loss.backward()
+                events.append(("step", None))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                sched.step()
+                losses.append(loss.item())
+                lrs.append(opt.param_groups[0]["lr"])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {
+        "losses": losses,
+        "lrs": lrs,
+        "n_params": len(list(model.parameters())),
+        "params": [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in model.parameters()],
+        "scheduler_warnings": [str(w.message) for w in caught if "lr_scheduler" in str(w.message)],
+    }

@@ -23,7 +23,7 @@ from torch import fx
 
 import zerofx
 from benchmarks import checkpoint_vs_torch as bench
-from tests.memory_scenarios import MODELS, POLICIES, train_on_disk, train_policies
+from tests.memory_scenarios import MODELS, POLICIES, train_on_disk, train_policies, train_with_step_hooks
 from tests.models import GPT_CFG
 from tests.multirank import run_ranks, scenario_results
 from zerofx import ZeroFXError
@@ -174,6 +174,42 @@ def test_state_beyond_the_host_cap_trains_from_disk_under_the_cap(tmp_path, monk
         assert ram["peak_rss_delta"] > cap  # in memory, the same training does not fit
         assert disk["state_tensors_on_disk"] > 0
         assert disk["losses"] == ram["losses"] and r["param_error"] == 0.0  # exact parity
+
+
+@pytest.mark.parametrize("scheduler_first", [False, True], ids=["scheduler_after", "scheduler_before"])
+def test_step_hooks_run_once_per_step_around_the_disk_windows(one_rank, tmp_path, monkeypatch, scheduler_first):
+    """The optimizer's step hooks (its own and torch's global ones) run once per step with every
+    parameter, the pre-hooks before the first window and the post-hooks after the last, as in
+    memory, not once per window over that window's parameters; an LR scheduler sees one step per
+    step; the results stay bitwise those of the step in memory."""
+    from zerofx.runtime import offload_store
+
+    park = offload_store._park
+
+    def parking(optimizer, params, *args, **kwargs):
+        events.append(("window", len(params)))
+        return park(optimizer, params, *args, **kwargs)
+
+    monkeypatch.setattr(offload_store, "_park", parking)
+    steps, runs = 3, {}
+    for disk in (False, True):
+        events = []
+        runs[disk] = train_with_step_hooks(one_rank, str(tmp_path), disk, scheduler_first, steps, events), events
+    (ram, ram_events), (disk, disk_events) = runs[False], runs[True]
+    n = disk["n_params"]
+    one_step = [("step", None), ("global pre", n), ("pre", n), ("post", n), ("global post", n)]
+    assert ram_events == one_step * steps
+    assert [e for e in disk_events if e[0] != "window"] == one_step * steps
+    # every step's windows (more than one) run between its pre-hooks and its post-hooks
+    kinds = [kind for kind, _ in disk_events]
+    for i in [i for i, kind in enumerate(kinds) if kind == "pre"]:
+        windows = kinds[i + 1 : kinds.index("post", i)]
+        assert len(windows) > 1 and set(windows) == {"window"}, kinds
+    assert sum(size for kind, size in disk_events if kind == "window") == n * steps
+    assert disk["lrs"] == ram["lrs"] == [1e-2 * 0.5 ** (i + 1) for i in range(steps)]
+    assert disk["scheduler_warnings"] == ram["scheduler_warnings"] == []
+    assert disk["losses"] == ram["losses"]
+    assert all(torch.equal(p, q) for p, q in zip(disk["params"], ram["params"]))
 
 
 def _holds_a_file_under(folder) -> bool:

@@ -486,7 +486,7 @@ class Options:
             ``zerofx.compile`` (or the backend) before anything is traced, so a bad path fails
             there, not mid-step. Defaults to a ``zerofx-offload`` folder in the system temp folder.
         host_memory_cap: bytes of host memory model state may use; sizes the optimizer's
-            streaming window (a quarter of the cap) and decides ``offload_optimizer="auto"``.
+            streaming window (an eighth of the cap) and decides ``offload_optimizer="auto"``.
 
     The options in ``LAYOUT_OPTIONS`` shape the parameters, so they take effect where the model
     is sharded (``zerofx.compile`` or ``zerofx.shard``); the backend rejects them.

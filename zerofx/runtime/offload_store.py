@@ -37,7 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.layout import pack_consecutive
 from zerofx.ir.offload_ops import default_offload_dir, new_file, paged_storages
-from zerofx.runtime.local_step import step_over_whole_tensors
+from zerofx.runtime.local_step import _class_step, step_over_whole_tensors
 from zerofx.runtime.params import optimizer_state, runtime_of
 from zerofx.runtime.whole_step import Windows, whole_step_class
 
@@ -253,7 +253,8 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
 
     An optimizer whose per-parameter state is elementwise (Adam, AdamW, SGD with momentum, ...)
     steps each window by its own ``step`` with its parameter groups narrowed to that window, so
-    the arithmetic is the optimizer's, unchanged. One that steps over whole tensors (Adafactor,
+    the arithmetic is the optimizer's, unchanged; its step hooks (its own, torch's global ones)
+    run once per step around the windows, with the whole groups. One that steps over whole tensors (Adafactor,
     Muon: zerofx/runtime/whole_step.py) steps its own windows of whole tensors, at most the
     window's bytes at a time; after each, the state shaped like the parameters (sharded: Muon's
     momentum, an unfactored variance) goes back to the tier, while the small state every rank
@@ -283,11 +284,10 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         )
         state.offload = (tier, store, window)
         return optimizer
-    class_step: Callable = type(optimizer).step
     state.offload = (tier, store, window)
     state.local_step = False  # windows step through DTensor (zerofx/runtime/local_step.py)
 
-    def streamed_step(self: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
+    def windows_step(self: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -304,13 +304,28 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
                 for g, ps in zip(self.param_groups, full):
                     g["params"] = [p for p in ps if p in members]
                 _swap_in(self, win, tier)
-                class_step(self)
+                _class_step(self)(self)  # without torch's hooks: they run once per step (NOTE below)
                 _park(self, win, tier, store)
         finally:
             for g, ps in zip(self.param_groups, full):
                 g["params"] = ps
         return loss
 
+    # NOTE: step hooks around the windows
+    # The step pre- and post-hooks (the optimizer's own and torch's global ones, zerofx's among
+    # them: the adopting pre-hook, the refresh of whole copies after the step) run once per step,
+    # around all the windows, with the whole parameter groups, by torch's own wrapper, as they run
+    # around an optimizer's step in memory; each window runs the class's step without them.
+    hooked_step = torch.optim.Optimizer.profile_hook_step(windows_step)
+    after_scheduler = getattr(optimizer.step, "_wrapped_by_lr_sched", False)
+
+    def streamed_step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if after_scheduler:
+            self._opt_called = True  # what the scheduler's wrapper this step replaces recorded
+        return hooked_step(self, *args, **kwargs)
+
+    if after_scheduler:  # an LR scheduler built before wrapped the step this one replaces: keep its mark
+        streamed_step._wrapped_by_lr_sched = True
     optimizer.step = types.MethodType(streamed_step, optimizer)
     return optimizer
 
