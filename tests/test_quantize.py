@@ -146,6 +146,7 @@ def test_triton_kernels_write_the_bytes_aten_writes(bits, rows, numel, block, dt
     [
         (dict(quantize_grads="int4", quantize_block=255), "quantize_block=255"),
         (dict(quantize_weights="int8", stage=2), "quantize_weights='int8'"),
+        (dict(quantize_grads="int8", stage=1), "quantize_grads='int8'"),
         (dict(quantize_weights="int8", stage=1), "quantize_weights='int8'"),
         (dict(quantize_weights="fp8", stage=2), "quantize_weights='fp8'"),
         (dict(quantize_weights="int4"), "quantize_weights='int4'"),

@@ -241,3 +241,9 @@ def test_hpz_checkpoints_load_into_hpz_hybrid_and_flat_zero3(tmp_path):
         assert rank["hpz"] == rank["flat"] == rank["saved"]
         assert rank["hybrid"][0] == rank["saved"][0]
         assert rank["hybrid"] == pytest.approx(rank["saved"], rel=1e-5)
+
+
+def test_a_no_sync_window_says_once_that_its_reduction_is_not_quantized(runs):
+    for rank in runs(2):
+        (warning,) = rank["no_sync_warnings"]
+        assert "the reduction closing a no_sync window runs after the backward, unquantized" in warning

@@ -79,6 +79,25 @@ def _secondary_shard_error(mesh, **options) -> str:
     return ""
 
 
+def _no_sync_warnings(mesh) -> list[str]:
+    """The warnings of a no_sync window closed with quantize_grads on: its reduction, after the
+    backward, is not quantized, which the user is told once."""
+    import warnings
+
+    torch._dynamo.reset()
+    model = CASES["mlp"].build()
+    zerofx.compile(model, mesh, quantize_grads="int8")
+    x, y = CASES["mlp"].batch(PER_RANK, torch.Generator().manual_seed(3))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with zerofx.no_sync(model):
+                model(x, y).backward()
+            model(x, y).backward()
+    torch._dynamo.reset()
+    return [str(w.message) for w in seen if "quantize_grads" in str(w.message)]
+
+
 def executors(rank: int, world: int) -> dict:
     """The MLP with int8 weights and int4 gradients on the "aten" and "triton" executors (Triton's
     interpreter on CPU): the losses of 3 steps, and how often the Triton quantize kernels ran."""
@@ -191,6 +210,8 @@ def run(rank: int, world: int) -> dict:
         mesh, scenarios = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), W4
     # a 1-D mesh has no inner dimension; on the 2x2 mesh, stages 1 and 2 gather nothing to keep
     results = {"secondary_shard_error": _secondary_shard_error(mesh, **({} if world == 2 else {"stage": 2}))}
+    if world == 2:
+        results["no_sync_warnings"] = _no_sync_warnings(mesh)
     if world == 4:  # a dimension of one rank: hpZ would only cost (memory, or a second copy)
         for shape in ((1, 4), (4, 1)):
             flat = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))

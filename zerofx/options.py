@@ -520,6 +520,12 @@ class Options:
                 f"stage 3; stage {self.layout.stage} keeps whole parameters and gathers none in its graphs "
                 "(use stage=3, or drop quantize_weights)"
             )
+        if self.comm.quantize_grads is not None and self.layout.stage == 1:
+            raise ZeroFXError(
+                f"option quantize_grads={self.comm.quantize_grads!r} quantizes the gradient reduce-scatters inside "
+                "the backward graphs of stages 2 and 3; stage 1 reduces once, after the backward, unquantized "
+                "(use stage=2 or 3, or drop quantize_grads)"
+            )
 
     def non_default_layout(self) -> list[str]:
         """The layout options (``LAYOUT_OPTIONS``) set to something other than their default."""

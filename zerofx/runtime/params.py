@@ -96,6 +96,7 @@ the graphs the DTensors.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -413,6 +414,7 @@ class ModelRuntime:
     unloaded: set = field(default_factory=set)  # built on meta: names not loaded yet (zerofx/sharding.py)
     unloaded_hook: Any = None  # the forward pre-hook that refuses to run while ``unloaded``
     hash_checked: bool = False  # uncompiled forwards compare shard hashes (NOTE: stale whole copies)
+    warned_unquantized: bool = False  # said once that no_sync's reduction ignores quantize_grads
     lockstep: Any = None  # the lockstep checks' groups (zerofx/runtime/lockstep.py); None: one rank, fake groups
 
     def on_local_grad(self, sink: torch.Tensor) -> None:
@@ -429,6 +431,14 @@ class ModelRuntime:
         self._callback_queued = False
         if self.lockstep is not None:  # a parameter some rank did not use this time gets zeros there
             self.lockstep.pend_everywhere(self.states)
+        if self.states and getattr(self.options, "quantize_grads", None) and not self.warned_unquantized:
+            self.warned_unquantized = True
+            warnings.warn(
+                f"zerofx: quantize_grads={self.options.quantize_grads!r} quantizes the reduce-scatters inside the "
+                "backward graphs; the reduction closing a no_sync window runs after the backward, unquantized "
+                "(fp32 bytes for every accumulated gradient)",
+                stacklevel=2,
+            )
         eager_buckets.reduce_pending(self.states)
         self.pending = False
         PENDING.discard(self)
