@@ -70,17 +70,25 @@ from torch._functorch.compile_utils import fx_graph_cse
 from torch._functorch.partitioners import NodeInfo, classify_nodes
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerofx.errors import ZeroFXError
+from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.markers import UNSHARD
 from zerofx.ir.meta import AC_REGION, ACTIVATION_PLAN, OFFLOAD_TIER, RECOMPUTE, ROLE
-from zerofx.options import MemoryPolicy
+from zerofx.options import MemoryPolicy, closest
 from zerofx.passes.activation_plan import ActivationPlan, PlanProblem, cannot_recompute, plan_activations
 from zerofx.passes.contract import Pass, PassContext
 from zerofx.passes.cost_model import is_alias, node_bytes
 from zerofx.passes.graph import positions
 from zerofx.passes.modules import block_of, module_path
 
-__all__ = ["checkpoint_pass", "partition_by_plan", "module_path", "wants_plan", "format_bytes", "format_flops"]
+__all__ = [
+    "checkpoint_pass",
+    "partition_by_plan",
+    "module_path",
+    "wants_plan",
+    "format_bytes",
+    "format_flops",
+    "check_module_patterns",
+]
 
 
 def format_bytes(n: float) -> str:
@@ -122,6 +130,24 @@ def _op_matches(node: fx.Node, names: tuple[str, ...]) -> bool:
     packet = f"{target.namespace}.{target._schema.name.split('::')[-1]}"
     spelled = {str(target), packet, packet.split(".", 1)[1]}
     return any(name in spelled for name in names)
+
+
+def check_module_patterns(patterns: tuple[str, ...], model: torch.nn.Module) -> None:
+    """Refuse ``checkpoint_modules`` patterns that match no module of ``model``: ``_regions``
+    matches them against the module paths in each graph, where a misspelt pattern matches
+    nothing and checkpoints nothing, silently. Checked on the whole model where it is compiled
+    (a frame after a graph break holds only some modules, so no one graph can tell)."""
+    names = [name for name, _ in model.named_modules(remove_duplicate=False)]
+    missing = [pat for pat in patterns if not any(fnmatch.fnmatchcase(name, pat) for name in names)]
+    if not missing:
+        return
+    shallow_first = sorted((name for name in names if name), key=lambda name: name.count("."))
+    hints = ", nor ".join(f"{pat!r}{closest(pat, names)}" for pat in missing)
+    raise ZeroFXError(
+        f"option checkpoint_modules: no module of {type(model).__name__} matches {hints}; patterns are "
+        f"fnmatch patterns of the names in model.named_modules(), here {some_names(shallow_first, shown=6)}: "
+        "fix or drop the pattern"
+    )
 
 
 def _regions(fw_nodes: list[fx.Node], options: MemoryPolicy) -> dict[fx.Node, str]:

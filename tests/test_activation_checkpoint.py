@@ -344,6 +344,51 @@ def test_bad_memory_options_are_clear_errors(options, message):
         zerofx.Options(**options)
 
 
+def test_checkpoint_module_patterns_that_match_no_module_are_errors_at_compile(one_rank):
+    """A misspelt ``checkpoint_modules`` pattern used to checkpoint nothing, silently: it is an
+    error naming it, the closest module name and some of the model's, before the model is
+    sharded; explain checks the same."""
+    model = GPT(GPT_CFG)
+    message = r"checkpoint_modules: no module of GPT matches 'block\.\*' \(did you mean 'blocks\.\d'\?\), nor 'hed'"
+    with pytest.raises(ZeroFXError, match=message) as info:
+        zerofx.compile(model, one_rank, checkpoint_modules=("blocks.*", "block.*", "hed"))
+    assert "'hed' (did you mean 'lm_head'?)" in str(info.value)
+    assert "here wte, wpe, blocks, ln_f, lm_head, blocks.0 and" in str(info.value)
+    assert runtime_of(model) is None  # refused before sharding
+    with pytest.raises(ZeroFXError, match="no module of GPT matches 'nomatch'"):
+        zerofx.explain(model, *random_batch(GPT_CFG, 2, torch.Generator()), checkpoint_modules=("nomatch",))
+    torch._dynamo.reset()
+
+
+def test_plan_checks_checkpoint_module_patterns_against_the_model_it_plans(tmp_path):
+    """``zerofx plan --checkpoint-modules`` fails on a pattern matching no module (exit 1, the
+    message); planned by depth from shallower traces, a pattern naming a deeper block passes.
+    In subprocesses: the planner refuses to run beside this module's process group."""
+    import subprocess
+    import sys
+
+    (tmp_path / "mymodels.py").write_text(
+        "from zerofx.models import GPT, GPTConfig\n"
+        "def build(layers=2):\n"
+        "    return GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=layers, n_head=2, d_model=16))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "zerofx.cli", "plan", "mymodels:build", "--mesh", "2", "--device", "cpu",
+         "--checkpoint-modules", "blocks.*,nomatch.*"],
+        capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+    )  # fmt: skip
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "zerofx plan: option checkpoint_modules: no module of GPT matches 'nomatch.*'" in run.stderr, run.stderr
+    deep = (
+        "import zerofx, mymodels\n"
+        "p = zerofx.plan(mymodels.build, (2,), device='cpu', depth_kwarg='layers', factory_kwargs={'layers': 5},\n"
+        "                checkpoint_modules=('blocks.4',))\n"
+        "print('traced', p.traced_depths)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", deep], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert run.returncode == 0 and "traced (3, 4)" in run.stdout, run.stderr[-2000:]
+
+
 def test_unwritable_offload_dir_fails_at_compile(one_rank, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

@@ -754,3 +754,49 @@ def test_explain_backpropagates_the_loss_of_dict_and_tuple_outputs_with_keyword_
     quiet = zerofx.explain(model, torch.randn(2, 4), example_kwargs={"target": torch.randn(2, 3)}, backward=False)
     assert "_forward:" in quiet and "_backward:" not in quiet
     torch._dynamo.reset()
+
+
+def test_explain_reports_every_frame_of_a_compiled_model_with_a_graph_break(one_rank):
+    """A model compiled by zerofx.compile runs each frame through its own backend, which has no
+    recorder: explain runs the model's plain call under its own, so the report has both frames
+    of a graph break, and the model keeps its compiled call. A model dynamo runs wholly eagerly
+    compiles no graph: an error saying so, not an empty report."""
+    torch.manual_seed(0)
+    model = zerofx.compile(GraphBreakNet(), one_rank)
+    own_call = model._compiled_call_impl
+    x, y = torch.randn(3, 12), torch.randn(3, 4)
+    report = zerofx.explain(model, x, y)
+    frames = {line.split("_")[0] for line in report.splitlines() if line.startswith("frame")}
+    assert len(frames) == 2, report
+    for frame in frames:
+        assert f"{frame}_forward:" in report and f"{frame}_backward:" in report, report
+    assert model._compiled_call_impl is own_call
+    assert all(p.grad is None for p in model.parameters())
+    model(x, y).backward()  # still trains through its own compiled call
+
+    class Eager(nn.Module):
+        @torch._dynamo.disable
+        def forward(self, x):
+            return x * 2
+
+    with pytest.raises(ZeroFXError, match="zerofx.explain: no graph of Eager was compiled.*TORCH_LOGS"):
+        zerofx.explain(Eager(), torch.randn(2))
+    torch._dynamo.reset()
+
+
+def test_explain_refuses_layout_options_that_differ_from_the_sharding(one_rank):
+    """explain compiles the model as it is sharded: a layout option it would ignore is an error
+    naming it; the sharding's own value passes."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    zerofx.shard(model, one_rank, stage=3)
+    x = torch.randn(2, 4)
+    with pytest.raises(ZeroFXError, match=r"option stage=1 differs from the one the model was sharded with \(3\)"):
+        zerofx.explain(model, x, stage=1, param_dtype=torch.bfloat16)
+    with pytest.raises(ZeroFXError, match=r"option param_dtype=torch.bfloat16 differs .* \(None\)"):
+        zerofx.explain(model, x, param_dtype=torch.bfloat16)
+    assert "_forward:" in zerofx.explain(model, x, stage=3)
+    with pytest.raises(
+        ZeroFXError, match=r"option stage=2 is decided when parameters are sharded and this model is not"
+    ):
+        zerofx.explain(nn.Linear(4, 1), x, stage=2)
+    torch._dynamo.reset()

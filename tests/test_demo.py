@@ -89,3 +89,25 @@ def test_plot_without_matplotlib_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(SystemExit, match=r"pip install 'zerofx\[plots\]'"):
         main(["demo", "--plot", "somewhere"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch", "0"], "--batch 0: each of --world-size, --steps, --batch, --seq-len, --layers, --d-model"),
+        (["--batch", "-1"], "--batch -1: each of"),
+        (["--seq-len", "0"], "--seq-len 0: each of"),
+        (["--layers", "0"], "--layers 0: each of"),
+        (["--d-model", "0"], "--d-model 0: each of"),
+        (["--steps", "0", "--world-size", "0"], "--world-size 0, --steps 0: each of"),
+        (["--d-model", "7"], "--d-model 7: the demo's GPT splits it over 4 attention heads, so give a multiple of 4"),
+    ],
+)
+def test_bad_sizes_are_argument_errors_before_any_rank_starts(args, message, capsys, monkeypatch):
+    import zerofx.cli
+
+    monkeypatch.setattr(zerofx.cli, "run_demo", lambda cfg: pytest.fail("the demo started"))
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *args])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -18,6 +18,7 @@ from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError, some_names
 from zerofx.layer_checkpointing import take_over
 from zerofx.options import LAYOUT_OPTIONS, Options
+from zerofx.passes.checkpoint import check_module_patterns
 from zerofx.passes.modules import module_path
 from zerofx.runtime.offload_store import place_model_state, resolve_offload_dir
 from zerofx.runtime.params import runtime_of
@@ -76,9 +77,11 @@ def _compile(
     *,
     cost: Any = None,
     keep_graphs: bool = False,
+    check_patterns: bool = True,
 ) -> nn.Module:
     """``compile``'s body; ``zerofx.plan`` also passes the cost model its decisions are priced
-    with and asks the backend to keep the final graphs."""
+    with and asks the backend to keep the final graphs, and checks ``checkpoint_modules`` itself
+    on the models it traces with fewer blocks than the one it plans."""
     training: dict[str, Any] = {}
     if config is not None:
         from zerofx.ds_config import from_deepspeed, hidden_size_of, merge_with_keywords
@@ -92,6 +95,8 @@ def _compile(
     opts = resolve_offload_dir(opts)  # before sharding: a bad folder fails with the model untouched
     if not isinstance(model, nn.Module):
         raise ZeroFXError(f"zerofx.compile takes an nn.Module, got {type(model).__name__}")
+    if check_patterns:  # the user's patterns: take_over adds only paths of the model's own modules
+        check_module_patterns(opts.checkpoint_modules, model)
     opts, checkpointing = take_over(model, opts)  # NOTE: a model's own layer checkpointing
     if is_sharded(model):
         runtime = runtime_of(model)
@@ -215,10 +220,17 @@ def explain(
     the first tensor in the output that requires grad (summed unless a scalar); with none, no
     backward. Gradients it produces are cleared again. On a sharded model this is a collective:
     every rank calls it. Returns the report it printed.
+
+    Layout options (``zerofx.options.LAYOUT_OPTIONS``: stage, dtypes, ...) were fixed when the
+    model was sharded: one that differs from the sharding's is an error. A model (or submodule)
+    compiled by ``zerofx.compile`` is compiled again here, every frame of it with this report's
+    recorder; its own compiled call is left as it was.
     """
     opts = Options.from_kwargs(**options)
-    recorder = Recorder(dump_dir=opts.dump_dir)
     runtime = runtime_of(model)
+    _check_explain_layout(options, opts, runtime)
+    check_module_patterns(opts.checkpoint_modules, model)
+    recorder = Recorder(dump_dir=opts.dump_dir)
     if runtime is not None and runtime.state_report:
         recorder.note("model", "state", runtime.state_report)
     if runtime is not None and runtime.checkpoint_report:
@@ -235,17 +247,59 @@ def explain(
     def run(*args: Any, **kwargs: Any) -> Any:
         return model(*args, **kwargs)
 
-    compiled = torch.compile(run, backend=make_backend(opts, recorder))
+    compiled = torch.compile(_enter(run), backend=make_backend(opts, recorder))
     had_grad = {p: p.grad for p in model.parameters()}
-    out = compiled(*example_inputs, **(example_kwargs or {}))
-    loss = loss_of(out) if backward else None
-    if loss is not None:
-        loss.backward()
-    for p, g in had_grad.items():
-        p.grad = g
+    # NOTE: a compiled model's own frames. A module's compiled call (``_compiled_call_impl``, set
+    # by zerofx.compile) runs under its own backend, which has no recorder: at a graph break
+    # dynamo resumes the frames after it there, and the report would miss them (or every frame,
+    # when dynamo does not inline the call at all). So explain runs the modules' plain calls.
+    own_calls = {
+        m: m.__dict__["_compiled_call_impl"]
+        for m in model.modules()
+        if m.__dict__.get("_compiled_call_impl") is not None
+    }
+    try:
+        for m in own_calls:
+            m._compiled_call_impl = None
+        out = compiled(*example_inputs, **(example_kwargs or {}))
+        loss = loss_of(out) if backward else None
+        if loss is not None:
+            loss.backward()
+    finally:
+        for m, call in own_calls.items():
+            m._compiled_call_impl = call
+        for p, g in had_grad.items():
+            p.grad = g
+    if not recorder.records:
+        raise ZeroFXError(
+            f"zerofx.explain: no graph of {type(model).__name__} was compiled, so there is nothing to report: "
+            "dynamo ran the whole forward eagerly (a recompile limit reached, or torch._dynamo.disable on it). "
+            "Run with TORCH_LOGS=recompiles,graph_breaks to see why, or call torch._dynamo.reset() before explain"
+        )
     report = recorder.summary()
     print(report)
     return report
+
+
+def _check_explain_layout(given: dict[str, Any], opts: Options, runtime: Any) -> None:
+    """explain compiles the model as it is sharded: a layout option it is given (stage, dtypes,
+    ...) that differs from the sharding's would be silently ignored, so it is an error."""
+    if runtime is None:
+        differ = opts.non_default_layout()
+        if differ:
+            raise ZeroFXError(
+                f"zerofx.explain: option {differ[0]}={getattr(opts, differ[0])!r} is decided when parameters are "
+                f"sharded and this model is not: pass it to zerofx.compile(model, mesh, {differ[0]}=...) "
+                "(or zerofx.shard) first, then explain the model without it"
+            )
+        return
+    differ = [n for n in LAYOUT_OPTIONS if n in given and getattr(opts, n) != getattr(runtime.options, n)]
+    if differ:
+        raise ZeroFXError(
+            f"zerofx.explain: option {differ[0]}={getattr(opts, differ[0])!r} differs from the one the model was "
+            f"sharded with ({getattr(runtime.options, differ[0])!r}); it is decided when parameters are sharded: "
+            f"drop it, or shard a fresh model with zerofx.compile(model, mesh, {differ[0]}=...) and explain that"
+        )
 
 
 def loss_of(out: Any) -> torch.Tensor | None:

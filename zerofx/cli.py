@@ -82,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "demo":
-        if args.world_size < 1 or args.steps < 1:
-            parser.error("--world-size and --steps must be at least 1")
+        _check_demo_sizes(parser, args, d.heads)
         cfg = DemoConfig(
             world_size=args.world_size,
             steps=args.steps,
@@ -176,6 +175,27 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for MODULE:FUNCTION")
     plan.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
     plan.add_argument("--plot", dest="plot_path", default=None, help="draw the step's memory timeline (PNG)")
+
+
+def _check_demo_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, heads: int) -> None:
+    """Every size of the demo's run and model checked before any rank starts (a bad one would
+    fail inside every rank, deep in a trace)."""
+    sizes = {
+        "--world-size": args.world_size,
+        "--steps": args.steps,
+        "--batch": args.batch,
+        "--seq-len": args.seq_len,
+        "--layers": args.layers,
+        "--d-model": args.d_model,
+    }
+    bad = [f"{flag} {value}" for flag, value in sizes.items() if value < 1]
+    if bad:
+        parser.error(f"{', '.join(bad)}: each of {', '.join(sizes)} must be at least 1")
+    if args.d_model % heads:
+        parser.error(
+            f"--d-model {args.d_model}: the demo's GPT splits it over {heads} attention heads, so give a "
+            f"multiple of {heads} (e.g. {-(-args.d_model // heads) * heads})"
+        )
 
 
 def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -668,6 +668,7 @@ def plan(
     )  # fmt: skip
     depth = _depth(model_fn, factory_kwargs, depth_kwarg)
     if depth is not None and not exact and depth[1] > TRACED_DEPTHS[1]:
+        _check_module_patterns(request)  # the traces have fewer blocks than the model they stand for
         result = _plan_by_depth(request, model_fn, factory_kwargs, *depth)
     else:
         result = _plan_once(request)
@@ -728,11 +729,26 @@ def _affine(v2: Any, v3: Any, steps: int) -> Any:
     return int(out) if isinstance(v2, int) and isinstance(v3, int) else out
 
 
+def _check_module_patterns(req: _Request) -> None:
+    """``checkpoint_modules`` patterns are checked against the model at its own depth, built once
+    under a ``FakeTensorMode``: the shallower models traced for it lack its deeper blocks
+    (``blocks.40``), so ``zerofx.compile``'s own check is skipped on those traces."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerofx.options import Options
+    from zerofx.passes.checkpoint import check_module_patterns
+
+    patterns = Options.from_kwargs(**req.options).checkpoint_modules
+    if patterns:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            check_module_patterns(patterns, _build(req.factory, req.name))
+
+
 def _plan_by_depth(request: _Request, model_fn: Any, kwargs: dict | None, key: str, depth: int) -> Plan:
     plans = []
     for blocks in TRACED_DEPTHS:
         factory = load_factory(model_fn, {**(kwargs or {}), key: blocks})
-        plans.append(_plan_once(dataclasses.replace(request, factory=factory)))
+        plans.append(_plan_once(dataclasses.replace(request, factory=factory, shallow=True)))
     p2, p3 = plans  # the shallower and the deeper trace
     steps = depth - TRACED_DEPTHS[0]
     bindings = {}
@@ -815,6 +831,7 @@ class _Request:
     options: dict[str, Any]
     tensor_parallel: int = 1  # > 1: mesh_shape is (dp, tp) or (replicate, shard, tp)
     tp_plan: Callable | None = None
+    shallow: bool = False  # a model with fewer blocks than the one planned (NOTE: planning by depth)
 
 
 def _plan_once(req: _Request) -> Plan:
@@ -835,6 +852,19 @@ def _plan_once(req: _Request) -> Plan:
         mesh = init_device_mesh("cpu", req.mesh_shape, mesh_dim_names=dims)  # real tensors: outside the fake mode
         with FakeTensorMode(allow_non_fake_inputs=True):
             return _trace_step(dataclasses.replace(req, options=options), mesh, dims)
+
+
+def _build(factory: Callable[[], nn.Module], name: str) -> nn.Module:
+    """``factory()``, its failure or a result that is no module being one clear error."""
+    try:
+        model = factory()
+    except ZeroFXError:
+        raise
+    except Exception as e:
+        raise ZeroFXError(f"the model factory {name!r} raised {type(e).__name__}: {e}") from e
+    if not isinstance(model, nn.Module):
+        raise ZeroFXError(f"the model factory {name!r} returned a {type(model).__name__}, not an nn.Module")
+    return model
 
 
 def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
@@ -858,14 +888,7 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     )
     rates, memory, symbolic, options = req.rates, req.memory, req.symbolic, req.options
     world = math.prod(mesh_shape)
-    try:
-        model = factory()
-    except ZeroFXError:
-        raise
-    except Exception as e:
-        raise ZeroFXError(f"the model factory {name!r} raised {type(e).__name__}: {e}") from e
-    if not isinstance(model, nn.Module):
-        raise ZeroFXError(f"the model factory {name!r} returned a {type(model).__name__}, not an nn.Module")
+    model = _build(factory, name)
     parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     limit = _max_positions(model)
     seq = seq or limit or 1024
@@ -882,7 +905,7 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
         dp_mesh = mesh["shard"] if len(dims) == 2 else mesh["replicate", "shard"]
     else:
         dp_mesh = mesh["shard"] if len(dims) == 1 else mesh
-    _compile(model, dp_mesh, None, options, cost=decide, keep_graphs=True)
+    _compile(model, dp_mesh, None, options, cost=decide, keep_graphs=True, check_patterns=not req.shallow)
     opt = _make_optimizer(list(model.parameters()), req.optimizer, foreach=device != "cpu")
     hints = (max(batch, 2), max(seq, 3)) if symbolic else (batch, seq)
     args, kwargs = _split(inputs_fn(*hints))
