@@ -245,6 +245,32 @@ def test_disk_store_gives_its_files_back_when_the_tensors_die(tmp_path):
     assert not _holds_a_file_under(tmp_path)
 
 
+def test_a_deleted_model_frees_its_shards_and_offload_files(one_rank, tmp_path):
+    """Deleting a compiled model and its optimizer frees the model's runtime, its shards and its
+    offload files (docs/memory.md), before the process exits. Hooks bound to the runtime on
+    tensors it holds used to keep all of it alive: a hook sits in the tensor's C++ hook list,
+    where Python's cycle collector cannot see the cycle."""
+    import weakref
+
+    from zerofx.runtime.params import runtime_of
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=16))
+    zerofx.compile(model, one_rank, param_dtype=torch.bfloat16, offload_optimizer="disk", offload_dir=str(tmp_path))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = random_batch(model.cfg, 2, torch.Generator().manual_seed(0))
+    model(x, y).backward()
+    opt.step()
+    assert _holds_a_file_under(tmp_path)
+    gone = [weakref.ref(model), weakref.ref(runtime_of(model)), weakref.ref(next(model.parameters())._local_tensor)]
+    del model, opt
+    gc.collect()
+    torch._dynamo.reset()
+    gc.collect()
+    assert [ref() is None for ref in gone] == [True, True, True]
+    assert not _holds_a_file_under(tmp_path)
+
+
 def test_a_full_offload_disk_is_an_error_naming_the_folder_not_a_crash(tmp_path, monkeypatch):
     """Files are allocated when created: a disk without room for one is a ZeroFXError there,
     leaving no file behind, instead of a sparse file whose first write through its memory map

@@ -66,6 +66,7 @@ from zerofx.runtime.params import (
     discard_pending,
     runtime_of,
     track,
+    weak_hook,
 )
 
 log = logging.getLogger(__name__)
@@ -398,7 +399,7 @@ def _deepcopy_keeping_views(self: nn.Module, memo: dict) -> nn.Module:
             continue
         if not getattr(twin.sink, "_post_accumulate_grad_hooks", None):
             # torch copies no tensor hooks: without this the copy's gradients would stay pending
-            twin.sink.register_post_accumulate_grad_hook(twin.runtime.on_local_grad)
+            twin.sink.register_post_accumulate_grad_hook(weak_hook(twin.runtime.on_local_grad))
         if state.leaf is not None:
             twin.make_leaf()
         if twin.full is not None:  # new tensors, new version counters: in step if the original was
@@ -587,7 +588,7 @@ def _make_state(
     # accumulates local gradients as the others do (a stride-0 view of one element: no memory)
     sink = torch.empty_strided(param.shape, (0,) * param.dim(), dtype=reduce, device=device)
     sink.zero_().requires_grad_()
-    sink.register_post_accumulate_grad_hook(runtime.on_local_grad)
+    sink.register_post_accumulate_grad_hook(weak_hook(runtime.on_local_grad))
     state = ParamState(
         qualname,
         new_param,

@@ -174,7 +174,7 @@ class ParamState:
         wherever the shard's storage is re-pointed (disk offload's ``set_``, a deep copy)."""
         leaf = self.param._local_tensor.detach().requires_grad_()
         leaf._zerofx_state = self
-        leaf.register_post_accumulate_grad_hook(self._land_leaf_grad)
+        leaf.register_post_accumulate_grad_hook(weak_hook(self._land_leaf_grad))
         self.leaf = leaf
 
     def _land_leaf_grad(self, leaf: torch.Tensor) -> None:
@@ -511,6 +511,20 @@ class OptimizerState:
     windows: Any = None  # how those steps walk their windows (whole_step.Windows; None: the default)
     first_local: bool = False  # its first step is still to run on local shards (local_step.py)
     last_hook: int | None = None  # the id of its step pre-hook that runs such steps (NOTE: the last pre-hook)
+
+
+def weak_hook(method: Any) -> Any:
+    """A tensor hook calling ``method`` through a weak reference to its object. A hook lives in
+    the tensor's C++ hook list, which Python's cycle collector cannot see into: a bound method of
+    an object that holds the tensor (a ParamState and its leaf, a ModelRuntime and its sinks)
+    would keep both alive forever, with the model's shards and its offload files."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return hook
 
 
 # runtimes some of whose sinks hold gradients not reduced yet (inside, or left by, a no_sync window)
