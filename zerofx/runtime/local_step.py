@@ -125,7 +125,10 @@ def _drop_pending_on_zero_grad(optimizer: torch.optim.Optimizer) -> None:
 def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple | None:
     if torch.compiler.is_compiling() or _is_stand_in(optimizer):
         return
-    if PENDING:  # a no_sync window left unreduced (rare: one look at the parameters only then)
+    # a no_sync window left unreduced (rare: one look at the parameters only then); a closure
+    # (Lightning's automatic optimization) runs the window's last backward inside the step
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if PENDING and closure is None:
         refuse_unreduced([p for g in optimizer.param_groups for p in g["params"]])
     state = optimizer_state(optimizer)
     if state is not None:  # decided at its first step already (or zerofx.offload_optimizer took it)
