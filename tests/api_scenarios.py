@@ -490,13 +490,15 @@ def accumulation_windows(rank: int, mesh) -> dict:
             model.zero_grad()
         torch._dynamo.reset()
         out[f"stage{stage}"] = {"dropped": dropped, "refused": refused, "hooked": hooked}
-    early = nn.Linear(8, 4)
-    early.weight.register_hook(lambda g: g)
-    try:
-        zerofx.compile(early, mesh)
-        out["hooked_before"] = "no error"
-    except zerofx.ZeroFXError as e:
-        out["hooked_before"] = str(e)
+    for label, hooked in (("hooked_before", True), ("hooked_on_rank0", rank == 0)):  # (wandb.watch on rank 0)
+        early = nn.Linear(8, 4)
+        if hooked:
+            early.weight.register_hook(lambda g: g)
+        try:
+            zerofx.compile(early, mesh)
+            out[label] = "no error"
+        except zerofx.ZeroFXError as e:
+            out[label] = str(e)
     return out
 
 

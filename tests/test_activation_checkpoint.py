@@ -412,6 +412,15 @@ def test_offload_optimizer_needs_a_model_compiled_for_it(one_rank):
     torch._dynamo.reset()
 
 
+def test_offload_optimizer_refuses_fused_kernels_without_a_dtensor_strategy(one_rank, tmp_path):
+    model = zerofx.compile(GraphBreakNet(), one_rank, offload_optimizer="disk", offload_dir=str(tmp_path))
+    for make in (lambda ps: torch.optim.SGD(ps, lr=0.1, fused=True), lambda ps: torch.optim.Adagrad(ps, fused=True)):
+        with pytest.raises(ZeroFXError, match=r"\(fused=True\) has no DTensor kernel"):
+            zerofx.offload_optimizer(make(model.parameters()))
+    zerofx.offload_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))  # not fused: fine
+    torch._dynamo.reset()
+
+
 def test_disk_offloaded_optimizer_matches_in_memory_exactly(one_rank, tmp_path):
     torch.manual_seed(0)
     model = GraphBreakNet()

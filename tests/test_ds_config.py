@@ -248,6 +248,7 @@ def test_hidden_size_comes_from_an_hf_style_config():
             r"torch_autocast: zerofx does not wrap the model's forward",
         ),
         ({"zero_optimization": {"stage": 3}, "sparse_gradients": True}, "reduces dense gradients only"),
+        ({"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}}, "zero_quantized_gradients at stage 1"),
         ({"zero_optimization": {"stage": 3}, "data_types": {"grad_accum_dtype": "int8"}}, "choose one of"),
         (
             {"zero_optimization": {"stage": 3}, "data_types": {"grad_accum": "fp32"}},

@@ -578,6 +578,16 @@ def test_hf_trainer_fills_deepspeed_precision_auto_from_its_flags(tmp_path):
                 losses = [h["loss"] for h in hs.trainer_history(trainer)]
                 assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), losses
                 assert all(p.dtype is torch.float32 for p in trainer.model.parameters())  # the master copy
+        args = hs.trainer_args(str(tmp_path / "keyword"), 2)  # no --bf16: "auto" yields to a keyword
+        trainer = ZeroFXTrainer(
+            model=hs.tiny_llama(),
+            args=args,
+            train_dataset=hs.TokenDataset(),
+            mesh=mesh,
+            zerofx_config=config,
+            zerofx_options={"param_dtype": torch.bfloat16},
+        )
+        assert runtime_of(trainer.model).options.param_dtype is torch.bfloat16
         explicit = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
         args = hs.trainer_args(str(tmp_path / "clash"), 2)
         with pytest.raises(ZeroFXError, match=r"bf16\.enabled=True but TrainingArguments give bf16=False"):

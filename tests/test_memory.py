@@ -282,11 +282,13 @@ def test_a_full_offload_disk_is_an_error_naming_the_folder_not_a_crash(tmp_path,
 
     asked = []
 
-    def full(fd, offset, nbytes):
+    def full(fd, nbytes):
         asked.append(nbytes)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(os, "posix_fallocate", full)
+    from zerofx.ir import offload_ops
+
+    monkeypatch.setattr(offload_ops, "_fallocate", full)
     store = DiskStore(str(tmp_path))
     t = torch.arange(4096, dtype=torch.float32)
     with pytest.raises(

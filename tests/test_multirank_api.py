@@ -252,7 +252,12 @@ def test_a_failing_rank_ends_the_run_promptly_with_its_traceback():
 def test_accumulation_windows_zero_grad_step_refusal_and_hooks(results):
     """zero_grad drops an abandoned no_sync window as DDP's does; a step over unreduced
     gradients is an error; hooks run once per reduction at every stage (tests/api_scenarios.py)."""
-    for r in _get(results, "accumulation_windows"):
+    per_rank = _get(results, "accumulation_windows")
+    # hooks on one rank only: every rank raises together (no rank left waiting in a collective),
+    # and the rank that sees the difference names it
+    assert all("every rank must shard the same model" in r["hooked_on_rank0"] for r in per_rank), per_rank
+    assert any("gradient hooks" in r["hooked_on_rank0"] for r in per_rank), per_rank
+    for r in per_rank:
         for stage in ("stage1", "stage2", "stage3"):
             got = r[stage]
             assert got["dropped"] == {"model": 0.0, "optimizer": 0.0}, (stage, got["dropped"])

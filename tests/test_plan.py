@@ -548,3 +548,18 @@ def test_builtin_llama_shape_has_the_published_parameter_count():
     with torch.device("meta"):
         model = BUILTIN_MODELS["llama3-8b"]()
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+
+
+def test_compared_alternatives_drop_what_their_stage_forbids():
+    """compare=True tries each other stage: ZeRO++ and hpZ options the stage refuses go with it
+    (a plan with quantize_grads used to fail outright on its stage-1 alternative)."""
+    from zerofx.options import Options
+    from zerofx.planner import _alternatives
+
+    given = {"quantize_grads": "int8", "quantize_weights": "int8", "secondary_shard": True}
+    for change in _alternatives(given):
+        Options.from_kwargs(**{**given, **change})  # each alternative is a valid set of options
+    stages = {c["stage"]: c for c in _alternatives(given) if "stage" in c}
+    assert stages[1] == {"stage": 1, "quantize_weights": None, "secondary_shard": False, "quantize_grads": None}
+    assert stages[2] == {"stage": 2, "quantize_weights": None, "secondary_shard": False}
+    assert {c["stage"]: c for c in _alternatives({"stage": 1}) if "stage" in c}[3] == {"stage": 3}

@@ -381,3 +381,17 @@ def test_parallelize_keeps_frozen_parameters_frozen_and_refuses_unknown_plan_key
         plan = {**gpt_plan(model), "blocks.*.attn.qkvv": ColwiseParallel()}
         with pytest.raises(ZeroFXError, match=r"plan key 'blocks.\*.attn.qkvv': .*matches 'qkvv' \(did you mean 'qkv'"):
             parallelize(model, mesh, plan)
+
+
+def test_hf_plan_leaves_out_keys_of_modules_the_model_does_not_have():
+    """A config's plan names every variant's modules (an MoE router a dense variant lacks):
+    hf_plan leaves those out, with a warning, where a plan the user writes is refused."""
+    from zerofx.tensor_parallel import hf_plan
+
+    model = tp_scenarios.llama()
+    model._tp_plan = {**model._tp_plan, "model.layers.*.mlp.router_gate": "colwise"}
+    with pytest.warns(UserWarning, match=r"names modules this model does not have \(model.layers.\*.mlp.router_gate\)"):
+        plan = hf_plan(model)
+    assert "model.layers.*.mlp.router_gate" not in plan and set(plan) == set(model._tp_plan) - {
+        "model.layers.*.mlp.router_gate"
+    }

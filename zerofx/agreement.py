@@ -50,6 +50,8 @@ def describe(model: nn.Module, meshes: list[DeviceMesh], options: Options) -> li
         line = f"parameter {name}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"
         if place is not None:  # what it chooses, not where the function object lives
             line += f", shard_placement_fn gives {place(p)!r}"
+        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None):
+            line += ", gradient hooks"  # refused by sharding: on every rank alike (one rank's wandb.watch)
         lines.append(line)
     for name, b in model.named_buffers():
         lines.append(f"buffer {name}: shape {tuple(b.shape)}, {b.dtype}")

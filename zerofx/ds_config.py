@@ -378,6 +378,12 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
             raise ZeroFXError(f"DeepSpeed config: zero_optimization.{key}={zero[key]!r}: {what} is not in zerofx yet")
     if zero.get("zero_quantized_weights"):  # ZeRO++ qwZ: int8 blocks, as DeepSpeed's default
         opts["quantize_weights"] = "int8"
+    if zero.get("zero_quantized_gradients") and stage == 1:
+        raise ZeroFXError(
+            "DeepSpeed config: zero_optimization.zero_quantized_gradients at stage 1: zerofx quantizes the "
+            "gradient reduce-scatters of stages 2 and 3 (stage 1 reduces once, after the backward); use stage 2 "
+            "or 3, or drop the key"
+        )
     if zero.get("zero_quantized_gradients"):  # ZeRO++ qgZ
         opts["quantize_grads"] = "int8"
         notes.append(

@@ -177,9 +177,10 @@ def _check_loop_settings(training: dict[str, Any], args: TrainingArguments) -> N
 
 
 def _with_trainer_precision(config: Any, args: TrainingArguments) -> Any:
-    """The DeepSpeed config with ``bf16`` / ``fp16`` ``"enabled": "auto"`` filled from ``--bf16`` /
+    """The DeepSpeed config with ``bf16`` / ``fp16`` ``"enabled": "auto"`` turned on by ``--bf16`` /
     ``--fp16``, as HF's DeepSpeed integration fills them (so ``"auto"`` under ``--bf16`` trains
-    with bf16 parameters and fp32 master weights, as DeepSpeed would); an explicit ``enabled``
+    with bf16 parameters and fp32 master weights, as DeepSpeed would); without the flag it stays
+    ``"auto"`` (off, unless ``zerofx_options`` give a ``param_dtype``). An explicit ``enabled``
     that the flag contradicts is an error naming both, as it is there. ``None`` stays ``None``."""
     if config is None:
         return None
@@ -193,7 +194,8 @@ def _with_trainer_precision(config: Any, args: TrainingArguments) -> Any:
         if not isinstance(section, dict) or "enabled" not in section:
             continue
         if section["enabled"] == "auto":
-            config[key] = {**section, "enabled": flags[spelled]}
+            if flags[spelled]:  # off, "auto" stays: zerofx_options may still ask for the dtype
+                config[key] = {**section, "enabled": True}
         elif section["enabled"] in (True, False) and section["enabled"] != flags[spelled]:
             clashes.append(
                 f"{key}.enabled={section['enabled']!r} but TrainingArguments give {spelled}={flags[spelled]}"

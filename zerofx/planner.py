@@ -803,7 +803,17 @@ def _node_kind(label: str) -> str:
 
 def _alternatives(options: dict) -> list[dict]:
     """The memory options that change a plan's answer, each changed alone."""
-    out = [{"stage": s} for s in (1, 2, 3) if s != options.get("stage", 3)]
+    out = []
+    for stage in (1, 2, 3):
+        if stage == options.get("stage", 3):
+            continue
+        change: dict[str, Any] = {"stage": stage}
+        if stage != 3:  # ZeRO++'s weight gathers and hpZ are stage 3's; qgZ is not stage 1's
+            forbidden: dict[str, Any] = {"quantize_weights": None, "secondary_shard": False}
+            if stage == 1:
+                forbidden["quantize_grads"] = None
+            change.update({k: v for k, v in forbidden.items() if options.get(k)})
+        out.append(change)
     if options.get("activation_budget") is None:
         out.append({"activation_budget": 0})
     if options.get("offload_optimizer") in (None, "none"):

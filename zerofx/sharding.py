@@ -1080,6 +1080,17 @@ def _data_parallel_dim(mesh: DeviceMesh, tp_dim: str | None, on: dict) -> Device
     return mesh[rest[0]] if len(rest) == 1 else mesh[rest]
 
 
+def _tp_outer(tp_mesh: DeviceMesh, mesh: DeviceMesh) -> bool:
+    """Whether the TP dimension comes before a data-parallel one in the mesh both were sliced
+    from (by the dimensions' names there; a dimension the root does not name, a flattened one,
+    is taken as in order: DTensor says so itself if it is not)."""
+    names = tuple(mesh._get_root_mesh().mesh_dim_names or ())
+    tp_names, dp_names = tuple(tp_mesh.mesh_dim_names or ()), tuple(mesh.mesh_dim_names or ())
+    if not tp_names or not dp_names or not set(tp_names + dp_names) <= set(names):
+        return False
+    return min(names.index(n) for n in tp_names) < max(names.index(n) for n in dp_names)
+
+
 def _check_crossing(name: str, tp_mesh: DeviceMesh, mesh: DeviceMesh) -> None:
     """``tp_mesh`` and the data-parallel ``mesh`` are the two dimensions of one layout."""
     # DeviceMesh caches slices by value, so two init_device_mesh calls of one layout share them:
@@ -1093,12 +1104,11 @@ def _check_crossing(name: str, tp_mesh: DeviceMesh, mesh: DeviceMesh) -> None:
             problem = "their root meshes differ"
         else:
             try:
-                spmd = _spmd_mesh(mesh, tp_mesh)
+                _spmd_mesh(mesh, tp_mesh)
             except RuntimeError as e:
                 problem = str(e)
             else:
-                order = spmd.mesh.flatten().tolist()
-                outer = order != sorted(order)
+                outer = _tp_outer(tp_mesh, mesh)
         ranks = (tp_mesh.mesh.tolist(), mesh.mesh.tolist())
     if problem is None and outer:
         # DTensor reduces over the (dp..., tp) mesh by flattening it, which needs its dimensions in

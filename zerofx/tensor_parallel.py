@@ -29,6 +29,7 @@ this module adds:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from fnmatch import fnmatch
 from typing import Any
@@ -177,7 +178,16 @@ def hf_plan(model: nn.Module) -> dict[str, ParallelStyle]:
             f"{type(model).__name__}'s tensor-parallel plan uses {sorted(unknown)}, which zerofx.tensor_parallel "
             f"does not translate (it knows {sorted(_HF_STYLES)}); write the plan for parallelize_module yourself"
         )
-    return {path: _HF_STYLES[style]() for path, style in plan.items()}
+    # a config's plan names every variant's modules (an MoE router a dense variant lacks): the
+    # keys this model has no module for are left out, as torch and transformers skip them
+    absent = [path for path in plan if _unresolved(model, path) is not None]
+    if absent:
+        warnings.warn(
+            f"zerofx.tensor_parallel.hf_plan: {type(model).__name__}'s plan names modules this model does not have "
+            f"({', '.join(absent[:4])}{' ...' if len(absent) > 4 else ''}); those keys are left out",
+            stacklevel=2,
+        )
+    return {path: _HF_STYLES[style]() for path, style in plan.items() if path not in absent}
 
 
 def _check_heads(model: nn.Module, tp: int, plan: dict[str, Any]) -> None:
@@ -200,30 +210,37 @@ def _check_heads(model: nn.Module, tp: int, plan: dict[str, Any]) -> None:
             )
 
 
+def _unresolved(model: nn.Module, key: str) -> str | None:
+    """Why plan ``key`` names no submodule of ``model`` (``parallelize_module`` matches each
+    dot-separated token with fnmatch), or None when it names some."""
+    frontier = [("", model)]
+    for token in key.split(".") if key else ():
+        matched = [
+            (f"{path}.{name}" if path else name, child)
+            for path, module in frontier
+            for name, child in module.named_children()
+            if fnmatch(name, token)
+        ]
+        if not matched:
+            there = sorted({name for _, module in frontier for name, _ in module.named_children()})
+            where = ", ".join(sorted({path or "the model" for path, _ in frontier})[:3])
+            return (
+                f"no submodule of {where} matches {token!r}{closest(token, there)} "
+                f"(its submodules: {', '.join(there[:12]) or 'none'})"
+            )
+        frontier = matched
+    return None
+
+
 def _check_plan_keys(model: nn.Module, plan: dict[str, Any]) -> None:
-    """Every key of ``plan`` names at least one submodule (``parallelize_module`` matches each
-    dot-separated token with fnmatch). torch only warns about a key that resolves to nothing and
-    skips it, and the first forward then fails deep in the compiler on a matmul of a DTensor with
-    a plain tensor; a misspelled key is always a wrong plan, so it is an error naming it."""
+    """Every key of ``plan`` names at least one submodule. torch only warns about a key that
+    resolves to nothing and skips it, and the first forward then fails deep in the compiler on a
+    matmul of a DTensor with a plain tensor; a misspelled key is always a wrong plan, so it is an
+    error naming it. (``hf_plan`` drops the keys of its model's optional modules itself.)"""
     for key in plan:
-        if not key:
-            continue
-        frontier = [("", model)]
-        for token in key.split("."):
-            matched = [
-                (f"{path}.{name}" if path else name, child)
-                for path, module in frontier
-                for name, child in module.named_children()
-                if fnmatch(name, token)
-            ]
-            if not matched:
-                there = sorted({name for _, module in frontier for name, _ in module.named_children()})
-                where = ", ".join(sorted({path or "the model" for path, _ in frontier})[:3])
-                raise ZeroFXError(
-                    f"tensor-parallel plan key {key!r}: no submodule of {where} matches {token!r}"
-                    f"{closest(token, there)} (its submodules: {', '.join(there[:12]) or 'none'})"
-                )
-            frontier = matched
+        why = _unresolved(model, key)
+        if why is not None:
+            raise ZeroFXError(f"tensor-parallel plan key {key!r}: {why}")
 
 
 def parallelize(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Any]) -> nn.Module:

@@ -45,19 +45,33 @@ def default_offload_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "zerofx-offload")
 
 
-def new_file(directory: str, nbytes: int) -> int:
+def _fallocate(fd: int, nbytes: int) -> None:
+    """Linux's ``fallocate(2)``: ``os.posix_fallocate`` is glibc's, which on a file system
+    without the call (NFSv3, older ZFS) emulates it by writing a byte into every 4 KiB block,
+    millions of system calls for a large file."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    call = getattr(libc, "fallocate64", None) or libc.fallocate
+    call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if call(fd, 0, 0, nbytes) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def new_file(directory: str, nbytes: int, preallocate: bool = True) -> int:
     """An open, unlinked file of ``nbytes`` bytes: it disappears when the last user closes it.
 
-    Its blocks are allocated now (``posix_fallocate``), not at the first write: a sparse file
-    (``ftruncate`` alone) on a disk that fills up later fails at a write through its memory
-    map, and the process dies of SIGBUS. Out of space here is a ``ZeroFXError`` naming the
-    folder and the bytes. A file system that cannot preallocate keeps the sparse file."""
+    With ``preallocate`` (files written through a memory map: the disk tier's model state), its
+    blocks are allocated now (``fallocate``), not at the first write: a sparse file on a disk
+    that fills up later fails at a write through its map, and the process dies of SIGBUS. Out
+    of space here is a ``ZeroFXError`` naming the folder and the bytes. A file system without
+    ``fallocate`` keeps the sparse file. Files written with ``pwrite`` (parked activations) need
+    none: a full disk is an ordinary error there."""
     fd, path = tempfile.mkstemp(dir=directory, prefix="zerofx-", suffix=".bin")
     try:
         os.ftruncate(fd, nbytes)
-        if nbytes:
+        if nbytes and preallocate:
             try:
-                os.posix_fallocate(fd, 0, nbytes)
+                _fallocate(fd, nbytes)
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
                     os.close(fd)
@@ -124,7 +138,7 @@ def offload(x: torch.Tensor, tier: str, directory: str) -> torch.Tensor:
     """Park ``x`` in ``tier``; returns the parked tensor at once while the copy completes."""
     if tier == "disk":
         nbytes = x.numel() * x.element_size()
-        fd = new_file(directory or default_offload_dir(), max(nbytes, 1))
+        fd = new_file(directory or default_offload_dir(), max(nbytes, 1), preallocate=False)
         parked = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=x.numel(), dtype=x.dtype).view(x.shape)
         event = None
         if x.device.type == "cuda":

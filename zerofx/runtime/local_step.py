@@ -77,14 +77,14 @@ ELEMENTWISE: frozenset[type] = frozenset(
 _LOCAL_FROM_THE_FIRST: frozenset[type] = frozenset({torch.optim.Rprop})
 # and those whose fused kernel has no DTensor sharding strategy (torch 2.13: aten._fused_sgd_,
 # aten._fused_adagrad_; Adam's and AdamW's have one), when a param group asks for it
-_FUSED_WITHOUT_DTENSOR: frozenset[type] = frozenset({torch.optim.SGD, torch.optim.Adagrad})
+FUSED_WITHOUT_DTENSOR: frozenset[type] = frozenset({torch.optim.SGD, torch.optim.Adagrad})
 
 
 def _local_from_the_first(optimizer: torch.optim.Optimizer) -> bool:
     kind = type(optimizer)
     if kind in _LOCAL_FROM_THE_FIRST:
         return True
-    return kind in _FUSED_WITHOUT_DTENSOR and any(g.get("fused") for g in optimizer.param_groups)
+    return kind in FUSED_WITHOUT_DTENSOR and any(g.get("fused") for g in optimizer.param_groups)
 
 
 _PRE_HOOK = None
@@ -150,7 +150,7 @@ def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple
         return
     if first_local and not (adopt and _swappable(params)):
         raise ZeroFXError(
-            f"torch.optim.{type(optimizer).__name__}{'(fused=True)' if type(optimizer) in _FUSED_WITHOUT_DTENSOR else ''} "
+            f"torch.optim.{type(optimizer).__name__}{'(fused=True)' if type(optimizer) in FUSED_WITHOUT_DTENSOR else ''} "
             "steps zerofx's sharded parameters on their local shards only (its step fails inside DTensor): keep local_optimizer_step=True (the default), step no "
             "DTensors zerofx does not manage with it, and leave the gradients zerofx's backward made"
         )
