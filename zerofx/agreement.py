@@ -42,6 +42,11 @@ _DIGEST = 32  # sha256
 _HEADER = _DIGEST + 8  # the digest, then the description's length in bytes
 
 
+def has_gradient_hooks(p: torch.Tensor) -> bool:
+    """Whether ``p`` has ``register_hook`` or ``register_post_accumulate_grad_hook`` hooks."""
+    return bool(getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None))
+
+
 def describe(model: nn.Module, meshes: list[DeviceMesh], options: Options) -> list[str]:
     """What must be the same on every rank, one line per item."""
     lines = [f"mesh of shape {tuple(mesh.shape)}" for mesh in meshes]
@@ -50,7 +55,7 @@ def describe(model: nn.Module, meshes: list[DeviceMesh], options: Options) -> li
         line = f"parameter {name}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"
         if place is not None:  # what it chooses, not where the function object lives
             line += f", shard_placement_fn gives {place(p)!r}"
-        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None):
+        if has_gradient_hooks(p):
             line += ", gradient hooks"  # refused by sharding: on every rank alike (one rank's wandb.watch)
         lines.append(line)
     for name, b in model.named_buffers():

@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map
 
-from zerofx.agreement import check_ranks_agree
+from zerofx.agreement import check_ranks_agree, has_gradient_hooks
 from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.collectives import name_mesh_dims
 from zerofx.ir.layout import local_rows, row_offset, rows_back, rows_first, shard_dim
@@ -1142,11 +1142,7 @@ def _refuse_hooked_parameters(model: nn.Module) -> None:
     new one, which the hooks and their handles do not follow, so they would never run. Hooks
     registered on ``model.parameters()`` afterwards run when the reduced gradient shard lands
     (once per accumulation window)."""
-    hooked = [
-        name
-        for name, p in model.named_parameters()
-        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)
-    ]
+    hooked = [name for name, p in model.named_parameters() if has_gradient_hooks(p)]
     if hooked:
         raise ZeroFXError(
             f"{some_names(hooked)}: gradient hooks registered before zerofx sharded the model would never run "

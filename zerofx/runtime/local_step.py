@@ -80,11 +80,13 @@ _LOCAL_FROM_THE_FIRST: frozenset[type] = frozenset({torch.optim.Rprop})
 FUSED_WITHOUT_DTENSOR: frozenset[type] = frozenset({torch.optim.SGD, torch.optim.Adagrad})
 
 
+def fused_without_dtensor(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` asks for a fused kernel DTensor has no strategy for."""
+    return type(optimizer) in FUSED_WITHOUT_DTENSOR and any(g.get("fused") for g in optimizer.param_groups)
+
+
 def _local_from_the_first(optimizer: torch.optim.Optimizer) -> bool:
-    kind = type(optimizer)
-    if kind in _LOCAL_FROM_THE_FIRST:
-        return True
-    return kind in FUSED_WITHOUT_DTENSOR and any(g.get("fused") for g in optimizer.param_groups)
+    return type(optimizer) in _LOCAL_FROM_THE_FIRST or fused_without_dtensor(optimizer)
 
 
 _PRE_HOOK = None
@@ -150,7 +152,7 @@ def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple
         return
     if first_local and not (adopt and _swappable(params)):
         raise ZeroFXError(
-            f"torch.optim.{type(optimizer).__name__}{'(fused=True)' if type(optimizer) in FUSED_WITHOUT_DTENSOR else ''} "
+            f"torch.optim.{type(optimizer).__name__}{'(fused=True)' if fused_without_dtensor(optimizer) else ''} "
             "steps zerofx's sharded parameters on their local shards only (its step fails inside DTensor): keep local_optimizer_step=True (the default), step no "
             "DTensors zerofx does not manage with it, and leave the gradients zerofx's backward made"
         )

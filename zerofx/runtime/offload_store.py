@@ -37,7 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.layout import pack_consecutive
 from zerofx.ir.offload_ops import default_offload_dir, new_file, paged_storages
-from zerofx.runtime.local_step import FUSED_WITHOUT_DTENSOR, _class_step, step_over_whole_tensors
+from zerofx.runtime.local_step import _class_step, fused_without_dtensor, step_over_whole_tensors
 from zerofx.runtime.params import optimizer_state, runtime_of
 from zerofx.runtime.whole_step import Windows, whole_step_class
 
@@ -267,7 +267,7 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
             "zerofx.compile(..., offload_optimizer='host' | 'disk' | 'auto')"
         )
     tier, store, window = placed[0]
-    if type(optimizer) in FUSED_WITHOUT_DTENSOR and any(g.get("fused") for g in optimizer.param_groups):
+    if fused_without_dtensor(optimizer):
         raise ZeroFXError(
             f"zerofx.offload_optimizer: torch.optim.{type(optimizer).__name__}(fused=True) has no DTensor "
             "kernel, and offloaded windows step through DTensor: build it without fused=True (foreach or the "

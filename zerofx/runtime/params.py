@@ -196,19 +196,29 @@ class ParamState:
             grad = DTensor.from_local(local, param.device_mesh, param.placements, **spec)
         else:
             grad = DTensor(local, param._spec, requires_grad=False)
-        if param._backward_hooks:  # Tensor.register_hook: they see the gradient before it accumulates
-            for hook in list(param._backward_hooks.values()):
-                out = hook(grad)
-                grad = grad if out is None else out
+        grad = self._before_accumulating(grad)
         if param.grad is None:
             param.grad = grad
         elif grad.requires_grad or param.grad.requires_grad:
             param.grad = param.grad + grad  # out of place, as autograd accumulates a graph
         else:
             param.grad._local_tensor.add_(grad._local_tensor)
-        if param._post_accumulate_grad_hooks:
-            for hook in list(param._post_accumulate_grad_hooks.values()):
-                hook(param)
+        self._after_accumulating()
+
+    def _before_accumulating(self, grad: torch.Tensor) -> torch.Tensor:
+        """The parameter's ``Tensor.register_hook`` hooks, on the gradient before it accumulates
+        (each may return a replacement)."""
+        for hook in list(self.param._backward_hooks.values()) if self.param._backward_hooks else ():
+            out = hook(grad)
+            grad = grad if out is None else out
+        return grad
+
+    def _after_accumulating(self) -> None:
+        """The parameter's ``register_post_accumulate_grad_hook`` hooks."""
+        for hook in (
+            list(self.param._post_accumulate_grad_hooks.values()) if self.param._post_accumulate_grad_hooks else ()
+        ):
+            hook(self.param)
 
     def mark_synced(self) -> None:
         """Record that ``full`` holds the shard's current values."""
@@ -361,17 +371,11 @@ class ParamState:
         parameter's gradient, or make it the gradient. The parameter's gradient hooks run here as
         in ``_land_leaf_grad``: once per reduction (stage 1's end of backward, the end of a
         ``no_sync`` window), on the reduced shard."""
-        param = self.param
-        if param._backward_hooks:  # Tensor.register_hook: they see the gradient before it accumulates
-            hooked = DTensor(reduced, param._spec, requires_grad=False)
-            for hook in list(param._backward_hooks.values()):
-                out = hook(hooked)
-                hooked = hooked if out is None else out
+        if self.param._backward_hooks:
+            hooked = self._before_accumulating(DTensor(reduced, self.param._spec, requires_grad=False))
             reduced = hooked.to_local() if isinstance(hooked, DTensor) else hooked
         self._accumulate(pending, reduced)
-        if param._post_accumulate_grad_hooks:
-            for hook in list(param._post_accumulate_grad_hooks.values()):
-                hook(param)
+        self._after_accumulating()
 
     def _accumulate(self, pending: torch.Tensor, reduced: torch.Tensor) -> None:
         grad = self.param.grad
