@@ -154,9 +154,22 @@ def _same_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     return dtypes.pop()
 
 
+def _check_bucket(what: str, tensors: Sequence[torch.Tensor], layout: BucketLayout, most: Sequence[int]) -> None:
+    """One tensor per parameter of ``layout``, tensor ``i`` of at most ``most[i]`` elements: the
+    kernels mask by the layout's sizes, so a larger tensor would be silently cut short."""
+    if not tensors:
+        raise ValueError(f"{what}: no tensors (a bucket holds at least one parameter)")
+    if len(tensors) != len(layout.shapes):
+        raise ValueError(f"{what}: {len(tensors)} tensors for a bucket of {len(layout.shapes)} parameters")
+    for i, (t, n) in enumerate(zip(tensors, most)):
+        if t.numel() > n:
+            raise ValueError(f"{what}: tensor {i} has {t.numel()} elements, its parameter's slot holds {n}")
+
+
 def pack_shards(shards: Sequence[torch.Tensor], layout: BucketLayout, dtype: torch.dtype | None = None) -> torch.Tensor:
     """This rank's all-gather input: every shard cast to ``dtype`` in its zero-padded slot."""
     shards = [local(s).contiguous() for s in shards]
+    _check_bucket("pack_shards", shards, layout, layout.slots)
     src_dtype = _same_dtype(shards)
     device = shards[0].device
     out = torch.empty(layout.segment, dtype=dtype or src_dtype, device=device)
@@ -205,6 +218,7 @@ def unpack_gathered(
 def pack_grads(grads: Sequence[torch.Tensor], layout: BucketLayout, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The reduce-scatter input: each full gradient padded and split into every rank's segment."""
     grads = [local(g).contiguous() for g in grads]
+    _check_bucket("pack_grads", grads, layout, [layout.numel(i) for i in range(len(layout.shapes))])
     src_dtype = _same_dtype(grads)
     device = grads[0].device
     out = torch.empty(layout.segment * layout.group_size, dtype=dtype or src_dtype, device=device)

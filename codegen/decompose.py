@@ -29,6 +29,7 @@ from torch import fx
 from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from zerofx.codegen.triton_ops import reduced_dim
 from zerofx.passes.graph import fake_mode_of
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,16 @@ _TABLE = get_decompositions(list(COMPOSITES))
 # Ops a decomposition may leave to ATen without losing to the native kernel: the column sums
 # of a norm's weight and bias gradients (a reduction over rows, which ATen does well).
 _ATEN_LEFTOVERS = (aten.sum.dim_IntList,)
+
+
+def _aten_leftover(node: fx.Node) -> bool:
+    """A column sum (not over the last dim). A last-dim sum left to ATen is a row too long for
+    a kernel (a vocab-sized log_softmax): opening the composite would only turn one native op
+    into several unfused ATen ops, so it stays whole."""
+    if node.target not in _ATEN_LEFTOVERS:
+        return False
+    ndim = node.args[0].meta["val"].dim()
+    return ndim > 0 and reduced_dim(node) != ndim - 1
 
 
 def _trace(node: fx.Node, gm: fx.GraphModule) -> fx.GraphModule | None:
@@ -140,9 +151,7 @@ def decompose_for_codegen(gm: fx.GraphModule, can_lower: Callable[[fx.Node], boo
         ops = [n for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
         if any(n.op != "call_function" for n in ops) or not _outputs_match(node, sub):
             continue
-        refused = [
-            n for n in ops if n.target is not operator.getitem and not can_lower(n) and n.target not in _ATEN_LEFTOVERS
-        ]
+        refused = [n for n in ops if n.target is not operator.getitem and not can_lower(n) and not _aten_leftover(n)]
         if refused:
             log.debug(
                 "zerofx codegen: keeping %s native: %s cannot be lowered",

@@ -25,6 +25,7 @@ import torch
 import triton.language as tl
 
 from zerofx.codegen.multi_tensor import BLOCK, addresses, blocks_for, in_storage_order, int_table, jit, local, tl_dtype
+from zerofx.errors import ZeroFXError
 
 
 def _adamw_kernel(
@@ -101,8 +102,10 @@ def adamw_step(
     """One AdamW update of every tensor in the lists, in a single launch (all updated in place).
 
     Every list must hold tensors of one dtype on one device, each laid out as its parameter,
-    contiguous or a dense permuted view (a Shard(k) shard: ``in_storage_order``); ``step`` is the step
-    number after this update (1 on the first call), as in torch's bias corrections.
+    contiguous or a dense permuted view (a Shard(k) shard: ``in_storage_order``; a gradient laid
+    out otherwise is copied into that order, a parameter that is not dense is a ZeroFXError);
+    ``step`` is the step number after this update (1 on the first call), as in torch's bias
+    corrections.
     """
     if not params:
         return
@@ -110,7 +113,16 @@ def adamw_step(
     lists = [params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if amsgrad else [])]
     # each parameter's tensors in its storage order: a Shard(k) shard is a dense permuted view
     ordered = [in_storage_order(*(local(t) for t in ts)) for ts in zip(*lists)]
+    for o in ordered:
+        if not all(t.is_contiguous() for t in o[:1] + o[2:]):  # updated in place: no copy can stand in
+            raise ZeroFXError(
+                f"FusedAdamW: a parameter of shape {tuple(o[0].shape)} (strides {o[0].stride()}) or its "
+                "optimizer state is not dense (e.g. a slice of a larger tensor); use torch.optim.AdamW for it"
+            )
     params, grads, exp_avgs, exp_avg_sqs = ([o[k] for o in ordered] for k in range(4))
+    # a gradient laid out otherwise than its parameter is only read: a copy in the parameter's
+    # storage order keeps every element paired with its parameter's
+    grads = [g.contiguous() for g in grads]
     if amsgrad:
         max_exp_avg_sqs = [o[4] for o in ordered]
     device = params[0].device
@@ -158,7 +170,7 @@ class FusedAdamW(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | torch.Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
@@ -166,6 +178,8 @@ class FusedAdamW(torch.optim.Optimizer):
         amsgrad: bool = False,
         maximize: bool = False,
     ):
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError(f"FusedAdamW: a tensor lr must hold one element, got shape {tuple(lr.shape)}")
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(
                 f"invalid AdamW hyperparameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}"
@@ -210,7 +224,7 @@ class FusedAdamW(torch.optim.Optimizer):
                     [s["exp_avg_sq"] for s in states],
                     [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else None,
                     step=step,
-                    lr=group["lr"],
+                    lr=float(group["lr"]),  # a tensor lr (a scheduler may update it in place): its value now
                     beta1=beta1,
                     beta2=beta2,
                     eps=group["eps"],

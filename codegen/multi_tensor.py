@@ -61,12 +61,15 @@ def in_storage_order(like: torch.Tensor, *others: torch.Tensor) -> list[torch.Te
 def tl_dtype(dtype: torch.dtype):
     import triton.language as tl
 
-    return {
+    types = {
         torch.float32: tl.float32,
         torch.float16: tl.float16,
         torch.bfloat16: tl.bfloat16,
         torch.float64: tl.float64,
-    }[dtype]
+    }
+    if dtype not in types:
+        raise ValueError(f"multi-tensor kernels move floating-point tensors (fp32, fp16, bf16, fp64), not {dtype}")
+    return types[dtype]
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ executor (the default, and CPUs) runs; these produce the same bytes and values (
 in Triton's interpreter, ``TRITON_INTERPRET=1``, and compare bit for bit). One program per
 (row, block): it loads the block, takes its absolute maximum, and writes the fp32 scale and the
 payload into the packed row (NOTE: packed rows); int4 programs read even and odd elements
-separately and pack them into one byte. On a GPU the compiler may contract ``x * inv + 0.5``
-into one FMA, which can move a value sitting exactly on a rounding tie by one step: still
-within the error bound, but not bit-identical to ATen there.
+separately and pack them into one byte. A block holding NaN gets a NaN scale and a NaN or inf
+value a 0 payload, as in ATen (``tl.max`` and ``tl.maximum`` would drop the NaN). On a GPU the
+compiler may contract ``x * inv + 0.5`` into one FMA, which can move a value sitting exactly on
+a rounding tie by one step: still within the error bound, but not bit-identical to ATen there.
 
 ``use_quantize_kernels(gm)`` points a graph's int8/int4 quantize/dequantize nodes at these
 kernels (fp8 nodes stay on ATen); the Triton code generator calls it on every graph it compiles.
@@ -22,7 +23,7 @@ import triton.language as tl
 from torch import fx
 
 from zerofx.codegen.multi_tensor import jit
-from zerofx.ir.quantize import DEQUANTIZE, QUANTIZE, QuantFormat
+from zerofx.ir.quantize import DEQUANTIZE, QUANTIZE, QuantFormat, row_numel
 
 __all__ = ["quantize_triton", "dequantize_triton", "use_quantize_kernels"]
 
@@ -39,10 +40,13 @@ def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, numel, nb, row_bytes, QMAX: t
         col = blk * BLOCK + offs
         mask = (offs < BLOCK) & (col < numel)
         x = tl.load(src + col, mask=mask, other=0.0).to(tl.float32)
+        # NaN-aware absmax: tl.max drops NaN, ATen's amax keeps it (a NaN scale makes the block NaN)
         absmax = tl.max(tl.abs(x), axis=0)
+        absmax = tl.where(tl.max((x != x).to(tl.int32), axis=0) > 0, float("nan"), absmax)
         inv = QMAX / tl.where(absmax > 0, absmax, 1.0)
         inv = tl.where((absmax > 0) & (inv <= 3.4028234663852886e38), inv, 0.0)  # as zerofx/ir/quantize.py
-        q = tl.minimum(tl.maximum(tl.floor(x * inv + 0.5), -QMAX), QMAX)
+        q = tl.floor(x * inv + 0.5)  # NaN for a NaN or inf value (times inv = 0): 0, as ATen writes
+        q = tl.where(q != q, 0.0, tl.minimum(tl.maximum(q, -QMAX), QMAX))
         tl.store(dst + col, q.to(tl.int8).to(tl.uint8, bitcast=True), mask=mask)
     else:  # HALF values per parity: element 2i goes to the low nibble of byte i
         even = blk * BLOCK + 2 * offs
@@ -51,10 +55,14 @@ def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, numel, nb, row_bytes, QMAX: t
         xe = tl.load(src + even, mask=m_even, other=0.0).to(tl.float32)
         xo = tl.load(src + even + 1, mask=m_odd, other=0.0).to(tl.float32)
         absmax = tl.maximum(tl.max(tl.abs(xe), axis=0), tl.max(tl.abs(xo), axis=0))
+        nans = tl.max((xe != xe).to(tl.int32), axis=0) + tl.max((xo != xo).to(tl.int32), axis=0)
+        absmax = tl.where(nans > 0, float("nan"), absmax)  # as the int8 branch
         inv = QMAX / tl.where(absmax > 0, absmax, 1.0)
         inv = tl.where((absmax > 0) & (inv <= 3.4028234663852886e38), inv, 0.0)  # as zerofx/ir/quantize.py
-        qe = tl.minimum(tl.maximum(tl.floor(xe * inv + 0.5), -QMAX), QMAX).to(tl.int32)
-        qo = tl.minimum(tl.maximum(tl.floor(xo * inv + 0.5), -QMAX), QMAX).to(tl.int32)
+        qe = tl.floor(xe * inv + 0.5)
+        qo = tl.floor(xo * inv + 0.5)
+        qe = tl.where(qe != qe, 0.0, tl.minimum(tl.maximum(qe, -QMAX), QMAX)).to(tl.int32)
+        qo = tl.where(qo != qo, 0.0, tl.minimum(tl.maximum(qo, -QMAX), QMAX)).to(tl.int32)
         byte = (qe & 0xF) | ((qo & 0xF) << 4)
         tl.store(dst + blk * (BLOCK // 2) + offs, byte.to(tl.uint8), mask=m_even)
     tl.store(scale_ptr + row.to(tl.int64) * (row_bytes // 4) + blk, absmax / QMAX)
@@ -98,7 +106,7 @@ def quantize_triton(x: torch.Tensor, rows: int, block: int, bits: int, floating:
         raise NotImplementedError("fp8 block quantization has no Triton kernel: the node stays on ATen")
     fmt = QuantFormat(bits, block)
     x = x.contiguous()
-    numel = x.numel() // rows
+    numel = row_numel(x, rows)  # the same error as ATen's for values that do not split into rows
     packed = torch.zeros((rows, fmt.row_bytes(numel)), dtype=torch.uint8, device=x.device)
     nb = fmt.blocks(numel)
     if rows * nb:

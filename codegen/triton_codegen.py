@@ -24,7 +24,6 @@ from torch import fx
 
 from zerofx.codegen.decompose import decompose_for_codegen
 from zerofx.codegen.fusion import Claimed, find_groups, group_io, is_comm, replace_groups
-from zerofx.codegen.quantize_kernels import use_quantize_kernels
 from zerofx.codegen.triton_emit import Unsupported, emit_group
 from zerofx.codegen.triton_ops import can_lower
 from zerofx.codegen.triton_runtime import FusedKernel, group_module, interpreting, launch_problem
@@ -73,6 +72,10 @@ def _fuse(gm: fx.GraphModule, ctx: PassContext, recorder: Any, autotune: bool):
         claimed.append(Claimed(group, inputs, outputs, kernel))
         sources.append((source.name, source.source))
     result = replace_groups(work, claimed)
+    # imported here: it imports triton, and without triton compile_triton returns before _fuse
+    # (the graph runs as ATen with a warning) instead of failing on import
+    from zerofx.codegen.quantize_kernels import use_quantize_kernels
+
     quantized = use_quantize_kernels(result)  # block quantization has its own kernels
     if quantized:
         ctx.report(f"{quantized} quantize/dequantize ops run as Triton kernels (codegen/quantize_kernels.py)")

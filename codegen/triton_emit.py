@@ -30,9 +30,8 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
-from zerofx.codegen.triton_ops import FLOAT_DTYPES, POINTWISE, REDUCTIONS, TL_DTYPES, kind_of, literal
+from zerofx.codegen.triton_ops import FLOAT_DTYPES, MAX_ROW, POINTWISE, REDUCTIONS, TL_DTYPES, kind_of, literal
 
-MAX_ROW = 16384  # longest row a row kernel keeps in one tile; longer reductions stay ATen
 INT32_LIMIT = 2**31 - 1
 
 
@@ -266,7 +265,10 @@ class _Writer:
             self.assign(node, f"{total} / {n}.0")
         elif how in ("max", "min"):
             fill = 'float("-inf")' if how == "max" else 'float("inf")'
-            self.assign(node, f"tl.{how}(tl.where(mask, {src}, {fill}), axis=1, keep_dims=True)")
+            best = f"tl.{how}(tl.where(mask, {src}, {fill}), axis=1, keep_dims=True)"
+            # tl.max / tl.min drop NaN; torch's amax / amin return NaN for a row holding one
+            nan = f"tl.max((mask & ({src} != {src})).to(tl.int32), axis=1, keep_dims=True) > 0"
+            self.assign(node, f'tl.where({nan}, float("nan"), {best})')
         elif how == "var_mean":
             correction = node.kwargs.get("correction")
             correction = 1 if correction is None else correction  # ATen's default: unbiased

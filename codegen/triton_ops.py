@@ -29,6 +29,7 @@ from torch import fx
 aten = torch.ops.aten
 prims = torch.ops.prims
 
+MAX_ROW = 16384  # longest row a row kernel keeps in one tile; longer reductions stay ATen
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 VALUE_DTYPES = FLOAT_DTYPES + (torch.bool,)
 TL_DTYPES = {
@@ -66,13 +67,16 @@ def _args(fmt: str) -> Callable[[fx.Node, Callable[[Any], str]], str]:
     return lambda n, x: fmt.format(*(x(a) for a in n.args))
 
 
-def _with_alpha(fmt: str) -> Callable[[fx.Node, Callable[[Any], str]], str]:
+def _with_alpha(fmt: str, scaled: int = 1) -> Callable[[fx.Node, Callable[[Any], str]], str]:
+    """``alpha`` scales operand ``scaled``: the second for add/sub (``x + alpha * other``), the
+    first for rsub (``other - alpha * x``)."""
+
     def emit(n: fx.Node, x: Callable[[Any], str]) -> str:
-        a, b = x(n.args[0]), x(n.args[1])
-        alpha = n.kwargs.get("alpha", 1)
+        ops = [x(n.args[0]), x(n.args[1])]
+        alpha = n.args[2] if len(n.args) > 2 else n.kwargs.get("alpha", 1)  # positional in e.g. rsub.Scalar
         if alpha != 1:
-            b = f"({b} * {literal(alpha)})"
-        return fmt.format(a, b)
+            ops[scaled] = f"({ops[scaled]} * {literal(alpha)})"
+        return fmt.format(*ops)
 
     return emit
 
@@ -83,7 +87,7 @@ _NAN_ALL = "propagate_nan=tl.PropagateNan.ALL"  # torch propagates NaN through m
 def _pow(n: fx.Node, x: Callable[[Any], str]) -> str:
     base, exp = x(n.args[0]), n.args[1]
     small = {
-        0: "({0} * 0.0 + 1.0)",
+        0: "tl.where({0} != {0}, 1.0, 1.0)",  # 1 even for inf and NaN, as torch (x * 0 + 1 is NaN)
         1: "{0}",
         2: "({0} * {0})",
         3: "({0} * {0} * {0})",
@@ -98,6 +102,23 @@ def _pow(n: fx.Node, x: Callable[[Any], str]) -> str:
 
 def _pow_supported(n: fx.Node) -> bool:
     return n.args[1] in (0, 1, 2, 3, 4, 0.5, -0.5, -1, -2)
+
+
+def _tanh(n: fx.Node, x: Callable[[Any], str]) -> str:
+    """tanh is not in triton.language outside libdevice (which the interpreter lacks). Odd, so
+    computed on ``a = |x|``: below 0.625 as ``-e / (2 + e)`` with ``e = expm1(-2a)``, and expm1 by
+    Kahan's ``(u - 1) * y / log(u)`` (``u = exp(y)``), which keeps the relative error a few ulps
+    near 0, where ``1 - 2 / (exp(2a) + 1)`` cancels; above, that form, within 2 ulps (Kahan's is
+    within 6 there, which the ``1 - tanh^2`` of GELU's backward would magnify). Tiny |x| (u
+    rounds to 1) returns x itself (tanh(x) = x there, -0.0 included)."""
+    a = x(n.args[0])
+    y = f"(-2.0 * tl.abs({a}))"
+    u = f"tl.exp({y})"
+    e = f"tl.where({u} == 0.0, -1.0, ({u} - 1.0) * {y} / tl.log({u}))"
+    near = f"(-({e}) / (2.0 + {e}))"
+    far = f"(1.0 - 2.0 / (tl.exp(-{y}) + 1.0))"
+    r = f"tl.where(tl.abs({a}) < 0.625, {near}, {far})"
+    return f"tl.where({u} == 1.0, {a}, tl.where({a} < 0, -{r}, {r}))"
 
 
 def _clamp(n: fx.Node, x: Callable[[Any], str]) -> str:
@@ -144,8 +165,8 @@ POINTWISE: dict[Any, Pointwise] = {
     aten.add.Scalar: Pointwise(_with_alpha("({0} + {1})")),
     aten.sub.Tensor: Pointwise(_with_alpha("({0} - {1})")),
     aten.sub.Scalar: Pointwise(_with_alpha("({0} - {1})")),
-    aten.rsub.Scalar: Pointwise(_with_alpha("({1} - {0})")),
-    aten.rsub.Tensor: Pointwise(_with_alpha("({1} - {0})")),
+    aten.rsub.Scalar: Pointwise(_with_alpha("({1} - {0})", scaled=0)),
+    aten.rsub.Tensor: Pointwise(_with_alpha("({1} - {0})", scaled=0)),
     aten.mul.Tensor: Pointwise(_args("({0} * {1})")),
     aten.mul.Scalar: Pointwise(_args("({0} * {1})")),
     aten.div.Tensor: Pointwise(_args("({0} / {1})")),
@@ -161,8 +182,7 @@ POINTWISE: dict[Any, Pointwise] = {
     aten.cos.default: Pointwise(_args("tl.cos({0})")),
     aten.erf.default: Pointwise(_args("tl.erf({0})")),
     aten.sigmoid.default: Pointwise(_args("tl.sigmoid({0})")),
-    # tanh is not in triton.language outside libdevice (which the interpreter lacks)
-    aten.tanh.default: Pointwise(_args("(2.0 / (1.0 + tl.exp(-2.0 * {0})) - 1.0)")),
+    aten.tanh.default: Pointwise(_tanh),
     aten.relu.default: Pointwise(lambda n, x: f"tl.maximum({x(n.args[0])}, 0.0, {_NAN_ALL})"),
     aten.pow.Tensor_Scalar: Pointwise(_pow),
     aten.maximum.default: Pointwise(lambda n, x: f"tl.maximum({x(n.args[0])}, {x(n.args[1])}, {_NAN_ALL})"),
@@ -185,10 +205,25 @@ POINTWISE: dict[Any, Pointwise] = {
     aten.ne.Tensor: Pointwise(_args("({0} != {1})")),
     aten.ne.Scalar: Pointwise(_args("({0} != {1})")),
     aten.logical_not.default: Pointwise(_args("({0} == 0)")),
-    aten.logical_and.default: Pointwise(_args("({0} & {1})")),
-    aten.logical_or.default: Pointwise(_args("({0} | {1})")),
+    # operands may be floats (nonzero is true): & and | are only defined on int1
+    aten.logical_and.default: Pointwise(_args("(({0} != 0) & ({1} != 0))")),
+    aten.logical_or.default: Pointwise(_args("(({0} != 0) | ({1} != 0))")),
     aten._to_copy.default: Pointwise(_cast),
     prims.convert_element_type.default: Pointwise(_cast),
+}
+
+# The ops whose output may be bool. Arithmetic on bools means something else in torch (add is
+# logical or, mul logical and, sub an error) than on int1 registers, so it stays ATen.
+BOOL_RESULTS = {
+    *(getattr(aten, op).Tensor for op in ("gt", "ge", "lt", "le", "eq", "ne")),
+    *(getattr(aten, op).Scalar for op in ("gt", "ge", "lt", "le", "eq", "ne")),
+    aten.logical_not.default,
+    aten.logical_and.default,
+    aten.logical_or.default,
+    aten.where.self,
+    aten.masked_fill.Scalar,
+    aten._to_copy.default,
+    prims.convert_element_type.default,
 }
 
 IDENTITY = (aten.clone.default, aten.alias.default, aten.detach.default)
@@ -291,6 +326,8 @@ def can_lower(node: fx.Node) -> bool:
             ),
         ):
             return False
+    if kind == "pointwise" and node.target not in BOOL_RESULTS and node.meta["val"].dtype == torch.bool:
+        return False  # e.g. True + True is True in torch, 2 -> 0 in an int1 register
     if node.target is aten.div.Tensor or node.target is aten.div.Scalar:
         if node.kwargs.get("rounding_mode") is not None:
             return False
@@ -299,6 +336,8 @@ def can_lower(node: fx.Node) -> bool:
             return False
         if node.args[0].meta["val"].dtype not in FLOAT_DTYPES:
             return False
+        if node.args[0].meta["val"].shape[-1] > MAX_ROW:
+            return False  # the emitter would refuse the whole group (triton_emit.emit_group)
         if node.target is aten.sum.dim_IntList and node.kwargs.get("dtype") not in (None, torch.float32):
             return False
     check = _EXTRA_CHECKS.get(node.target)

@@ -69,6 +69,22 @@ def test_glue_kernels_with_simulated_collectives_on_three_ranks():
             torch.testing.assert_close(got[i], want, **GRAD_TOL)
 
 
+def test_glue_kernels_refuse_what_their_layout_cannot_hold():
+    """The kernels mask by the layout's sizes: a tensor larger than its slot would be cut short
+    silently, so it is refused; so are an empty list and dtypes the kernels cannot move."""
+    layout = BucketLayout.of([(4,), (4,)], 2)
+    with pytest.raises(ValueError, match="no tensors"):
+        pack_shards([], layout)
+    with pytest.raises(ValueError, match="tensor 0 has 5 elements, its parameter's slot holds 2"):
+        pack_shards([torch.randn(5), torch.randn(2)], layout)
+    with pytest.raises(ValueError, match="1 tensors for a bucket of 2"):
+        pack_shards([torch.randn(2)], layout)
+    with pytest.raises(ValueError, match="tensor 1 has 6 elements"):
+        pack_grads([torch.randn(4), torch.randn(6)], layout)
+    with pytest.raises(ValueError, match="not torch.int64"):
+        pack_shards([torch.arange(2), torch.arange(2)], layout)
+
+
 def test_glue_kernels_around_gloo_collectives(codegen_runs):
     for rank, result in enumerate(r["bucket"] for r in codegen_runs(2)[0]):
         assert "error" not in result, f"rank {rank}:\n{result['error']}"

@@ -154,6 +154,30 @@ def test_no_usable_triton_means_the_graph_runs_as_aten(monkeypatch, tmp_path):
     assert "no GPU here" in (tmp_path / "rank0" / "summary.txt").read_text()
 
 
+def test_triton_executor_without_triton_installed_warns_and_runs_aten():
+    """docs/codegen.md promises a warning and ATen where triton cannot be imported; importing the
+    codegen must therefore not import triton (a fresh process, triton made unimportable)."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+sys.modules["triton"] = None  # as if not installed
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from zerofx.codegen.executor import make_executor
+gm = make_fx(lambda x: (x * 2).exp() + 1)(torch.ones(3, 4))
+out = make_executor("triton")(gm)([torch.ones(3, 4)])
+out = out[0] if isinstance(out, (list, tuple)) else out
+assert torch.allclose(out, torch.full((3, 4), 2.0).exp() + 1), out
+print("ran as ATen")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "ran as ATen" in proc.stdout
+    assert "triton is not installed" in proc.stderr
+
+
 def test_var_mean_tuple_never_leaves_a_kernel():
     def fn(x):
         var, mean = torch.var_mean(x, -1, keepdim=True, correction=0)
@@ -198,3 +222,22 @@ def test_ops_mixing_devices_are_not_fused():
         mixed = g.call_function(aten.mul.Tensor, (x, s))
         mixed.meta["val"] = x.meta["val"] * s.meta["val"]
     assert can_lower(same) and not can_lower(mixed)
+
+
+def test_a_composite_whose_rows_are_too_long_for_a_kernel_stays_native():
+    """A vocab-sized log_softmax cannot become a row kernel (MAX_ROW): opened, it would only be
+    six unfused ATen ops instead of one native kernel, so it stays whole (forward and backward)."""
+    from zerofx.codegen.triton_ops import MAX_ROW
+
+    x, g = torch.randn(2, MAX_ROW + 1), torch.randn(2, MAX_ROW + 1)
+
+    def fn(x, g):
+        y = torch.log_softmax(x, -1)
+        return y, aten._log_softmax_backward_data(g, y, -1, torch.float32)
+
+    gm = make_fx(fn, tracing_mode="fake")(x, g)
+    fused = triton_codegen.compile_triton(gm)
+    targets = [n.target for n in fused.graph.nodes if n.op == "call_function"]
+    assert targets == [aten._log_softmax.default, aten._log_softmax_backward_data.default], targets
+    small = make_fx(fn, tracing_mode="fake")(x[:, :100], g[:, :100])  # still opened and fused when it fits
+    assert any(isinstance(t, FusedKernel) for t in (n.target for n in triton_codegen.compile_triton(small).graph.nodes))

@@ -6,7 +6,7 @@ launched, none fell back), so a silently unfused graph cannot pass. Tolerances, 
 
 * fp32 arithmetic (+ - * /, comparisons, where, relu, max/min): bit-exact, IEEE ops agree;
 * fp32 transcendentals (exp, log, erf, sigmoid, tanh, sqrt, rsqrt): rtol 1e-5, atol 1e-6
-  (numpy in the interpreter vs ATen's vectorised math; tanh is written via sigmoid);
+  (numpy in the interpreter vs ATen's vectorised math; tanh is written via exp and log);
 * reductions (softmax, log_softmax, LayerNorm, RMSNorm, fwd and bwd): rtol 1e-5, atol 1e-5
   (a different summation order);
 * bf16 / fp16: rtol = atol = 2e-2 / 2e-3, i.e. about two units in the last place: the kernel
@@ -241,3 +241,64 @@ def test_var_mean_with_default_correction_is_unbiased():
 
     (ref,), (got,), _ = run_both(fn, x)
     torch.testing.assert_close(got, ref, **REDUCTION)
+
+
+def test_rsub_alpha_scales_the_tensor_operand():
+    """``rsub(x, other, alpha)`` is ``other - alpha * x`` (alpha positional in rsub.Scalar)."""
+    x, y = torch.randn(7, 13), torch.randn(7, 13)
+
+    def fn(x, y):
+        return aten.rsub.Scalar(x * 2, 5.0, 3) + 1, aten.rsub.Tensor(x * 2, y, alpha=3) + 1, torch.sub(x, y, alpha=-0.5)
+
+    ref, got, _ = run_both(fn, x, y)
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+
+
+def test_arithmetic_with_a_bool_result_stays_aten():
+    """torch's add on bools is a logical or (True + True is True), mul a logical and: int1
+    arithmetic in a kernel would differ, so those ops are not lowered; comparisons, logical ops
+    (floats included: nonzero is true), where and casts still are."""
+    from zerofx.codegen.triton_ops import can_lower
+
+    a = torch.tensor([[True, True, False, False]] * 3)
+    b = torch.tensor([[True, False, True, False]] * 3)
+    x = torch.tensor([[0.0, 2.0, -1.0, 0.0]] * 3)
+
+    def fn(a, b, x):
+        return torch.logical_not(a + b), (a * b) + a, torch.where(a, b, a) + b, torch.logical_and(x * 2, x - 1) | a
+
+    gm = make_fx(fn, tracing_mode="fake")(a, b, x)
+    adds = [
+        n
+        for n in gm.graph.nodes
+        if n.target in (aten.add.Tensor, aten.mul.Tensor) and n.meta["val"].dtype == torch.bool
+    ]
+    assert adds and not any(can_lower(n) for n in adds)
+    fused = compile_triton(gm)
+    for r, g in zip(gm(a, b, x), fused(a, b, x)):
+        assert torch.equal(g, r)
+    assert kernels_of(fused) and all(k.fallbacks == 0 and k.error is None for k in kernels_of(fused))
+
+
+def test_amax_amin_of_a_row_holding_nan_are_nan():
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, nan, 2.0], [-inf, -inf, -inf], [1.0, 2.0, inf], [nan, -inf, 0.5]])
+
+    def fn(x):
+        return (x * 1).amax(-1) + 0, (x * 1).amin(-1, keepdim=True) + x, torch.softmax(x, -1)
+
+    ref, got, kernels = run_both(fn, x)
+    assert all(k.kernel.kind == "row" for k in kernels)
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def test_pow_zero_of_inf_and_nan_is_one_and_tanh_is_accurate_near_zero():
+    z = torch.tensor([[float("inf"), float("nan"), -0.0, -float("inf"), 2.0, 0.0]])
+    (ref,), (got,), _ = run_both(lambda z: (z * 1.0).pow(0) + 0, z)
+    assert torch.equal(got, ref)
+    t = torch.tensor([[1e-8, -3e-8, 1e-5, 1e-3, -1e-4, 0.05, 0.3, -0.7, 5.0, 20.0, -20.0, float("inf"), -0.0]])
+    (ref,), (got,), _ = run_both(lambda t: torch.tanh(t * 1.0) * 1.0, t)
+    torch.testing.assert_close(got, ref, rtol=4e-7, atol=0)  # relative: 2 / (1 + exp(-2x)) - 1 cancels near 0
+    assert got[0, -1].item() == 0.0 and got[0, -1].signbit()  # tanh(-0.0) = -0.0

@@ -61,7 +61,7 @@ def test_a_permuted_dense_parameter_steps_in_its_storage_order():
     """A shard split along dim 1 is a dense permuted view (zerofx/ir/layout.py, NOTE: the
     sharded dim): its gradient and state share its strides and the kernel walks their memory
     in storage order, as torch's step on the same values. A gradient laid out otherwise is
-    refused (pairing it flat would update the wrong elements)."""
+    copied into that order (pairing it flat would update the wrong elements)."""
     gen = torch.Generator().manual_seed(0)
     ours = torch.nn.Parameter(torch.randn(6, 4, 5, generator=gen).movedim(0, 1))  # [4, 6, 5], permuted
     ref = torch.nn.Parameter(ours.detach().clone(memory_format=torch.contiguous_format))
@@ -75,9 +75,48 @@ def test_a_permuted_dense_parameter_steps_in_its_storage_order():
         ref_opt.step()
         torch.testing.assert_close(ours, ref, **TOL, msg=lambda m: f"step {step}: {m}")
         torch.testing.assert_close(opt.state[ours]["exp_avg_sq"], ref_opt.state[ref]["exp_avg_sq"], **TOL)
-    ours.grad = torch.randn(4, 6, 5, generator=gen)  # contiguous: not the parameter's layout
-    with pytest.raises(ValueError, match="multi-tensor kernels need contiguous tensors"):
+    g = torch.randn(4, 6, 5, generator=gen)  # contiguous: not the parameter's layout
+    ours.grad, ref.grad = g.clone(), g.clone()
+    opt.step()
+    ref_opt.step()
+    torch.testing.assert_close(ours, ref, **TOL)
+    torch.testing.assert_close(opt.state[ours]["exp_avg"], ref_opt.state[ref]["exp_avg"], **TOL)
+
+
+def test_a_gradient_laid_out_otherwise_than_a_contiguous_parameter_is_paired_by_element():
+    ours, ref = _pair()
+    opt, ref_opt = FusedAdamW(ours[:1], lr=1e-2), torch.optim.AdamW(ref[:1], lr=1e-2)
+    g = torch.randn(5, 7).t()  # [7, 5] with strides (1, 7)
+    ours[0].grad, ref[0].grad = g, g.clone()
+    opt.step()
+    ref_opt.step()
+    torch.testing.assert_close(ours[0], ref[0], **TOL)
+
+
+def test_a_parameter_that_is_not_dense_is_a_clear_error():
+    from zerofx.errors import ZeroFXError
+
+    p = torch.nn.Parameter(torch.randn(6, 8)[:, :5])
+    p.grad = torch.randn(6, 5)
+    with pytest.raises(ZeroFXError, match="not dense"):
+        FusedAdamW([p], lr=1e-2).step()
+
+
+def test_a_tensor_lr_is_read_at_every_step():
+    ours, ref = _pair()
+    lr, ref_lr = torch.tensor(1e-2), torch.tensor(1e-2)
+    opt, ref_opt = FusedAdamW(ours, lr=lr), torch.optim.AdamW(ref, lr=ref_lr)
+    for step in range(3):
+        for p, q in zip(ours, ref):
+            p.grad, q.grad = torch.ones_like(p) * (step - 1), torch.ones_like(q) * (step - 1)
         opt.step()
+        ref_opt.step()
+        lr.mul_(0.5)  # as a scheduler updating it in place
+        ref_lr.mul_(0.5)
+        for p, q in zip(ours, ref):
+            torch.testing.assert_close(p, q, **TOL)
+    with pytest.raises(ValueError, match="one element"):
+        FusedAdamW(ours, lr=torch.ones(2))
 
 
 def test_state_dict_moves_between_fused_and_torch():

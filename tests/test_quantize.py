@@ -138,6 +138,45 @@ def test_triton_kernels_write_the_bytes_aten_writes(bits, rows, numel, block, dt
         torch.testing.assert_close(got, want, rtol=8e-3, atol=0)
 
 
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_triton_kernels_keep_nan_and_inf_blocks_as_aten_does(bits):
+    """tl.max / tl.maximum drop NaN: a block holding NaN must still get a NaN scale and the
+    payload ATen writes (0 for a NaN or inf value), so the dequantized block is NaN on both."""
+    from zerofx.codegen.quantize_kernels import dequantize_triton, quantize_triton
+
+    nan, inf = float("nan"), float("inf")
+    blocks = [[nan, 1.0, -2.0, 0.5], [1.0, 2.0, 3.0, 4.0], [inf, 1.0, 0.0, -2.0], [-inf, 3.0, 1.0, 0.0]]
+    blocks += [[1.0, nan, inf, 2.0], [0.5, -0.5, 2.0, -nan], [-1.0, 0.25, 0.0, 2.0]]
+    x = torch.tensor(blocks).view(-1)
+    for rows in (1, 7):
+        packed = ops.quantize_blockwise(x, rows, 4, bits)
+        assert torch.equal(quantize_triton(x, rows, 4, bits), packed)
+        numel = x.numel() // rows
+        want = ops.dequantize_blockwise(packed, numel, 4, bits, torch.float32).view(-1, 4)
+        got = dequantize_triton(packed, numel, 4, bits, torch.float32).view(-1, 4)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        assert want[[0, 2, 3, 4, 5]].isnan().all() and want[[1, 6]].isfinite().all()
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_empty_rows_and_rows_that_do_not_split_evenly(bits):
+    from zerofx.codegen.quantize_kernels import dequantize_triton, quantize_triton
+
+    for quantize, dequantize in (
+        (ops.quantize_blockwise, ops.dequantize_blockwise),
+        (quantize_triton, dequantize_triton),
+    ):
+        packed = quantize(torch.randn(0), 2, 4, bits)
+        assert packed.shape == (2, 0)
+        back = dequantize(packed, 0, 4, bits, torch.bfloat16)
+        assert back.shape == (2, 0) and back.dtype == torch.bfloat16
+        with pytest.raises(ValueError, match="7 values do not make 2 equal rows"):
+            quantize(torch.randn(7), 2, 4, bits)
+
+
 # --- options: one clear error each, naming the option ---------------------------------------
 
 

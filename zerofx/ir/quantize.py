@@ -100,8 +100,15 @@ def quant_format(option: str, block: int) -> QuantFormat:
     return QuantFormat(bits, block, floating)
 
 
+def row_numel(x: torch.Tensor, rows: int) -> int:
+    """Values per row of ``x`` read as ``rows`` equal rows (ATen and the Triton kernel check alike)."""
+    if rows < 1 or x.numel() % rows:
+        raise ValueError(f"quantize_blockwise: {x.numel()} values do not make {rows} equal rows")
+    return x.numel() // rows
+
+
 def _quantize_aten(x: torch.Tensor, rows: int, fmt: QuantFormat) -> torch.Tensor:
-    numel = x.numel() // rows
+    numel = row_numel(x, rows)
     nb, block = fmt.blocks(numel), fmt.block
     values = x.reshape(rows, numel).float()
     values = torch.nn.functional.pad(values, (0, nb * block - numel)).view(rows, nb, block)
@@ -115,7 +122,10 @@ def _quantize_aten(x: torch.Tensor, rows: int, fmt: QuantFormat) -> torch.Tensor
     if fmt.floating:
         q = (values * inv.unsqueeze(-1)).clamp_(-fmt.qmax, fmt.qmax).to(torch.float8_e4m3fn)
     else:
-        q = torch.floor(values * inv.unsqueeze(-1) + 0.5).clamp_(-fmt.qmax, fmt.qmax).to(torch.int8)
+        q = torch.floor(values * inv.unsqueeze(-1) + 0.5).clamp_(-fmt.qmax, fmt.qmax)
+        # a NaN or inf value (times inv = 0) is NaN here: write 0, not what a NaN to int8 cast
+        # happens to give (the NaN scale already makes the block NaN; the Triton kernel does the same)
+        q = q.nan_to_num_(0.0).to(torch.int8)
     q = q.view(rows, nb * block).view(torch.uint8)
     if fmt.bits == 4:  # two's complement nibbles, element 2i low
         q = (q[:, 0::2] & 0xF) | ((q[:, 1::2] & 0xF) << 4)
@@ -129,6 +139,8 @@ def _quantize_aten(x: torch.Tensor, rows: int, fmt: QuantFormat) -> torch.Tensor
 def _dequantize_aten(packed: torch.Tensor, numel: int, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
     rows = packed.shape[0]
     nb, block = fmt.blocks(numel), fmt.block
+    if nb == 0:  # empty rows: no scales to view as fp32 (a zero-width uint8 slice cannot be)
+        return torch.empty((rows, 0), dtype=dtype, device=packed.device)
     scale = packed[:, : 4 * nb].contiguous().view(torch.float32)
     payload = packed[:, 4 * nb : 4 * nb + fmt.payload_bytes(numel)]
     if fmt.floating:
