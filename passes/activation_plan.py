@@ -27,7 +27,8 @@ falls between two hull points, which is why the budget test compares against tor
 knapsack-based solver (benchmarks/checkpoint_vs_torch.py).
 
 Values that cannot be recomputed (graph inputs, random ops, collectives that are not part of a
-parameter's gather chain, mutations, unknown custom ops, values a policy marks MUST_SAVE) are
+parameter's gather chain, mutations, ops reading an input the forward overwrites, unknown
+custom ops, values a policy marks MUST_SAVE) are
 attached to the source; values that cannot be saved (views: their base is saved instead; tuples;
 symbolic floats) have an infinite save edge. Gathered parameters carry MUST_RECOMPUTE from the
 regather pass, so the plan always re-gathers them.
@@ -91,9 +92,52 @@ def cannot_recompute(node: fx.Node) -> str | None:
         return "mutates its input"
     if target.namespace in ("_c10d_functional", "c10d_functional"):
         return "collective"
+    overwritten = _overwritten_input(node)
+    if overwritten is not None:
+        return f"reads graph input {overwritten.name}, which the forward overwrites"
     if target.namespace not in ("aten", "prims") and node.meta.get(RECOMPUTE) != CheckpointPolicy.MUST_RECOMPUTE:
         return f"custom op {target.namespace}::{target._schema.name.split('::')[-1]}"
     return None
+
+
+def _overwritten_input(node: fx.Node) -> fx.Node | None:
+    """The graph input ``node`` reads (directly or through views) that the forward writes in
+    place (an input mutation: AOTAutograd keeps it as ``copy_(primal, new)`` in the graph), if
+    any. The backward runs after that write, so an op recomputed there would read the new value
+    (``x.mul_(s)`` then a matmul of x: recomputing the product scaled x twice); its output is
+    saved instead."""
+    for arg in node.all_input_nodes:
+        if _only_updated(node, arg):
+            continue
+        while arg.op == "call_function" and is_alias(arg) and arg.args and isinstance(arg.args[0], fx.Node):
+            arg = arg.args[0]
+        if arg.op == "placeholder" and any(_writes_first_arg(user, arg) for user in arg.users):
+            return arg
+    return None
+
+
+def _only_updated(node: fx.Node, arg: fx.Node) -> bool:
+    """Whether ``arg`` feeds only outputs of ``node`` that the backward never reads: batch norm in
+    training reads its running statistics only to return their update (outputs 3 and 4, which
+    the forward copies into the buffers); its normalized output and batch statistics do not
+    depend on them, so a recompute from overwritten buffers is still exact."""
+    if node.target is not torch.ops.aten._native_batch_norm_legit_functional.default:
+        return False
+    training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
+    return bool(training) and arg in node.args[3:5] and arg not in node.args[:3]
+
+
+def _writes_first_arg(user: fx.Node, target: fx.Node) -> bool:
+    op = user.target
+    return (
+        user.op == "call_function"
+        and isinstance(op, torch._ops.OpOverload)
+        and op._schema.is_mutable
+        and bool(user.args)
+        and user.args[0] is target
+        and bool(op._schema.arguments)
+        and op._schema.arguments[0].is_write
+    )
 
 
 def _static_shape(node: fx.Node) -> bool:
