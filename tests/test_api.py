@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import io
 import warnings
 
 import pytest
@@ -781,6 +783,40 @@ def test_explain_reports_every_frame_of_a_compiled_model_with_a_graph_break(one_
 
     with pytest.raises(ZeroFXError, match="zerofx.explain: no graph of Eager was compiled.*TORCH_LOGS"):
         zerofx.explain(Eager(), torch.randn(2))
+    torch._dynamo.reset()
+
+
+def test_explain_leaves_gradients_already_there_as_they_were(one_rank):
+    """explain between a backward and the step: its own backward must not add into the
+    gradients the model has (it doubled them in place), and the same tensors are put back.
+    Inside a no_sync window its backward would join the window's reduction: an error."""
+    torch.manual_seed(0)
+    for stage in (1, 3):
+        model = zerofx.compile(
+            nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)),
+            one_rank,
+            stage=stage,
+            param_dtype=torch.bfloat16,
+        )  # sharded at world 1
+        x = torch.randn(3, 4)
+        model(x).sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        before = {n: g.clone() for n, g in grads.items()}
+        with contextlib.redirect_stdout(io.StringIO()):
+            zerofx.explain(model, x)
+        for n, p in model.named_parameters():
+            assert p.grad is grads[n], n
+            torch.testing.assert_close(p.grad, before[n], rtol=0, atol=0)
+        model.zero_grad()
+        with zerofx.no_sync(model):
+            with pytest.raises(ZeroFXError, match="explain.*inside an accumulation window"):
+                zerofx.explain(model, x)
+            model(x).sum().backward()
+        with pytest.raises(ZeroFXError, match="explain.*inside an accumulation window"):
+            zerofx.explain(model, x)  # the window's gradients still wait for their reduction
+        with contextlib.redirect_stdout(io.StringIO()):
+            zerofx.explain(model, x, backward=False)
+        model.zero_grad()
     torch._dynamo.reset()
 
 

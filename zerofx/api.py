@@ -218,7 +218,9 @@ def explain(
     Runs one forward and, with ``backward=True``, a backward so that backward graphs are
     compiled too: of the output's ``loss`` (an attribute or key, as HF's outputs have), else of
     the first tensor in the output that requires grad (summed unless a scalar); with none, no
-    backward. Gradients it produces are cleared again. On a sharded model this is a collective:
+    backward. The model's gradients are left as they were (those it produces are dropped), and
+    a backward inside an accumulation window (``zerofx.no_sync``, or one not reduced yet) is an
+    error: it would join the window's reduction. On a sharded model this is a collective:
     every rank calls it. Returns the report it printed.
 
     Layout options (``zerofx.options.LAYOUT_OPTIONS``: stage, dtypes, ...) were fixed when the
@@ -248,7 +250,16 @@ def explain(
         return model(*args, **kwargs)
 
     compiled = torch.compile(_enter(run), backend=make_backend(opts, recorder))
+    if backward and runtime is not None and (runtime.pending or not runtime.sync):
+        raise ZeroFXError(
+            "zerofx.explain(backward=True) inside an accumulation window (zerofx.no_sync) would reduce the "
+            "window's gradients with its own: call it between steps, or with backward=False"
+        )
+    # the report's backward must not add into gradients already there (it would double them in
+    # place): they are set aside, and put back afterwards as they were
     had_grad = {p: p.grad for p in model.parameters()}
+    for p in had_grad:
+        p.grad = None
     # NOTE: a compiled model's own frames. A module's compiled call (``_compiled_call_impl``, set
     # by zerofx.compile) runs under its own backend, which has no recorder: at a graph break
     # dynamo resumes the frames after it there, and the report would miss them (or every frame,
