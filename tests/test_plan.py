@@ -408,6 +408,35 @@ def test_cli_writes_json_with_the_documented_keys(tmp_path):
     assert tight.returncode == 3 and "does not fit" in tight.stderr, tight.stderr[-2000:]
 
 
+def test_cli_plans_a_model_with_its_own_inputs(tmp_path):
+    """``zerofx plan --inputs MODULE:FUNCTION``: a model that is no language model (no
+    config.vocab_size) planned from the CLI, with inputs its function makes; without it, the
+    error names the option. The header counts parameters as people write them."""
+    (tmp_path / "mine.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32))\n"
+        "def inputs(batch, seq):\n"
+        "    return (torch.randn(batch, 32),), {}\n"
+    )
+
+    def plan(*extra):
+        return subprocess.run(
+            [sys.executable, "-m", "zerofx.cli", "plan", "mine:build", "--mesh", "2", "--device", "cpu", *extra],
+            capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+        )  # fmt: skip
+
+    run = plan("--inputs", "mine:inputs")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "(8.35K parameters)" in run.stdout and "collective" not in run.stderr, run.stdout
+    assert "all_gather      shard:" in run.stdout
+    missing = plan()
+    assert missing.returncode == 1 and "--inputs MODULE:FUNCTION" in missing.stderr, missing.stderr[-2000:]
+    bad = plan("--inputs", "mine")
+    assert bad.returncode == 1 and "--inputs 'mine': give it as module:function" in bad.stderr, bad.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

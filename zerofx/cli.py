@@ -173,6 +173,13 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default nccl (gloo for cpu)")
     plan.add_argument("--compare", action="store_true", help="also plan each memory option that changes the answer")
     plan.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for MODULE:FUNCTION")
+    plan.add_argument(
+        "--inputs",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="a function (batch, seq) -> (args, kwargs) giving the model's inputs; needed for a model "
+        "without a config.vocab_size (a language model's token inputs are made by default)",
+    )
     plan.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
     plan.add_argument("--plot", dest="plot_path", default=None, help="draw the step's memory timeline (PNG)")
 
@@ -241,6 +248,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as e:
         return fail(f"--device-memory: {e}")
     try:
+        inputs_fn = planner.import_callable(args.inputs, "--inputs") if args.inputs else None
         result = planner.plan(
             args.model,
             mesh,
@@ -255,6 +263,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             factory_kwargs=kwargs,
             compare=args.compare,
             tensor_parallel=args.tp,
+            example_inputs_fn=inputs_fn,
             **options,
         )
     except ZeroFXError as e:

@@ -116,22 +116,38 @@ def load_factory(spec: str | Callable[..., nn.Module], kwargs: dict | None = Non
             f"unknown model {spec!r}: give a built-in name ({', '.join(BUILTIN_MODELS)}) or a factory "
             "as module:function (e.g. mypkg.models:build_llama)"
         )
-    module_name, _, attr = spec.partition(":")
+    fn = import_callable(spec, "model factory")
+    return lambda: fn(**kwargs)
+
+
+def import_callable(spec: str, what: str) -> Callable[..., Any]:
+    """The function a ``module:function`` path names (``what`` names it in the errors)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ZeroFXError(f"{what} {spec!r}: give it as module:function (e.g. mypkg.models:build_llama)")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ZeroFXError(
-            f"model factory {spec!r}: cannot import module {module_name!r} ({e}); check the path and that "
+            f"{what} {spec!r}: cannot import module {module_name!r} ({e}); check the path and that "
             "its package is installed or on PYTHONPATH"
         ) from None
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
-            raise ZeroFXError(f"model factory {spec!r}: module {module_name!r} has no attribute {attr!r}")
+            raise ZeroFXError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
-        raise ZeroFXError(f"model factory {spec!r} is a {type(fn).__name__}, not a function")
-    return lambda: fn(**kwargs)
+        raise ZeroFXError(f"{what} {spec!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _count(n: int) -> str:
+    """A parameter count as people write it: 120K, 7.2M, 1.5B."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
 
 
 def _parse_memory(value: int | str | None) -> int | None:
@@ -438,7 +454,7 @@ class Plan:
         r = self.per_rank
         mesh = "x".join(str(v) for v in self.mesh.values())
         lines = [
-            f"zerofx plan: {self.model} ({self.parameters / 1e9:.3g}B parameters), {self.world_size} ranks "
+            f"zerofx plan: {self.model} ({_count(self.parameters)} parameters), {self.world_size} ranks "
             f"(mesh {mesh}: {', '.join(self.mesh)}), batch {self.batch} x seq {self.seq}, device {self.device}, "
             f"options {self.options or 'defaults'}",
             "per rank (rank 0):",
@@ -526,7 +542,7 @@ def _default_inputs(model: nn.Module) -> Callable[[int, int], tuple]:
     if vocab is None:
         raise ZeroFXError(
             f"zerofx.plan: cannot make inputs for {type(model).__name__} (no cfg.vocab_size / config.vocab_size): "
-            "pass example_inputs_fn(batch, seq) -> (args, kwargs)"
+            "pass example_inputs_fn(batch, seq) -> (args, kwargs) (zerofx plan: --inputs MODULE:FUNCTION)"
         )
     hf = (
         hasattr(model, "config")
