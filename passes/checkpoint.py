@@ -325,7 +325,11 @@ def _agree_across_ranks(gm: fx.GraphModule, problem: PlanProblem, plan: Activati
     if any(d[0] != structure for d in decisions):
         raise ZeroFXError(
             "ranks traced structurally different joint graphs; their checkpoint plans (and "
-            "collectives) cannot match. Compile the same model on every rank."
+            "collectives) cannot match. Compile the same model on every rank, with inputs of one "
+            "kind: torch specializes a size of 1, and sizes equal to each other, even under "
+            "dynamic=True, so a rank given a batch of one sequence or a square input traces "
+            "another graph (or train without an activation budget or checkpoint policy: the "
+            "default plan is each rank's own)."
         )
     first = decisions[0]
     if first[1:] == mine[1:]:

@@ -73,6 +73,23 @@ def train_lengths(rank: int, world: int, lengths: list[int], options: dict, prof
     }
 
 
+def one_rank_recompiles(rank: int, world: int) -> str:
+    """``dynamic=True`` with a budget, rank 0's second batch a single sequence: torch specializes
+    a size of 1, so rank 0 alone recompiles, and its compile-time plan agreement would meet rank
+    1's collectives (a wait until the process group's timeout). Every rank's error message."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    zerofx.compile(model, init_device_mesh("cpu", (world,)), dynamic=True, activation_budget=0.5)
+    try:
+        for step in range(2):
+            batch = 1 if rank == 0 and step == 1 else PER_RANK
+            data = torch.randint(0, CFG.vocab_size, (batch, 17), generator=torch.Generator().manual_seed(step))
+            model(data[:, :-1], data[:, 1:]).backward()
+    except (zerofx.ZeroFXError, torch._dynamo.exc.BackendCompilerFailed) as e:  # rank 0's: raised in its compile
+        return str(e)
+    return "trained"
+
+
 def scenarios(rank: int, world: int) -> dict:
     skewed = [LENGTHS[(i + rank) % len(LENGTHS)] for i in range(len(LENGTHS))]  # ranks differ every step
     late = [LENGTHS[0]] * (1 + rank) + list(LENGTHS[1 : len(LENGTHS) - rank])  # rank 1 recompiles a step later
@@ -84,4 +101,5 @@ def scenarios(rank: int, world: int) -> dict:
         "budget_dynamic_late",
         lambda: train_lengths(rank, world, late, {"dynamic": True, "activation_budget": 0.5}),
     )
+    attempt(out, "one_rank_recompiles", lambda: one_rank_recompiles(rank, world))
     return out

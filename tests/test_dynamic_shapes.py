@@ -47,6 +47,16 @@ def test_dynamic_true_compiles_once_with_a_plan_agreed_across_ranks(runs):
         assert len(next(iter(r["size_symbols"].values()))) >= 1, r
 
 
+def test_a_rank_recompiling_alone_under_a_plan_is_an_error_on_every_rank_not_a_hang(runs):
+    """Rank 0 recompiles (a batch of one sequence, a size torch specializes) while rank 1 runs
+    its graph: the compile joins rank 1's lockstep check, and both ranks raise, naming what each
+    was about to do, instead of waiting out the process group's timeout."""
+    for rank, message in enumerate(scenario_results(runs, "one_rank_recompiles")):
+        assert "rank(s) [0]: compiling a new graph" in message, f"rank {rank}: {message}"
+        assert "rank(s) [1]: the forward graph of" in message, f"rank {rank}: {message}"
+        assert "torch specializes a size of 1" in message
+
+
 def test_dynamic_option_values():
     assert zerofx.Options().codegen.dynamic == "auto"
     assert zerofx.Options(dynamic=True).codegen.dynamic is True

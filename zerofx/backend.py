@@ -278,6 +278,8 @@ def make_backend(
         locksteps = [r.lockstep for r in runtimes.values() if r.lockstep is not None]
         if options.check_lockstep:
             frame.lockstep = merge_locksteps(locksteps)
+        if frame.lockstep is not None and wants_plan(options.memory):
+            _compiling_in_lockstep(frame)
         symbols = _size_symbols(example_inputs)
         if symbols:
             _note_symbolic_frame(frame, symbols)
@@ -309,6 +311,28 @@ def _collective_signature(gm: fx.GraphModule) -> list[tuple]:
 
 def _issues(collectives: list[tuple]) -> str:
     return ", ".join(f"{n} {what}" for what, n in Counter(what for what, *_ in collectives).items()) or "no collective"
+
+
+def _compiling_in_lockstep(frame: _FrameCompiler) -> None:
+    """A checkpoint plan is agreed across ranks while the graph compiles (a collective:
+    passes/checkpoint.py, NOTE: ranks agree). A rank compiling while its peers run graphs they
+    compiled already (a guard failed on this rank only: torch specializes a size of 1 even under
+    dynamic=True, as on a last short batch of one sequence) would meet their collectives with
+    its agreement's and wait out the process group's timeout. So such a compile first joins the
+    lockstep check its peers run before every graph: every rank compiling passes the same
+    digest; otherwise every rank raises, naming what each was about to do."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._mode_utils import no_dispatch
+
+    text = (
+        f"compiling a new graph ({frame.graph_id}) whose checkpoint plan the ranks agree on, alone: one of "
+        "the frame's guards failed on this rank only (torch specializes a size of 1, and sizes equal to "
+        "each other, even under dynamic=True: a batch of one sequence, a square input); give every rank "
+        "shapes of one kind, or train without an activation budget or checkpoint policy (the default "
+        "plan is each rank's own)"
+    )
+    with no_dispatch(), unset_fake_temporarily(), torch._C._DisablePythonDispatcher():
+        frame.lockstep.check(digest_of("compile", "checkpoint plan"), lambda: text)
 
 
 def _backward_in_lockstep(run: Callable, collectives: list[tuple], frame: _FrameCompiler) -> Callable:
