@@ -260,7 +260,7 @@ def test_torch_compile_backend_on_an_unsharded_model_in_a_multi_rank_job_warns()
 def test_sharding_a_model_whose_parts_are_sharded_already_is_an_error_naming_the_part():
     """FSDP2's idiom (shard each block, then the root) and compiling a block of a sharded model
     both meet parameters zerofx has laid out already; either is refused before anything changes,
-    naming the part. torch's fake process group stands in for a 2-rank job (no collective runs)."""
+    naming the part. So is a model FSDP2 sharded (it said the parameters were tensor-parallel). torch's fake process group stands in for a 2-rank job (no collective runs)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -274,6 +274,14 @@ def test_sharding_a_model_whose_parts_are_sharded_already_is_an_error_naming_the
         whole = zerofx.shard(MLP(), mesh)
         with pytest.raises(ZeroFXError, match=r"^weight belongs to a model zerofx has sharded already \(as its "):
             zerofx.shard(whole.layers[2], mesh)
+        from torch.distributed.fsdp import fully_shard
+
+        for per_block in (True, False):  # FSDP2's layout, of a block or of the root only
+            fsdp = MLP()
+            fully_shard(fsdp.layers[0] if per_block else fsdp, mesh=mesh)
+            part = "layers.0" if per_block else "the model"
+            with pytest.raises(ZeroFXError, match=rf"^{part} is sharded by FSDP already \(fully_shard"):
+                zerofx.compile(fsdp, mesh)
     finally:
         dist.destroy_process_group()
 

@@ -1151,11 +1151,25 @@ def _refuse_hooked_parameters(model: nn.Module) -> None:
         )
 
 
+def _fsdp_wrapped(module: nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` (its FSDPModule class) or FSDP1's wrapper holds ``module``."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return isinstance(module, (FSDPModule, FullyShardedDataParallel))
+
+
 def _refuse_sharded_parts(model: nn.Module) -> None:
     """Refuse a model that holds zerofx-sharded parameters already: FSDP2's idiom of sharding
     each block and then the root (``fully_shard`` per block), or a block of a model zerofx has
     sharded. zerofx lays out a whole model in one call and buckets per block by itself, and a
     parameter sharded twice would be read through two layouts."""
+    fsdp = next((name or "the model" for name, m in model.named_modules() if _fsdp_wrapped(m)), None)
+    if fsdp is not None:
+        raise ZeroFXError(
+            f"{fsdp} is sharded by FSDP already (fully_shard / FullyShardedDataParallel): zerofx shards the "
+            "model itself, and its parameters would be read through two layouts. Pass zerofx the model "
+            "without FSDP (zerofx.compile(model, mesh) replaces fully_shard, per-block grouping included)"
+        )
     inner = next((name for name, m in model.named_modules() if name and is_sharded(m)), None)
     if inner is not None:
         raise ZeroFXError(
