@@ -5,6 +5,8 @@ Resume, resharding and export on real gloo ranks are in tests/test_zero_stages.p
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -297,3 +299,82 @@ def test_a_checkpoint_with_tensors_the_model_lacks_is_refused(tmp_path):
     with pytest.raises(ZeroFXError, match=r"does not fit this Sequential: 3\.weight is not in the model; 3\.bias"):
         zerofx.checkpoint.load(tmp_path / "ck", other)
     assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+
+
+def test_a_scheduler_built_after_load_finds_the_saved_param_group_keys(tmp_path):
+    """Every saved parameter-group key is restored, also those a fresh optimizer lacks (an LR
+    scheduler's ``initial_lr``), as torch's ``optimizer.load_state_dict`` does: a scheduler
+    built after the load with ``last_epoch`` (else KeyError: param 'initial_lr' is not specified)
+    gives the learning rates it gives after torch's own load."""
+    model = _model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(3):
+        _train(model, opt, 1, seed=3)
+        sched.step()
+    zerofx.checkpoint.save(tmp_path / "ck", model, opt, extra={"epoch": sched.last_epoch})
+    saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    assert "initial_lr" in saved_groups[0]
+
+    def lrs(optimizer, epoch):
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5, last_epoch=epoch)
+        out = []
+        for _ in range(3):
+            optimizer.step()
+            scheduler.step()
+            out.append(optimizer.param_groups[0]["lr"])
+        return out
+
+    plain = torch.optim.AdamW(_model(1).parameters(), lr=0.1)
+    plain.load_state_dict(opt.state_dict())
+    expected = lrs(plain, sched.last_epoch)
+    for load_model in (True, False):
+        other = _model(1)
+        other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)
+        extra = zerofx.checkpoint.load(tmp_path / "ck", other, other_opt, load_model=load_model)
+        assert [{k: v for k, v in g.items() if k != "params"} for g in other_opt.param_groups] == saved_groups
+        assert lrs(other_opt, extra["epoch"]) == expected
+
+
+class _WithIntegerBuffers(nn.Module):
+    """Integer and bool tensors among the floating-point ones; the first tensor an integer one."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("position_ids", torch.arange(4) + 2**40)  # not exact in bf16 or fp32
+        self.lin = nn.Linear(4, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.register_buffer("mask", torch.tensor([True, False, True]))
+
+
+def test_export_with_a_dtype_casts_only_the_floating_point_tensors(tmp_path):
+    """``export(..., dtype=bf16)`` (``zerofx convert --dtype bf16``) casts floating-point tensors,
+    as HF's save_pretrained does: BatchNorm's ``num_batches_tracked`` 1001 stays int64 1001 (not
+    bf16 1000.0), an int64 buffer and a bool one keep their values; the safetensors headers and
+    the index's total_size match the bytes written; config.json names the floating-point dtype."""
+    load_file = pytest.importorskip("safetensors.torch").load_file
+    model = _WithIntegerBuffers()
+    model.bn.num_batches_tracked.fill_(1001)
+    zerofx.checkpoint.save(tmp_path / "ck", model)
+    expected = model.state_dict()
+    assert next(iter(expected)) == "position_ids"
+    config = {"model_type": "test"}
+    for to, dtype in (("hf", torch.bfloat16), ("torch", torch.bfloat16), ("hf", None)):
+        out = tmp_path / f"{to}-{dtype}"
+        zerofx.checkpoint.export(tmp_path / "ck", out, to=to, dtype=dtype, max_shard_bytes=64, config=config)
+        index_name = "model.safetensors.index.json" if to == "hf" else "pytorch_model.bin.index.json"
+        index = json.loads((out / index_name).read_text())
+        files = sorted(set(index["weight_map"].values()))
+        assert len(files) > 1
+        sd = {}
+        for name in files:
+            sd.update(load_file(out / name) if to == "hf" else torch.load(out / name, weights_only=True))
+        assert sd.keys() == expected.keys()
+        for k, v in expected.items():
+            want = v.to(dtype) if dtype is not None and v.is_floating_point() else v
+            assert sd[k].dtype == want.dtype and torch.equal(sd[k], want), k
+        assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in sd.values())
+        for name in files:  # files sized by the bytes written: at most 64, or one larger tensor
+            keys = [k for k, f in index["weight_map"].items() if f == name]
+            assert len(keys) == 1 or sum(sd[k].numel() * sd[k].element_size() for k in keys) <= 64, keys
+        assert json.loads((out / "config.json").read_text())["dtype"] == ("bfloat16" if dtype else "float32")

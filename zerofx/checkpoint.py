@@ -38,6 +38,8 @@ writes no state for it (a parameter's gradient stands in for the duration of the
 state in the checkpoint (it had no gradient before the save: an unused expert) gets none, as in
 the uninterrupted run; state of another optimizer, of parameters this optimizer does not hold, or
 in another number of parameter groups is one error naming it, raised before anything is read.
+Every saved parameter-group key is read, also those a fresh optimizer lacks (``initial_lr``, set
+by an LR scheduler), as torch's ``optimizer.load_state_dict`` restores them.
 """
 
 from __future__ import annotations
@@ -260,11 +262,13 @@ def load(
     if not load_model:
         return _load_optimizer_only(path, info, model, optimizer)
     _init_unsaved_buffers(model)
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    stored = metadata.state_dict_metadata
     state = _state(model, optimizer, _grads_held_back)
     _check_compatible(f"checkpoint {path}", model, state["model"], _model_entries(path, stored), exact=True)
     if optimizer is not None:
         _check_optimizer_state(path, state["optimizer"], stored)
+        _request_saved_group_keys(state["optimizer"], metadata)
     dcp.load(state, checkpoint_id=str(path))
     if optimizer is None:
         set_model_state_dict(model, state["model"])
@@ -290,13 +294,15 @@ def _load_optimizer_only(
         raise ZeroFXError(
             "zerofx.checkpoint.load(load_model=False) reads only an optimizer's state: pass the optimizer"
         )
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    stored = metadata.state_dict_metadata
     _check_compatible(
         f"checkpoint {path}", model, get_model_state_dict(model), _model_entries(path, stored), exact=True
     )
     with _grads_held_back(optimizer):
         state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
     _check_optimizer_state(path, state["optimizer"], stored)
+    _request_saved_group_keys(state["optimizer"], metadata)
     dcp.load(state, checkpoint_id=str(path))
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
     _after_load(model, info, parameters_changed=False)
@@ -386,6 +392,13 @@ def _model_entries(path: Path, stored: dict[str, Any]) -> dict[str, TensorStorag
     return tensors
 
 
+def _exported_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype :func:`export` writes a tensor stored as ``stored`` in: ``dtype`` casts floating-point
+    tensors only, as ``Module.to(dtype)`` and HF's save_pretrained do; integer and bool tensors
+    (BatchNorm's ``num_batches_tracked``, HF's ``position_ids``) keep their dtype and values."""
+    return dtype if dtype is not None and stored.is_floating_point else stored
+
+
 def _plan_files(
     tensors: dict[str, TensorStorageMetadata], dtype: torch.dtype | None, max_shard_bytes: int
 ) -> list[list[str]]:
@@ -393,7 +406,7 @@ def _plan_files(
     (a tensor larger than that is a file of its own, as in HF's save_pretrained)."""
 
     def nbytes(key: str) -> int:
-        return tensors[key].size.numel() * (dtype or tensors[key].properties.dtype).itemsize
+        return tensors[key].size.numel() * _exported_dtype(tensors[key].properties.dtype, dtype).itemsize
 
     return pack_consecutive(list(tensors), nbytes, max_shard_bytes)
 
@@ -414,8 +427,9 @@ def export(
     ``from_pretrained(out)`` and by ``safetensors.torch.load_file``; ``to="torch"``: the same
     layout in ``torch.save`` files (``pytorch_model*.bin``). ``config.json`` is written from
     ``config`` (an HF config, a dict or a config.json path) or else from the HF config the
-    checkpoint recorded when an HF model was saved. ``dtype`` casts on the way (default: the
-    stored master dtype, fp32 for a mixed-precision run).
+    checkpoint recorded when an HF model was saved. ``dtype`` casts the floating-point tensors on
+    the way (default: the stored master dtype, fp32 for a mixed-precision run); integer and bool
+    tensors keep their dtype and values, as in HF's save_pretrained.
 
     One process, no process group. Each output file is read from the checkpoint (DCP reads just
     those tensors' chunks from whichever rank's file holds them) and written before the next is
@@ -448,7 +462,7 @@ def export(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / index_name).write_text(json.dumps(index, indent=2))
         if hf_config is not None:
-            stored_as = str(dtype or next(iter(tensors.values())).properties.dtype).removeprefix("torch.")
+            stored_as = str(_float_dtype(tensors, dtype)).removeprefix("torch.")
             keys = [k for k in ("dtype", "torch_dtype") if k in hf_config] or ["dtype"]
             hf_config = {**hf_config, **dict.fromkeys(keys, stored_as)}
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
@@ -465,14 +479,23 @@ def export(
     return out
 
 
+def _float_dtype(tensors: dict[str, TensorStorageMetadata], dtype: torch.dtype | None) -> torch.dtype:
+    """config.json's ``dtype``: that of the exported floating-point tensors (HF's save_pretrained
+    records its first floating-point parameter's), never an integer buffer's that comes first."""
+    if dtype is not None:
+        return dtype
+    floats = (t.properties.dtype for t in tensors.values() if t.properties.dtype.is_floating_point)
+    return next(floats, torch.float32)
+
+
 def _read_tensors(
     keys: list[str], tensors: dict[str, TensorStorageMetadata], reader: dcp.FileSystemReader, dtype: torch.dtype | None
 ) -> dict[str, torch.Tensor]:
     """The whole tensors ``keys`` of the checkpoint's model (DCP reads their chunks from every
-    rank's file), cast to ``dtype``."""
+    rank's file), the floating-point ones cast to ``dtype`` (``_exported_dtype``)."""
     part = {k: torch.empty(tensors[k].size, dtype=tensors[k].properties.dtype) for k in keys}
     _load_in_one_process({"model": part}, reader)
-    return part if dtype is None else {k: v.to(dtype) for k, v in part.items()}
+    return {k: v.to(_exported_dtype(v.dtype, dtype)) for k, v in part.items()}
 
 
 # safetensors' dtype names (its format: 8-byte little-endian header length, a JSON header of
@@ -516,7 +539,7 @@ def _write_file(
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for k in keys:
-        kind = dtype or tensors[k].properties.dtype
+        kind = _exported_dtype(tensors[k].properties.dtype, dtype)
         if kind not in _SAFETENSORS_DTYPES:
             raise ZeroFXError(f"export: {k} is {kind}, which safetensors cannot hold")
         nbytes = tensors[k].size.numel() * kind.itemsize
@@ -619,6 +642,31 @@ def _check_optimizer_state(path: Path, request: dict[str, Any], stored: dict[str
             f"checkpoint {path}: its optimizer state does not fit this optimizer (another optimizer, "
             f"or other parameters): {some_names(problems, 4, '; ')} (nothing was loaded)"
         )
+
+
+def _request_saved_group_keys(request: dict[str, Any], metadata: Any) -> None:
+    """Ask DCP for every parameter-group key the checkpoint holds, also those this optimizer's
+    groups lack (``initial_lr``, which an LR scheduler adds before the save): DCP reads only the
+    keys requested, and torch's ``optimizer.load_state_dict`` restores all of a saved group's keys
+    but ``params``. Each missing key gets a placeholder the read replaces; the key paths are DCP's
+    own (``planner_data``), else the stored names split at their dots. After
+    ``_check_optimizer_state`` (the same number of groups)."""
+    paths = getattr(metadata, "planner_data", None) or {}
+    groups = request["param_groups"]
+    had = [set(group) for group in groups]
+    for key in metadata.state_dict_metadata:
+        if not key.startswith("optimizer.param_groups."):
+            continue
+        path = tuple(paths.get(key) or key.split("."))
+        if len(path) < 4 or not all(isinstance(part, str) for part in path[3:]):
+            continue  # a list inside a group: left to the optimizer's own value, as before
+        index = int(path[2])
+        if path[3] in had[index]:
+            continue
+        node = groups[index]
+        for part in path[3:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = None
 
 
 def _init_unsaved_buffers(model: nn.Module) -> None:
