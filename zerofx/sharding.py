@@ -181,6 +181,8 @@ class GatheredCopy(torch.Tensor):
             # (transformers' tie_weights pads an output bias to its own length this way)
             writes, name = not _same_values(target, args[1] if len(args) > 1 else None), ".data = ..."
         param = getattr(target, "_zerofx_param", None) if isinstance(target, GatheredCopy) else None
+        if param is not None and name in ("__get__", "__set__") and getattr(func, "__self__", None) is _GRAD:
+            return _gradient_of(param, target._zerofx_name, name, args)
         if param is not None and (
             name == "requires_grad_" or (name == "__set__" and getattr(func, "__self__", None) is _REQUIRES_GRAD)
         ):  # freezing or unfreezing ``module.weight``: meant for the parameter, not for this read's copy
@@ -205,6 +207,24 @@ class GatheredCopy(torch.Tensor):
 
 _REQUIRES_GRAD = torch.Tensor.requires_grad
 _DATA = torch.Tensor.data
+_GRAD = torch.Tensor.grad
+
+
+def _gradient_of(param: nn.Parameter, qualname: str, name: str, args: tuple) -> torch.Tensor | None:
+    """``module.weight.grad``: the parameter's whole gradient, gathered as the weight was (a
+    collective, every rank reads it), or None; the copy has no gradient of its own, so this
+    read gave None after every backward. Setting it would set the copy's only: refused."""
+    if name == "__set__":
+        raise ZeroFXError(
+            f"{qualname}: setting .grad of module.{qualname.rsplit('.', 1)[-1]} (a copy gathered for this read) "
+            f"would be lost; set the parameter's: model.get_parameter({qualname!r}).grad (a DTensor of this "
+            "rank's rows)"
+        )
+    grad = param.grad
+    if grad is None:
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
 def _same_values(copy: torch.Tensor, value: Any) -> bool:
