@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from zerofx.ir.collectives import (
     ALL_GATHER_OUT,
@@ -51,7 +52,7 @@ from zerofx.ir.collectives import (
 )
 from zerofx.ir.meta import COLLECTIVE, QUANTIZED, ROLE
 from zerofx.passes.contract import Pass, PassContext
-from zerofx.passes.graph import insert_call
+from zerofx.passes.graph import insert_call, size_args
 
 aten = torch.ops.aten
 RELEASE = torch.ops.inductor.resize_storage_bytes_.default
@@ -118,9 +119,13 @@ def _pair_reduce_scatter(gm: fx.GraphModule, a2a: fx.Node, backends: dict[str, s
     if (
         len(in_splits) != 2
         or out_splits != in_splits
-        or in_splits[0] != in_splits[1]
-        or 2 * in_splits[0] != val.shape[0]
+        or in_splits[0] is not in_splits[1]
+        and in_splits[0] != in_splits[1]
     ):
+        return False
+    # a split is an int, or (dynamic shapes) the node that reads it in the graph
+    split = in_splits[0].meta["val"] if isinstance(in_splits[0], fx.Node) else in_splits[0]
+    if not statically_known_true(2 * split == val.shape[0]):
         return False
     if group not in backends:
         backends[group] = backend_of(group)
@@ -134,10 +139,11 @@ def _pair_reduce_scatter(gm: fx.GraphModule, a2a: fx.Node, backends: dict[str, s
     role = a2a.meta.get(ROLE)
     graph = gm.graph
     with graph.inserting_before(a2a):
+        shape = [in_splits[0], *size_args(gm, x, range(1, val.dim()), role)]  # symbolic sizes read in the graph
         buf = insert_call(
             gm,
             aten.empty.memory_format,
-            ([in_splits[0], *val.shape[1:]],),
+            (shape,),
             {"dtype": val.dtype, "device": val.device},
             role=role,
         )

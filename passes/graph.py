@@ -70,6 +70,30 @@ def insert_call(
     return node
 
 
+def size_args(gm: fx.GraphModule, source: fx.Node, dims: Any, role: str | None = None) -> list[Any]:
+    """``source``'s sizes at ``dims`` as arguments of an inserted node: an int where static; a
+    symbolic size (a graph traced with dynamic shapes) read from ``source`` in the graph with
+    ``aten.sym_size.int``, inserted at the current point. A SymInt in a node's arguments would be
+    printed as its symbol's name, which the generated code never binds (NameError at the first
+    call)."""
+    shape = source.meta["val"].shape
+    return [
+        shape[d] if isinstance(shape[d], int) else insert_call(gm, torch.ops.aten.sym_size.int, (source, d), role=role)
+        for d in dims
+    ]
+
+
+def rows_arg(gm: fx.GraphModule, source: fx.Node, parts: int, role: str | None = None) -> Any:
+    """``source``'s dim 0 divided into ``parts``, as an argument (see ``size_args``)."""
+    rows = source.meta["val"].shape[0]
+    if isinstance(rows, int):
+        return rows // parts
+    import operator
+
+    total = insert_call(gm, torch.ops.aten.sym_size.int, (source, 0), role=role)
+    return insert_call(gm, operator.floordiv, (total, parts), role=role)
+
+
 # NOTE: fake values of inserts
 # A pass inserts thousands of nodes on a deep model (a bucket's copies in and out, every
 # parameter's gather and wait), and each needs its fake value. Under the fake mode, most of an

@@ -83,7 +83,7 @@ from zerofx.ir.collectives import (
 from zerofx.ir.meta import COLLECTIVE, QUANTIZED, ROLE
 from zerofx.passes.contract import Pass, PassContext
 from zerofx.passes.cost_model import storage_root
-from zerofx.passes.graph import insert_call, positions
+from zerofx.passes.graph import insert_call, positions, rows_arg, size_args
 
 aten = torch.ops.aten
 RELEASE = torch.ops.inductor.resize_storage_bytes_.default
@@ -153,17 +153,18 @@ def _lower_reduce_scatters(gm: fx.GraphModule, ctx: PassContext, backends: dict[
         waits = [u for u in rs.users if u.target is WAIT]
         if not _on_gloo(group, backends) or len(waits) != len(rs.users) or val.shape[0] % world:
             continue
-        rows = val.shape[0] // world
-        splits = [rows] * world
         role = rs.meta.get(ROLE)  # "reduce", or None: a tensor-parallel plan's
-        with gm.graph.inserting_before(rs):
+        with gm.graph.inserting_before(rs):  # symbolic sizes (dynamic shapes) read in the graph
+            rows = rows_arg(gm, inp, world, role)
+            splits = [rows] * world
+            shape = [world, rows, *size_args(gm, inp, range(1, val.dim()), role)]
             a2a = insert_call(gm, ALL_TO_ALL, (inp, splits, splits, group), role=role)
         a2a.meta[COLLECTIVE] = "reduce_scatter"
         for wait in waits:
             with gm.graph.inserting_after(wait):
                 landed = insert_call(gm, WAIT, (a2a,), role=role)
             with gm.graph.inserting_after(landed):
-                chunks = insert_call(gm, aten.view.default, (landed, [world, rows, *val.shape[1:]]), role=role)
+                chunks = insert_call(gm, aten.view.default, (landed, shape), role=role)
             reduced = rank_ordered_sum(gm, chunks, world, op, role)
             wait.replace_all_uses_with(reduced)
             gm.graph.erase_node(wait)

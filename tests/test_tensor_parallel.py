@@ -22,6 +22,7 @@ CALLS = [
     ("parity", {"model": "gpt", "stage": 1}),
     ("parity", {"model": "gpt-no-sp", "stage": 3}),
     ("parity", {"model": "gpt", "stage": 3, "checkpoint": "full"}),
+    ("parity", {"model": "gpt", "stage": 3, "seqs": (16, 12, 8)}),
     ("parity", {"model": "llama", "stage": 3, "clip": 1.0}),
     ("parity", {"model": "llama", "stage": 2}),
     ("parity", {"model": "llama", "stage": 1}),
@@ -69,6 +70,9 @@ EXACT = [
     {"model": "gpt", "stage": 1},
     {"model": "gpt-no-sp", "stage": 3},
     {"model": "gpt", "stage": 3, "checkpoint": "full"},
+    # sequence parallelism's reduce-scatters of activations, sized by a symbol from the second
+    # length on (their gloo lowering wrote the symbol's name into the graph: NameError)
+    {"model": "gpt", "stage": 3, "seqs": (16, 12, 8)},
     {"model": "llama", "stage": 3, "clip": 1.0},
     {"model": "llama", "stage": 2},
     {"model": "llama", "stage": 1},

@@ -183,10 +183,17 @@ def _dp_mean(loss: torch.Tensor, dp_mesh) -> float:
 
 
 def parity(
-    model: str, stage: int, steps: int = 3, clip: float | None = None, layout: str = "2x2", **options: Any
+    model: str,
+    stage: int,
+    steps: int = 3,
+    clip: float | None = None,
+    layout: str = "2x2",
+    seqs: tuple[int, ...] | None = None,
+    **options: Any,
 ) -> dict:
     """Train zerofx, the oracle and the single process ``steps`` steps; what the tests read.
-    ``layout``: "2x2" (dp, tp), or hybrid sharding next to TP, "2x2x2" (replicate, shard, tp)."""
+    ``layout``: "2x2" (dp, tp), or hybrid sharding next to TP, "2x2x2" (replicate, shard, tp).
+    ``seqs``: one sequence length per step instead (a recompile with the length as a symbol)."""
     factory, plan, loss_fn = MODELS[model]
     mesh, dp_mesh, dp_size, dp_rank = _data_parallel(layout)
     base = factory()
@@ -200,7 +207,8 @@ def parity(
     single_opt = torch.optim.AdamW(single.parameters(), lr=LR)
     oracle = ShardedReference(replica, ours, lambda ps: torch.optim.AdamW(ps, lr=LR)) if exact else None
     out: dict[str, Any] = {"losses": [], "single": [], "oracle_equal": [], "divergences": [], "norms": []}
-    for step, (x, y) in enumerate(batches(steps, dp_size)):
+    data = batches(steps, dp_size) if seqs is None else [batches(1, dp_size, seq=n)[0] for n in seqs]
+    for step, (x, y) in enumerate(data):
         xm, ym = _mine(x, dp_rank), _mine(y, dp_rank)
         loss = loss_fn(ours, xm, ym)
         loss.backward()
