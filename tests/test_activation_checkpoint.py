@@ -11,6 +11,8 @@ import dataclasses
 import operator
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -339,6 +341,46 @@ def test_disk_store_pages_out(tmp_path):
     t.mul_(2)  # writes go to the file
     store.page_out(t)
     assert torch.equal(t, expected * 2)
+
+
+_FILE_LIMIT_SCRIPT = """
+import os, resource, sys, torch
+from zerofx.errors import ZeroFXError
+from zerofx.runtime.offload_store import DiskStore
+
+open_now = len(os.listdir("/proc/self/fd"))
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+limit = open_now + 16
+assert hard == resource.RLIM_INFINITY or hard > limit + 200, hard
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+store = DiskStore(sys.argv[1])
+kept = [torch.full((8,), float(i)) for i in range(40)]  # two descriptors each: past the soft limit
+for t in kept:
+    store.adopt(t)
+assert all(torch.equal(t, torch.full((8,), float(i))) for i, t in enumerate(kept))
+assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard, "the soft limit was raised to the hard one"
+at = len(os.listdir("/proc/self/fd")) + 6
+resource.setrlimit(resource.RLIMIT_NOFILE, (at, at))  # now the hard limit too: nothing left to raise
+try:
+    for i in range(10):
+        kept.append(torch.zeros(8))
+        store.adopt(kept[-1])
+except ZeroFXError as e:
+    print("refused:", e)
+"""
+
+
+def test_disk_offload_past_the_open_file_limit_raises_it_or_says_so(tmp_path):
+    """Disk offload keeps two descriptors open per tensor: past the soft limit of open files
+    (often 1024: a few hundred offloaded parameters) it raised a bare OSError (EMFILE) inside
+    the first optimizer step. The store raises the soft limit to the hard one, and past the
+    hard one says which limit, in a ZeroFXError. (A subprocess: a lowered hard limit is for
+    good.)"""
+    run = subprocess.run(
+        [sys.executable, "-c", _FILE_LIMIT_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "refused: disk offload: this process has" in run.stdout and "ulimit -n" in run.stdout, run.stdout
 
 
 def test_disk_store_keeps_a_permuted_shard_in_storage_order(tmp_path):

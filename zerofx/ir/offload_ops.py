@@ -23,7 +23,7 @@ import os
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -57,6 +57,35 @@ def _fallocate(fd: int, nbytes: int) -> None:
         raise OSError(code, os.strerror(code))
 
 
+def within_file_limit(open_: Callable[[], Any]) -> Any:
+    """``open_()`` (which opens a file descriptor); when the process is at its limit of open
+    files (``ulimit -n``, often 1024 soft), the soft limit is raised to the hard one once and
+    ``open_`` tried again, else a ``ZeroFXError`` says so. Disk offload holds each tensor's file
+    open for the tensor's life, two descriptors per tensor (its own and the memory map's), so an
+    offloaded optimizer over a few hundred parameters passes 1024."""
+    import resource
+
+    try:
+        return open_()
+    except OSError as e:
+        if e.errno != errno.EMFILE:
+            raise
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        try:
+            return open_()
+        except OSError as e:
+            if e.errno != errno.EMFILE:
+                raise
+            soft = hard
+    raise ZeroFXError(
+        f"disk offload: this process has {soft} files open, its limit (ulimit -n); each offloaded tensor "
+        "keeps its file open (two descriptors). Raise the limit (ulimit -n 65536 before launching, or "
+        "the hard limit in /etc/security/limits.conf), or offload less (offload_optimizer='host')"
+    ) from None
+
+
 def new_file(directory: str, nbytes: int, preallocate: bool = True) -> int:
     """An open, unlinked file of ``nbytes`` bytes: it disappears when the last user closes it.
 
@@ -66,7 +95,7 @@ def new_file(directory: str, nbytes: int, preallocate: bool = True) -> int:
     of space here is a ``ZeroFXError`` naming the folder and the bytes. A file system without
     ``fallocate`` keeps the sparse file. Files written with ``pwrite`` (parked activations) need
     none: a full disk is an ordinary error there."""
-    fd, path = tempfile.mkstemp(dir=directory, prefix="zerofx-", suffix=".bin")
+    fd, path = within_file_limit(lambda: tempfile.mkstemp(dir=directory, prefix="zerofx-", suffix=".bin"))
     try:
         os.ftruncate(fd, nbytes)
         if nbytes and preallocate:

@@ -36,7 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.layout import pack_consecutive
-from zerofx.ir.offload_ops import default_offload_dir, new_file, paged_storages
+from zerofx.ir.offload_ops import default_offload_dir, new_file, paged_storages, within_file_limit
 from zerofx.runtime.local_step import _class_step, fused_without_dtensor, step_over_whole_tensors
 from zerofx.runtime.params import optimizer_state, runtime_of
 from zerofx.runtime.whole_step import Windows, whole_step_class
@@ -128,7 +128,13 @@ class DiskStore:
                 f"{'a strided' if local.device.type == 'cpu' else local.device.type} tensor"
             )
         fd = new_file(self.directory, nbytes)
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:  # the map keeps a descriptor of its own (a dup of fd)
+            mapping = within_file_limit(
+                lambda: mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            )
+        except BaseException:
+            os.close(fd)
+            raise
         data = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(local.dtype)
         data.copy_(in_order.reshape(-1))
         with torch.no_grad():
