@@ -168,6 +168,10 @@ def test_incompatible_or_bad_zero_options_name_the_option():
             ZeroFXError, match=rf"option persistence_threshold=100 only applies to stage 3.*stage {stage}"
         ):
             zerofx.Options(stage=stage, persistence_threshold=100)
+        with pytest.raises(
+            ZeroFXError, match=rf"option keep_gathered_bytes=1000 keeps stage 3's.*stage {stage} gathers"
+        ):
+            zerofx.Options(stage=stage, keep_gathered_bytes=1000)  # accepted, and did nothing
     with pytest.raises(ZeroFXError, match=r"option persistence_threshold=-1"):
         zerofx.Options(persistence_threshold=-1)
     with pytest.raises(ZeroFXError, match=r"option loss_scale is required with param_dtype=torch.float16"):

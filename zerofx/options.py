@@ -520,6 +520,12 @@ class Options:
                 f"stage 3; stage {self.layout.stage} keeps whole parameters and gathers none in its graphs "
                 "(use stage=3, or drop quantize_weights)"
             )
+        if self.comm.keep_gathered_bytes and self.layout.stage != 3:
+            raise ZeroFXError(
+                f"option keep_gathered_bytes={self.comm.keep_gathered_bytes} keeps stage 3's gathered parameters "
+                f"from forward to backward; stage {self.layout.stage} gathers none in its graphs (its forward "
+                "reads whole copies): use stage=3, or drop keep_gathered_bytes"
+            )
         if self.comm.quantize_grads is not None and self.layout.stage == 1:
             raise ZeroFXError(
                 f"option quantize_grads={self.comm.quantize_grads!r} quantizes the gradient reduce-scatters inside "
