@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import operator
 import os
 import re
@@ -326,6 +327,22 @@ def test_offload_round_trip(tmp_path, tier):
     assert back.stride() == x.stride() and torch.equal(back, x)
     if tier == "disk":
         assert os.listdir(tmp_path) == []  # the file is unlinked at once; it lives while mapped
+
+
+def test_a_full_disk_parking_an_activation_is_an_error_naming_the_folder(tmp_path, monkeypatch):
+    """The write runs on the I/O thread; a full disk surfaced as a bare OSError where the
+    backward waits for the reload. It is a ZeroFXError naming the folder and the way out."""
+    from zerofx.ir import offload_ops
+
+    def full(fd, data, offset=0):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(offload_ops, "_pwrite_all", full)
+    x = torch.randn(16, 8)
+    parked = torch.ops.zerofx.offload(x, "disk", str(tmp_path))
+    started = torch.ops.zerofx.reload(parked, "disk", x.device, list(x.shape), list(x.stride()))
+    with pytest.raises(ZeroFXError, match=rf"offload folder '{tmp_path}': no room to park an activation of 512 bytes"):
+        torch.ops.zerofx.reload_wait(started)
 
 
 def test_disk_store_pages_out(tmp_path):

@@ -153,11 +153,20 @@ def _take(t: torch.Tensor) -> Any:
         return _pending.pop(t.data_ptr(), None)
 
 
-def _write_parked(fd: int, src: torch.Tensor, event: Any) -> None:
+def _write_parked(fd: int, src: torch.Tensor, event: Any, directory: str) -> None:
+    """Write a parked activation to its file (on the I/O thread: a failure surfaces where the
+    backward waits for the activation's reload)."""
     try:
         if event is not None:
             event.synchronize()
         _pwrite_all(fd, bytes_view(src))
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise ZeroFXError(
+            f"offload folder {directory!r}: no room to park an activation of {src.numel() * src.element_size():,} "
+            f"bytes ({e.strerror}); free space there, pass another offload_dir, or offload_activations='host'"
+        ) from None
     finally:
         os.close(fd)
 
@@ -167,7 +176,8 @@ def offload(x: torch.Tensor, tier: str, directory: str) -> torch.Tensor:
     """Park ``x`` in ``tier``; returns the parked tensor at once while the copy completes."""
     if tier == "disk":
         nbytes = x.numel() * x.element_size()
-        fd = new_file(directory or default_offload_dir(), max(nbytes, 1), preallocate=False)
+        directory = directory or default_offload_dir()
+        fd = new_file(directory, max(nbytes, 1), preallocate=False)
         parked = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=x.numel(), dtype=x.dtype).view(x.shape)
         event = None
         if x.device.type == "cuda":
@@ -182,7 +192,7 @@ def offload(x: torch.Tensor, tier: str, directory: str) -> torch.Tensor:
             src = staged
         else:
             src = x.contiguous()
-        _register(parked, _io.submit(_write_parked, fd, src, event))
+        _register(parked, _io.submit(_write_parked, fd, src, event, directory))
         return parked
     if x.device.type == "cuda":  # host tier: pinned buffer, copied on the side stream
         parked = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
