@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -13,6 +14,18 @@ import torch
 import torch.distributed as dist
 
 from zerofx.launch import local_ranks
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer of at least 1 (a count of steps, ranks, rounds...), so a
+    bad count is a usage error naming its option before any rank starts."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def launch_local(fn: Callable, world: int, *args: Any) -> list[Any]:

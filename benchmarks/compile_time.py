@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._launch import launch_local, markdown_table, write_json  # noqa: E402
+from benchmarks._launch import launch_local, markdown_table, positive_int, write_json  # noqa: E402
 from benchmarks.peers import SIZES, HFCausalLM  # noqa: E402
 
 METHODS = ("inductor", "zerofx")
@@ -78,8 +78,8 @@ def _rank_main(sizes: list[str], rounds: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["medium", "llama-medium"], choices=sorted(SIZES))
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--world", type=int, default=1, help="ranks compiling (rank 0's times are printed)")
+    parser.add_argument("--rounds", type=positive_int, default=2)
+    parser.add_argument("--world", type=positive_int, default=1, help="ranks compiling (rank 0's times are printed)")
     parser.add_argument("--json", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     rows = launch_local(_rank_main, args.world, args.sizes, args.rounds)[0]

@@ -308,11 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: check the script without a GPU")
     parser.add_argument("--budget-s", type=float, default=420.0, help="time for all sections (default 420)")
-    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = [n for n in args.sections.split(",") if n and n not in SECTIONS]
+    if unknown:
+        parser.error(f"--sections: unknown section(s) {', '.join(unknown)}: choose from {', '.join(SECTIONS)}")
     if args.cpu_smoke:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.child:

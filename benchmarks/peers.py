@@ -51,7 +51,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._launch import launch_local, small_hf_llama  # noqa: E402
+from benchmarks._launch import launch_local, positive_int, small_hf_llama  # noqa: E402
 
 SIZES = {
     "small": dict(vocab_size=512, seq_len=128, n_layer=4, n_head=4, d_model=128),
@@ -386,6 +386,8 @@ def time_round_robin(prepared: dict[str, Prepared], steps: int) -> None:
     no method always runs right after the same other one (a method can leave threads or caches
     behind that slow whatever follows it). Ranks start each step together."""
     methods = list(prepared.values())
+    if not methods:  # every method failed to set up: nothing to time (their error rows say why)
+        return
     for i in range(steps):
         start = i % len(methods)
         for p in methods[start:] + methods[:start]:
@@ -580,10 +582,10 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--world-sizes", type=positive_int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", nargs="+", default=["small"], choices=sorted(SIZES))
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=positive_int, default=4, help="sequences per rank")
+    parser.add_argument("--steps", type=positive_int, default=10)
     parser.add_argument(
         "--warmup",
         type=int,
@@ -599,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--launches",
-        type=int,
+        type=positive_int,
         default=1,
         help="run each world size this many times (fresh processes); report median ratios and range",
     )
@@ -612,8 +614,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--warmup must be at least 2 (the first compiles; the last notes what a step keeps)")
 
     if args.from_json:
-        with open(args.from_json) as f:
-            rows = json.load(f)["rows"]
+        try:
+            with open(args.from_json) as f:
+                rows = json.load(f)["rows"]
+        except OSError as e:
+            parser.error(f"--from-json: cannot read {args.from_json}: {e.strerror}")
+        except (ValueError, KeyError, TypeError):
+            parser.error(f"--from-json: {args.from_json} is not a --json file of this script (no rows)")
     else:
         rows = run(args)
     table = markdown(rows)

@@ -149,7 +149,9 @@ def run_config(model_name: str, world: int, options: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
-    parser.add_argument("--only", default=None, help="run only configurations whose model is this")
+    parser.add_argument(
+        "--only", default=None, choices=sorted(MODELS), help="run only configurations whose model is this"
+    )
     args = parser.parse_args(argv)
     rows = [run_config(m, w, o) for m, w, o in CONFIGS if args.only in (None, m)]
     lines = []

@@ -28,7 +28,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._launch import launch_local, markdown_table, write_json  # noqa: E402
+from benchmarks._launch import launch_local, markdown_table, positive_int, write_json  # noqa: E402
 
 
 def _step(model, opt, x, y) -> None:
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 48, 64, 80, 96, 112, 128])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=128)

@@ -40,8 +40,16 @@ import torch.distributed as dist
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._launch import launch_local  # noqa: E402
-from benchmarks.peers import SIZES, Setup, _backward, _batches, _build  # noqa: E402
+from benchmarks._launch import launch_local, positive_int  # noqa: E402
+from benchmarks.peers import (  # noqa: E402
+    METHODS,
+    OPTIONAL_METHODS,
+    SIZES,
+    Setup,
+    _backward,
+    _batches,
+    _build,
+)
 
 WAIT = ("wait_tensor", "Work.wait", "c10d::wait", "_wait_tensor")
 ISSUE = ("all_gather", "all_to_all", "reduce_scatter", "allreduce", "all_reduce", "c10d::", "_c10d_functional::")
@@ -189,6 +197,17 @@ def _timeline(model, opt, batches, mine, rank: int) -> list[tuple[float, str]]:
     return lines
 
 
+STEP_METHODS = tuple(m for m in METHODS + OPTIONAL_METHODS if m != "deepspeed")
+
+
+def _step_method(name: str) -> str:
+    """An argparse ``type``: a peers.py method ``_build`` makes whole (DeepSpeed's engine is made
+    with its optimizer by peers.py's ``prepare``, so it is not one here)."""
+    if name in STEP_METHODS or name.startswith("zerofx:"):
+        return name
+    raise argparse.ArgumentTypeError(f"unknown method {name!r}: one of {STEP_METHODS}, or zerofx:KEY=VALUE;...")
+
+
 def _rank_main(args) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -239,11 +258,17 @@ def _rank_main(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="medium", choices=sorted(SIZES))
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--profile-steps", type=int, default=4)
-    p.add_argument("--methods", nargs="+", default=["ddp", "zerofx"])
+    p.add_argument("--world", type=positive_int, default=2)
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--steps", type=positive_int, default=10)
+    p.add_argument("--profile-steps", type=positive_int, default=4)
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ddp", "zerofx"],
+        type=_step_method,
+        help=f"of {', '.join(STEP_METHODS)}; or zerofx:KEY=VALUE;... (zerofx.compile's options)",
+    )
     p.add_argument("--top", action="store_true", help="also list the 25 ops with the most self CPU time")
     p.add_argument("--timeline", action="store_true", help="also print one step's collectives, every rank on one clock")
     args = p.parse_args(argv)

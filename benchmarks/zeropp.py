@@ -29,7 +29,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._launch import launch_local, markdown_table, small_hf_llama, write_json  # noqa: E402
+from benchmarks._launch import launch_local, markdown_table, positive_int, small_hf_llama, write_json  # noqa: E402
 
 PERTURB = "_perturb_init"  # not a zerofx option: scale the initial weights by (1 + this)
 CONFIGS = {
@@ -164,7 +164,7 @@ def plot(results: dict, path: str, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt", choices=["gpt", "hf-llama"])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=positive_int, default=200)
     parser.add_argument("--corpus", type=int, default=4096, help="sequences in the fixed random-token corpus")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))

@@ -1,0 +1,86 @@
+"""The benchmark scripts refuse bad arguments at parse time (a usage error naming the argument,
+exit status 2, before any rank starts) instead of failing inside a rank or printing an empty
+table; and benchmarks/peers.py reports methods that all failed to set up as error rows."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize(
+    "script, args, says",
+    [
+        ("gpu_check.py", ["--sections", "parity_w1,bogus"], ["--sections", "bogus", "parity_w1", "codegen"]),
+        ("peers.py", ["--steps", "0"], ["--steps", "positive"]),
+        ("peers.py", ["--from-json", "/no/such/rows.json"], ["--from-json", "/no/such/rows.json"]),
+        ("step_breakdown.py", ["--methods", "ddp", "bogus"], ["--methods", "bogus", "zerofx_tuned"]),
+        ("plan_accuracy.py", ["--only", "nosuch"], ["--only", "nosuch", "hf-llama"]),
+    ],
+)
+def test_a_script_refuses_a_bad_argument(script, args, says):
+    run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    assert all(s in run.stderr for s in says), run.stderr
+
+
+@pytest.mark.parametrize(
+    "module, args, option",
+    [
+        ("peers", ["--world-sizes", "2", "0"], "--world-sizes"),
+        ("peers", ["--launches", "0"], "--launches"),
+        ("peers", ["--batch", "0"], "--batch"),
+        ("shapes", ["--rounds", "0"], "--rounds"),
+        ("zeropp", ["--steps", "0"], "--steps"),
+        ("compile_time", ["--world", "0"], "--world"),
+        ("compile_time", ["--rounds", "-1"], "--rounds"),
+        ("step_breakdown", ["--profile-steps", "0"], "--profile-steps"),
+        ("step_breakdown", ["--steps", "0"], "--steps"),
+        ("step_breakdown", ["--methods", "deepspeed"], "--methods"),
+    ],
+)
+def test_a_count_below_one_is_a_usage_error(module, args, option, capsys, monkeypatch):
+    import importlib
+
+    script = importlib.import_module(f"benchmarks.{module}")
+
+    def started(*_, **__):
+        raise AssertionError("the benchmark started: the argument was not refused at parse time")
+
+    for name in ("launch_local", "run"):  # so that a regression fails here, fast, instead of measuring
+        if hasattr(script, name):
+            monkeypatch.setattr(script, name, started)
+    with pytest.raises(SystemExit) as exit_:
+        script.main(args)
+    assert exit_.value.code == 2
+    assert f"argument {option}:" in capsys.readouterr().err
+
+
+def test_round_robin_with_no_methods_left_times_nothing():
+    from benchmarks.peers import time_round_robin
+
+    time_round_robin({}, 3)  # every method failed to set up: no ZeroDivisionError
+
+
+def test_methods_that_all_fail_to_set_up_are_error_rows():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from benchmarks.peers import Setup, measure_methods
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        setup = Setup("tiny", 1, 2, 2, ("zerofx:bogus=1",))
+        out = measure_methods(setup, 0, 1, mesh)
+    finally:
+        dist.destroy_process_group()
+    assert list(out) == ["zerofx:bogus=1"]
+    assert "bogus" in out["zerofx:bogus=1"]["error"], out
