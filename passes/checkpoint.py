@@ -284,7 +284,9 @@ def _report(
         ctx.report(f"  recomputed  {n.name:<32} {_describe(n):<24} {format_bytes(node_bytes(n)):>10}  {why}")
 
 
-def _agree_across_ranks(gm: fx.GraphModule, problem: PlanProblem, plan: ActivationPlan) -> ActivationPlan:
+def _agree_across_ranks(
+    gm: fx.GraphModule, problem: PlanProblem, plan: ActivationPlan, ctx: PassContext
+) -> ActivationPlan:
     """Rank 0's decision on every rank (see NOTE: ranks agree)."""
     marker = next((n for n in gm.graph.nodes if n.target is UNSHARD), None)
     if marker is None:
@@ -299,6 +301,8 @@ def _agree_across_ranks(gm: fx.GraphModule, problem: PlanProblem, plan: Activati
     group = _resolve_process_group(marker.args[2])
     if group.size() == 1:
         return plan
+    if ctx.before_agreement is not None:  # every rank compiling, or every rank raising (zerofx/backend.py)
+        ctx.before_agreement()
     structure = hashlib.sha256("/".join(f"{n.name}:{n.op}:{n.target}" for n in gm.graph.nodes).encode()).hexdigest()
     order = problem.order
     mine = (
@@ -392,7 +396,7 @@ def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             )[:600]
         ) from None
 
-    plan = _agree_across_ranks(gm, problem, plan)
+    plan = _agree_across_ranks(gm, problem, plan, ctx)
     _write_plan(gm, problem, plan, unconstrained, lean.resident_bytes, budget)
     _report(ctx, problem, plan, unconstrained, lean, budget, {**recompute, **save})
     return gm

@@ -45,6 +45,10 @@ class PassContext:
     num_fwd_outputs: int | None = None  # joint graphs: how many joint outputs belong to the forward
     cost: CostModel = field(default_factory=CostModel)
     messages: list[str] = field(default_factory=list)
+    # called right before a collective a pass issues at compile time (the checkpoint plan's
+    # agreement): the backend's lockstep check, so that a rank compiling alone (its peers run
+    # their graphs) raises on every rank instead of meeting their collectives (zerofx/backend.py)
+    before_agreement: Callable[[], None] | None = None
 
     def report(self, message: str) -> None:
         """Say what the pass decided; the dump shows it under the pass (e.g. tags set)."""

@@ -73,13 +73,14 @@ def train_lengths(rank: int, world: int, lengths: list[int], options: dict, prof
     }
 
 
-def one_rank_recompiles(rank: int, world: int) -> str:
+def one_rank_recompiles(rank: int, world: int, stage: int = 3) -> str:
     """``dynamic=True`` with a budget, rank 0's second batch a single sequence: torch specializes
-    a size of 1, so rank 0 alone recompiles, and its compile-time plan agreement would meet rank
-    1's collectives (a wait until the process group's timeout). Every rank's error message."""
+    a size of 1, so rank 0 alone recompiles, and at stage 3 its compile-time plan agreement would
+    meet rank 1's collectives (a wait until the process group's timeout). Every rank's error
+    message; at stage 2, which agrees on nothing at compile time, "trained"."""
     torch.manual_seed(0)
     model = GPT(CFG)
-    zerofx.compile(model, init_device_mesh("cpu", (world,)), dynamic=True, activation_budget=0.5)
+    zerofx.compile(model, init_device_mesh("cpu", (world,)), dynamic=True, activation_budget=0.5, stage=stage)
     try:
         for step in range(2):
             batch = 1 if rank == 0 and step == 1 else PER_RANK
@@ -102,4 +103,5 @@ def scenarios(rank: int, world: int) -> dict:
         lambda: train_lengths(rank, world, late, {"dynamic": True, "activation_budget": 0.5}),
     )
     attempt(out, "one_rank_recompiles", lambda: one_rank_recompiles(rank, world))
+    attempt(out, "one_rank_recompiles_stage2", lambda: one_rank_recompiles(rank, world, stage=2))
     return out

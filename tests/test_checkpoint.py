@@ -301,13 +301,19 @@ def test_a_checkpoint_with_tensors_the_model_lacks_is_refused(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
 
 
-def test_a_scheduler_built_after_load_finds_the_saved_param_group_keys(tmp_path):
+@pytest.mark.parametrize("lr", [0.1, "tensor"])
+def test_a_scheduler_built_after_load_finds_the_saved_param_group_keys(tmp_path, lr):
     """Every saved parameter-group key is restored, also those a fresh optimizer lacks (an LR
     scheduler's ``initial_lr``), as torch's ``optimizer.load_state_dict`` does: a scheduler
     built after the load with ``last_epoch`` (else KeyError: param 'initial_lr' is not specified)
-    gives the learning rates it gives after torch's own load."""
+    gives the learning rates it gives after torch's own load. A tensor lr's ``initial_lr`` is a
+    tensor in the checkpoint, read as one."""
+
+    def new_lr():
+        return torch.tensor(0.1) if lr == "tensor" else lr
+
     model = _model(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=new_lr())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for _ in range(3):
         _train(model, opt, 1, seed=3)
@@ -325,12 +331,12 @@ def test_a_scheduler_built_after_load_finds_the_saved_param_group_keys(tmp_path)
             out.append(optimizer.param_groups[0]["lr"])
         return out
 
-    plain = torch.optim.AdamW(_model(1).parameters(), lr=0.1)
+    plain = torch.optim.AdamW(_model(1).parameters(), lr=new_lr())
     plain.load_state_dict(opt.state_dict())
     expected = lrs(plain, sched.last_epoch)
     for load_model in (True, False):
         other = _model(1)
-        other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)
+        other_opt = torch.optim.AdamW(other.parameters(), lr=new_lr())
         extra = zerofx.checkpoint.load(tmp_path / "ck", other, other_opt, load_model=load_model)
         assert [{k: v for k, v in g.items() if k != "params"} for g in other_opt.param_groups] == saved_groups
         assert lrs(other_opt, extra["epoch"]) == expected

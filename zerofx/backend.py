@@ -126,7 +126,15 @@ class _FrameCompiler:
         self.trains = False  # compiled with a backward (not an inference graph)
 
     def _context(self, kind: str) -> PassContext:
-        return PassContext(self.graph_id, kind, self.options, num_fwd_outputs=self.num_fwd_outputs, cost=self.cost)
+        agree = (lambda: _compiling_in_lockstep(self)) if self.lockstep is not None else None
+        return PassContext(
+            self.graph_id,
+            kind,
+            self.options,
+            num_fwd_outputs=self.num_fwd_outputs,
+            cost=self.cost,
+            before_agreement=agree,
+        )
 
     def _run(self, gm: fx.GraphModule, kind: str, ctx: PassContext | None = None) -> fx.GraphModule:
         ctx = ctx or self._context(kind)
@@ -278,8 +286,6 @@ def make_backend(
         locksteps = [r.lockstep for r in runtimes.values() if r.lockstep is not None]
         if options.check_lockstep:
             frame.lockstep = merge_locksteps(locksteps)
-        if frame.lockstep is not None and wants_plan(options.memory):
-            _compiling_in_lockstep(frame)
         symbols = _size_symbols(example_inputs)
         if symbols:
             _note_symbolic_frame(frame, symbols)
@@ -314,13 +320,15 @@ def _issues(collectives: list[tuple]) -> str:
 
 
 def _compiling_in_lockstep(frame: _FrameCompiler) -> None:
-    """A checkpoint plan is agreed across ranks while the graph compiles (a collective:
-    passes/checkpoint.py, NOTE: ranks agree). A rank compiling while its peers run graphs they
-    compiled already (a guard failed on this rank only: torch specializes a size of 1 even under
-    dynamic=True, as on a last short batch of one sequence) would meet their collectives with
-    its agreement's and wait out the process group's timeout. So such a compile first joins the
-    lockstep check its peers run before every graph: every rank compiling passes the same
-    digest; otherwise every rank raises, naming what each was about to do."""
+    """A checkpoint plan is agreed across ranks while a stage-3 joint graph compiles (a
+    collective: passes/checkpoint.py, NOTE: ranks agree). A rank compiling while its peers run
+    graphs they compiled already (a guard failed on this rank only: torch specializes a size of 1
+    even under dynamic=True, as on a last short batch of one sequence) would meet their
+    collectives with its agreement's and wait out the process group's timeout. So right before
+    the agreement (``PassContext.before_agreement``) it joins the lockstep check its peers run
+    before every stage-3 graph: every rank compiling passes the same digest; otherwise every rank
+    raises, naming what each was about to do. Compiles that agree on nothing (stages 1 and 2,
+    inference graphs) do not take part."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.utils._mode_utils import no_dispatch
 

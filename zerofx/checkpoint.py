@@ -666,7 +666,10 @@ def _request_saved_group_keys(request: dict[str, Any], metadata: Any) -> None:
         node = groups[index]
         for part in path[3:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = None
+        stored = metadata.state_dict_metadata[key]
+        # a tensor value (a tensor lr's initial_lr) is read into a tensor of its size; others as bytes
+        size = getattr(stored, "size", None)
+        node[path[-1]] = None if size is None else torch.empty(size, dtype=stored.properties.dtype)
 
 
 def _init_unsaved_buffers(model: nn.Module) -> None:

@@ -145,7 +145,7 @@ def import_callable(spec: str, what: str) -> Callable[..., Any]:
 def _count(n: int) -> str:
     """A parameter count as people write it: 120K, 7.2M, 1.5B."""
     for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
+        if float(f"{n / scale:.3g}") >= 1:  # as rounded: 999,600 is 1M, not 1e+03K
             return f"{n / scale:.3g}{unit}"
     return str(n)
 

@@ -210,21 +210,18 @@ _DATA = torch.Tensor.data
 _GRAD = torch.Tensor.grad
 
 
-def _gradient_of(param: nn.Parameter, qualname: str, name: str, args: tuple) -> torch.Tensor | None:
-    """``module.weight.grad``: the parameter's whole gradient, gathered as the weight was (a
-    collective, every rank reads it), or None; the copy has no gradient of its own, so this
-    read gave None after every backward. Setting it would set the copy's only: refused."""
-    if name == "__set__":
-        raise ZeroFXError(
-            f"{qualname}: setting .grad of module.{qualname.rsplit('.', 1)[-1]} (a copy gathered for this read) "
-            f"would be lost; set the parameter's: model.get_parameter({qualname!r}).grad (a DTensor of this "
-            "rank's rows)"
-        )
-    grad = param.grad
-    if grad is None:
-        return None
-    with torch._C.DisableTorchFunctionSubclass():
-        return grad.full_tensor() if isinstance(grad, DTensor) else grad
+def _gradient_of(param: nn.Parameter, qualname: str, name: str, args: tuple) -> None:
+    """``module.weight.grad`` (read or set): the copy gathered for this read has no gradient of
+    its own, so a read gave None after every backward (a logging line that skips None grads
+    skipped them all, silently) and a write was lost. Both are refused, naming the parameter's.
+    Not gathered here: that would be a collective a read on one rank (``if rank == 0:``) hangs
+    in, and writes to a gathered gradient would be lost in turn."""
+    verb = "setting" if name == "__set__" else "reading"
+    raise ZeroFXError(
+        f"{qualname}: {verb} .grad of module.{qualname.rsplit('.', 1)[-1]}, a copy of the parameter gathered for "
+        f"this read, which has no gradient of its own; use the parameter's: model.get_parameter({qualname!r}).grad "
+        "(a DTensor of this rank's rows; .full_tensor() gathers it, a collective every rank calls)"
+    )
 
 
 def _same_values(copy: torch.Tensor, value: Any) -> bool:
