@@ -26,8 +26,12 @@ os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-if __package__ in (None, ""):
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): this checkout's `benchmarks`, and its
+    # zerofx whole (passes/ and codegen/ install into it: the bare source tree lacks them; benchmarks/_checkout.py)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks._checkout import import_checkout
+
+    import_checkout()
 
 from benchmarks._launch import launch_local, markdown_table, positive_int, write_json  # noqa: E402
 from benchmarks.peers import SIZES, HFCausalLM  # noqa: E402

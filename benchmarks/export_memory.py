@@ -20,8 +20,12 @@ import tempfile
 import torch
 from torch import nn
 
-if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make `benchmarks` importable
+if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): this checkout's `benchmarks`, and its
+    # zerofx whole (passes/ and codegen/ install into it: the bare source tree lacks them; benchmarks/_checkout.py)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks._checkout import import_checkout
+
+    import_checkout()
 
 import zerofx.checkpoint as ck  # noqa: E402
 from benchmarks._launch import markdown_table, write_json  # noqa: E402

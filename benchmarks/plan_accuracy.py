@@ -31,8 +31,12 @@ import time
 import torch
 import torch.distributed as dist
 
-if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): make `benchmarks` importable
+if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): this checkout's `benchmarks`, and its
+    # zerofx whole (passes/ and codegen/ install into it: the bare source tree lacks them; benchmarks/_checkout.py)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks._checkout import import_checkout
+
+    import_checkout()
 
 from benchmarks._launch import launch_local, markdown_table, small_hf_llama, write_json  # noqa: E402
 

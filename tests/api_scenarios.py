@@ -162,7 +162,7 @@ def scenarios(rank: int, world: int) -> dict:
     def gathered_copy_writes():
         """Outside a compiled graph module.weight is a gathered copy: reads work, in-place writes
         are refused naming the parameter, and the parameter itself takes them. Its ``.grad`` is
-        refused too (read or set), naming the parameter's."""
+        None while the parameter has none, else refused (read or set), naming the parameter's."""
         model, _ = _fresh_gpt()
         zerofx.compile(model, mesh)
         block = model.blocks[0].fc
@@ -194,6 +194,7 @@ def scenarios(rank: int, world: int) -> dict:
         twin_itself = twin.blocks[0].get_parameter("fc.weight") is dict(twin.named_parameters())["blocks.0.fc.weight"]
         # module.weight.grad: the copy has none of its own (it read None after every backward):
         # reading or setting it is refused, naming the parameter's
+        none_before = block.weight.grad is None  # the truth: the parameter has no gradient yet
         x, y = random_batch(GPT_CFG, 2, torch.Generator().manual_seed(rank))
         model(x, y).backward()
         grad_use = {}
@@ -209,7 +210,7 @@ def scenarios(rank: int, world: int) -> dict:
             "refused": refused,
             "halved_err": (after - whole / 2).abs().max().item(),
             "get_parameter": itself and twin_itself,
-            "grad": (grad_use, kept),
+            "grad": (grad_use, kept and none_before),
         }
 
     def stale_whole_copies():

@@ -394,7 +394,11 @@ def test_disk_offload_past_the_open_file_limit_raises_it_or_says_so(tmp_path):
     hard one says which limit, in a ZeroFXError. (A subprocess: a lowered hard limit is for
     good.)"""
     run = subprocess.run(
-        [sys.executable, "-c", _FILE_LIMIT_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _FILE_LIMIT_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(tmp_path),  # not the repository's root, whose zerofx/ lacks passes/ and codegen/ (tox installs)
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "refused: disk offload: this process has" in run.stdout and "ulimit -n" in run.stdout, run.stdout

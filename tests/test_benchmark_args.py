@@ -49,6 +49,9 @@ def test_a_script_refuses_a_bad_argument(script, args, says):
 def test_a_count_below_one_is_a_usage_error(module, args, option, capsys, monkeypatch):
     import importlib
 
+    # compile_time.py turns Inductor's caches off for its process at import (an environment
+    # variable): undone after the test, or every later test's ranks here would inherit it
+    monkeypatch.delenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", raising=False)
     script = importlib.import_module(f"benchmarks.{module}")
 
     def started(*_, **__):

@@ -213,9 +213,12 @@ _GRAD = torch.Tensor.grad
 def _gradient_of(param: nn.Parameter, qualname: str, name: str, args: tuple) -> None:
     """``module.weight.grad`` (read or set): the copy gathered for this read has no gradient of
     its own, so a read gave None after every backward (a logging line that skips None grads
-    skipped them all, silently) and a write was lost. Both are refused, naming the parameter's.
-    Not gathered here: that would be a collective a read on one rank (``if rank == 0:``) hangs
-    in, and writes to a gathered gradient would be lost in turn."""
+    skipped them all, silently) and a write was lost. A read is the truth where the parameter
+    has no gradient (None: frozen, or before the first backward); otherwise a read or a write is
+    refused, naming the parameter's. Not gathered here: that would be a collective that a read
+    on one rank (``if rank == 0:``) hangs in, and writes to a gathered gradient would be lost."""
+    if name == "__get__" and param.grad is None:
+        return None
     verb = "setting" if name == "__set__" else "reading"
     raise ZeroFXError(
         f"{qualname}: {verb} .grad of module.{qualname.rsplit('.', 1)[-1]}, a copy of the parameter gathered for "
