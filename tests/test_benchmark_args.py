@@ -4,6 +4,7 @@ table; and benchmarks/peers.py reports methods that all failed to set up as erro
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ import pytest
 import torch.distributed as dist
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+_CACHE_SWITCH = "TORCHINDUCTOR_FORCE_DISABLE_CACHES"
+_CACHE_SWITCH_BEFORE = os.environ.get(_CACHE_SWITCH)  # at collection, before any test imports compile_time
 
 
 @pytest.mark.parametrize(
@@ -51,7 +54,9 @@ def test_a_count_below_one_is_a_usage_error(module, args, option, capsys, monkey
 
     # compile_time.py turns Inductor's caches off for its process at import (an environment
     # variable): undone after the test, or every later test's ranks here would inherit it
-    monkeypatch.delenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", raising=False)
+    # (setenv records the variable's state before, absent included; delenv of an absent one
+    # records nothing to restore)
+    monkeypatch.setenv(_CACHE_SWITCH, "0")
     script = importlib.import_module(f"benchmarks.{module}")
 
     def started(*_, **__):
@@ -87,3 +92,10 @@ def test_methods_that_all_fail_to_set_up_are_error_rows():
         dist.destroy_process_group()
     assert list(out) == ["zerofx:bogus=1"]
     assert "bogus" in out["zerofx:bogus=1"]["error"], out
+
+
+def test_importing_compile_time_leaves_no_cache_switch_behind():
+    """Runs after the parametrized tests above in the same process (pytest keeps a file's
+    order): the variable compile_time.py sets at import is as it was before (it made every
+    later test's ranks warn that Inductor's caches were off)."""
+    assert os.environ.get(_CACHE_SWITCH) == _CACHE_SWITCH_BEFORE
