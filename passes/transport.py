@@ -134,12 +134,9 @@ def _gathered_shape(gm: fx.GraphModule, ag: fx.Node, role: Any) -> list[Any]:
     size (an activation gathered under dynamic shapes) read from the input in the graph, so the
     buffer follows every size the graph runs at (see NOTE: symbolic gathers)."""
     inp, world = ag.args[:2]
-    shape: list[Any] = list(ag.meta["val"].shape)
-    for d, size in enumerate(shape):
-        if isinstance(size, int):
-            continue
-        size = insert_call(gm, aten.sym_size.int, (inp, d), role=role)
-        shape[d] = insert_call(gm, operator.mul, (size, world), role=role) if d == 0 else size
+    shape = size_args(gm, inp, range(inp.meta["val"].dim()), role)
+    rows = shape[0]
+    shape[0] = rows * world if isinstance(rows, int) else insert_call(gm, operator.mul, (rows, world), role=role)
     return shape
 
 
