@@ -387,14 +387,11 @@ except ZeroFXError as e:
 """
 
 
-def test_disk_offload_past_the_open_file_limit_raises_it_or_says_so(tmp_path):
-    """Disk offload keeps two descriptors open per tensor: past the soft limit of open files
-    (often 1024: a few hundred offloaded parameters) it raised a bare OSError (EMFILE) inside
-    the first optimizer step. The store raises the soft limit to the hard one, and past the
-    hard one says which limit, in a ZeroFXError. (A subprocess: a lowered hard limit is for
-    good.)"""
+def _refused_at_the_file_limit(script: str, tmp_path) -> str:
+    """Run ``script`` in a subprocess (a lowered hard limit is for good); it must end at a
+    ZeroFXError naming ``ulimit -n``. Its stdout."""
     run = subprocess.run(
-        [sys.executable, "-c", _FILE_LIMIT_SCRIPT, str(tmp_path)],
+        [sys.executable, "-c", script, str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -402,6 +399,64 @@ def test_disk_offload_past_the_open_file_limit_raises_it_or_says_so(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "refused: disk offload: this process has" in run.stdout and "ulimit -n" in run.stdout, run.stdout
+    return run.stdout
+
+
+def test_disk_offload_past_the_open_file_limit_raises_it_or_says_so(tmp_path):
+    """Disk offload keeps two descriptors open per tensor: past the soft limit of open files
+    (often 1024: a few hundred offloaded parameters) it raised a bare OSError (EMFILE) inside
+    the first optimizer step. The store raises the soft limit to the hard one, and past the
+    hard one says which limit, in a ZeroFXError. (A subprocess: a lowered hard limit is for
+    good.)"""
+    _refused_at_the_file_limit(_FILE_LIMIT_SCRIPT, tmp_path)
+
+
+_PARK_AT_LIMIT_SCRIPT = """
+import os, resource, sys, torch
+import zerofx  # registers torch.ops.zerofx
+from zerofx.errors import ZeroFXError
+
+directory = sys.argv[1]
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+limit = len(os.listdir("/proc/self/fd")) + 8
+assert hard == resource.RLIM_INFINITY or hard > limit + 200, hard
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+filler = []
+try:
+    while True:
+        filler.append(os.open(directory, os.O_RDONLY))
+except OSError:
+    pass
+os.close(filler.pop())  # one descriptor left: the parked file's; its map needs another
+x = torch.arange(12.0).view(3, 4)
+parked = torch.ops.zerofx.offload(x, "disk", directory)
+back = torch.ops.zerofx.reload_wait(torch.ops.zerofx.reload(parked, "disk", x.device, [3, 4], [4, 1]))
+assert torch.equal(back, x), back
+assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard, "the soft limit was raised to the hard one"
+at = limit + 8
+resource.setrlimit(resource.RLIMIT_NOFILE, (at, at))  # the hard limit too: nothing left to raise
+try:
+    while True:
+        filler.append(os.open(directory, os.O_RDONLY))
+except OSError:
+    pass
+os.close(filler.pop())  # again one descriptor left
+try:
+    torch.ops.zerofx.offload(x, "disk", directory)
+except ZeroFXError as e:
+    print("refused:", e)
+filler.append(os.open(directory, os.O_RDONLY))  # the parked file's descriptor was closed
+print("left open: none")
+"""
+
+
+def test_parking_an_activation_at_the_open_file_limit_raises_it_or_says_so(tmp_path):
+    """Parking an activation on disk opens its file, and ``torch.from_file`` opens it once more
+    to map it: at the limit of open files that second open raised torch's bare RuntimeError
+    ("Too many open files"). It is handled as the first is: the soft limit is raised to the
+    hard one, and past that a ZeroFXError names the limit, leaving no descriptor behind."""
+    stdout = _refused_at_the_file_limit(_PARK_AT_LIMIT_SCRIPT, tmp_path)
+    assert "left open: none" in stdout, stdout
 
 
 def test_disk_store_keeps_a_permuted_shard_in_storage_order(tmp_path):

@@ -86,6 +86,18 @@ def within_file_limit(open_: Callable[[], Any]) -> Any:
     ) from None
 
 
+def _map_file(fd: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``numel`` elements mapped onto the file open at ``fd``. ``torch.from_file``
+    opens the file once more (and closes it once mapped); its RuntimeError at the limit of open
+    files is an ``OSError`` (EMFILE) here, for ``within_file_limit``."""
+    try:
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=dtype)
+    except RuntimeError as e:
+        if f"({errno.EMFILE})" in str(e):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE)) from e
+        raise
+
+
 def new_file(directory: str, nbytes: int, preallocate: bool = True) -> int:
     """An open, unlinked file of ``nbytes`` bytes: it disappears when the last user closes it.
 
@@ -178,7 +190,11 @@ def offload(x: torch.Tensor, tier: str, directory: str) -> torch.Tensor:
         nbytes = x.numel() * x.element_size()
         directory = directory or default_offload_dir()
         fd = new_file(directory, max(nbytes, 1), preallocate=False)
-        parked = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=x.numel(), dtype=x.dtype).view(x.shape)
+        try:
+            parked = within_file_limit(lambda: _map_file(fd, x.numel(), x.dtype)).view(x.shape)
+        except BaseException:
+            os.close(fd)
+            raise
         event = None
         if x.device.type == "cuda":
             staged = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
