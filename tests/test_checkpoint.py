@@ -123,8 +123,26 @@ def test_overwriting_replaces_the_old_checkpoint_only_when_the_new_one_is_comple
 
 
 def test_extra_must_be_json(tmp_path):
-    with pytest.raises(ZeroFXError, match="JSON"):
+    with pytest.raises(ZeroFXError, match=r"extra\['t'\] is a Tensor; extra is saved as JSON"):
         zerofx.checkpoint.save(tmp_path / "ck", _model(0), extra={"t": torch.ones(1)})
+
+
+def test_extra_comes_back_as_it_went_in_or_is_refused(tmp_path):
+    """``extra`` goes through JSON, which has no tuples and only string keys: ``{"shape": (2,
+    3)}`` loaded as ``[2, 3]`` and ``{"seen": {3: 10}}`` as ``{"3": 10}``, silently. Those are
+    refused at the save, naming where; what JSON keeps comes back equal."""
+    model = _model(0)
+    for extra, where in [
+        ({"shape": (2, 3)}, r"extra\['shape'\] is a tuple"),
+        ({"seen": {3: 10}}, r"extra\['seen'\] has the key 3 \(int\)"),
+        ({"runs": [{"ids": {1, 2}}]}, r"extra\['runs'\]\[0\]\['ids'\] is a set"),
+    ]:
+        with pytest.raises(ZeroFXError, match=where):
+            zerofx.checkpoint.save(tmp_path / "ck", model, extra=extra)
+        assert not (tmp_path / "ck").exists()
+    extra = {"step": 7, "lr": 1e-3, "best": float("inf"), "done": False, "tag": None, "hist": [[1, 2.5], {"a": "b"}]}
+    zerofx.checkpoint.save(tmp_path / "ck", model, extra=extra)
+    assert zerofx.checkpoint.load(tmp_path / "ck", _model(1)) == extra
 
 
 def test_export_gives_a_plain_state_dict(tmp_path):

@@ -169,6 +169,32 @@ def _refuse_replacing(path: Path) -> None:
         raise ZeroFXError(f"zerofx.checkpoint.save: {problem} (nothing was written)")
 
 
+def _check_extra(value: Any, where: str) -> None:
+    """``extra`` comes back from :func:`load` as it went in: JSON's own types only. A tuple would
+    come back a list and an int key a string (JSON has neither), so either is refused here, at
+    the save, rather than changed silently."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ZeroFXError(
+                    f"checkpoint {where} has the key {key!r} ({type(key).__name__}); extra is saved as JSON, "
+                    f"whose keys are strings: it would load as {str(key)!r}. Use string keys"
+                )
+            _check_extra(item, f"{where}[{key!r}]")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_extra(item, f"{where}[{i}]")
+    elif isinstance(value, tuple):
+        raise ZeroFXError(
+            f"checkpoint {where} is a tuple; extra is saved as JSON, which would load it as a list. Pass a list"
+        )
+    elif not (value is None or isinstance(value, (str, int, float))):
+        raise ZeroFXError(
+            f"checkpoint {where} is a {type(value).__name__}; extra is saved as JSON: str, int, float, bool, None, "
+            "lists and dicts with string keys (tensors belong in the model's or optimizer's state)"
+        )
+
+
 def save(
     path: str | os.PathLike,
     model: nn.Module,
@@ -178,16 +204,15 @@ def save(
 ) -> Path:
     """Save ``model`` (and ``optimizer``) sharded to the folder ``path``; a collective.
 
-    ``extra`` is JSON-serializable metadata (say, the step) returned by :func:`load`. An
+    ``extra`` is metadata (say, the step) returned by :func:`load` as it was given: JSON's types
+    (str, int, float, bool, None, lists, dicts with string keys; anything else is refused). An
     existing checkpoint at ``path`` is replaced only once the new one is complete; any other
     non-empty ``path`` is an error. An optimizer that never stepped is saved without state and
     left as it was (NOTE: optimizer state that does not exist yet).
     """
     path = Path(path)
-    try:
-        extra_json = json.dumps(extra or {})
-    except TypeError as e:
-        raise ZeroFXError(f"checkpoint extra must be JSON-serializable: {e}") from e
+    _check_extra(extra or {}, "extra")
+    extra_json = json.dumps(extra or {})
     _refuse_replacing(path)
     tmp = path.parent / same_on_every_rank(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
     if _rank() == 0:
