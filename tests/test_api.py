@@ -848,3 +848,83 @@ def test_explain_refuses_layout_options_that_differ_from_the_sharding(one_rank):
     ):
         zerofx.explain(nn.Linear(4, 1), x, stage=2)
     torch._dynamo.reset()
+
+
+class _ChangesItsWeight(nn.Module):
+    """A forward that changes a parameter in place, as WGAN's weight clipping does (``how``), or
+    (``"clone"``) changes only its own copy of it, which is fine."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(8, 16), nn.Linear(16, 4), how
+
+    def forward(self, x):
+        with torch.no_grad():
+            if self.how == "clamp_":
+                self.b.weight.clamp_(-0.1, 0.1)
+            elif self.how == "row":
+                self.b.weight[0].mul_(0.5)  # through a view
+            elif self.how == "setitem":
+                self.b.weight[:, 0] = 0.0
+            elif self.how == "clone":
+                w = self.b.weight.clone()
+                w.clamp_(-0.1, 0.1)
+        return self.b(torch.relu_(self.a(x))).sum()  # an in-place op on an activation is fine
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("how", ["clamp_", "row", "setitem"])
+def test_a_compiled_forward_changing_a_parameter_in_place_is_refused_by_name(one_rank, stage, how):
+    """Inside a compiled forward ``self.b.weight`` is a whole copy gathered for that read: an
+    in-place change to it reached neither the parameter nor its next read, and training went
+    on without it (loss 1.02 where eager gives 1.11; b.weight kept values past the clamp).
+    It is refused when the frame compiles, naming the parameter, at every stage."""
+    model = zerofx.compile(_ChangesItsWeight(how), one_rank, stage=stage, param_dtype=torch.bfloat16)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"b\.weight: the compiled forward changes"):
+        model(torch.randn(2, 8))
+    torch._dynamo.reset()
+    model = zerofx.compile(_ChangesItsWeight("clone"), one_rank, stage=stage, param_dtype=torch.bfloat16)
+    model(torch.randn(2, 8)).backward()  # a copy of its own is the user's to change
+
+
+class _Penalized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+
+    def forward(self, x, through_modules: bool):
+        if through_modules:
+            weights = [getattr(m, n) for m in self.modules() for n, _ in m.named_parameters(recurse=False)]
+        else:
+            weights = list(self.parameters())
+        return self.a(x).sum() + 1e-2 * sum(w.pow(2).sum() for w in weights)
+
+
+def test_a_compiled_forward_computing_with_the_shards_is_refused_and_module_reads_work(one_rank):
+    """``self.parameters()`` inside forward gives the shards (DTensors): a weight penalty over
+    them failed in AOT autograd with torch's "got mixed torch.Tensor and DTensor". It is
+    refused naming the parameters and the way that works, which trains as eager does."""
+    torch.manual_seed(0)
+    model = _Penalized()
+    ref = copy.deepcopy(model)
+    zerofx.compile(model, one_rank, param_dtype=torch.bfloat16)
+    x = torch.randn(2, 8)
+    with pytest.raises(
+        torch._dynamo.exc.BackendCompilerFailed, match=r"a\.weight, a\.bias: the compiled code computes with"
+    ):
+        model(x, False)
+    loss, ref_loss = model(x, True), ref.to(torch.bfloat16)(x.to(torch.bfloat16), True)  # the same arithmetic
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=2.0**-7)
+
+
+def test_a_sparse_embedding_is_refused_where_parameters_are_sharded(one_rank):
+    """A sparse gradient has no rows to reduce-scatter: sharding an ``Embedding(sparse=True)``
+    failed inside the first backward ("memory format option is only supported by strided
+    tensors"); it is refused by name. Unsharded (one rank, no param_dtype) it trains as is."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ModuleDict({"emb": nn.Embedding(10, 4, sparse=True)}))
+    with pytest.raises(ZeroFXError, match=r"1\.emb: an embedding with sparse=True"):
+        zerofx.shard(model, one_rank, param_dtype=torch.bfloat16)
+    assert not zerofx.sharding.is_sharded(model)
+    zerofx.shard(model, one_rank)
+    model[1]["emb"](torch.tensor([1, 2])).sum().backward()
+    assert model[1]["emb"].weight.grad.is_sparse

@@ -37,11 +37,13 @@ import torch
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.distributed.tensor import DTensor
 
 from zerofx.codegen.executor import make_executor
 from zerofx.dump import Recorder
 from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.collectives import ALL_GATHER, COLLECTIVE_OPS, backend_of, mesh_dim_or_size
+from zerofx.ir.markers import FORWARD_MARKERS
 from zerofx.ir.meta import ACTIVATION_PLAN, BORROWED_INPUTS
 from zerofx.measure.instrument import graph_collectives, instrument
 from zerofx.options import Options
@@ -279,6 +281,8 @@ def make_backend(
 
     def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
         _refuse_parameters_added_after_sharding(gm, example_inputs)
+        _refuse_reading_shards(gm, example_inputs)
+        _refuse_writes_to_gathered(gm, example_inputs)
         frame = _FrameCompiler(state, recorder if recorder is not None else recorder_for(options))
         # the checks of every model the frame reads (groups is None where a shard's options
         # turned them off): a frame may read models sharded over different meshes
@@ -442,6 +446,63 @@ def _refuse_parameters_added_after_sharding(gm: fx.GraphModule, example_inputs: 
     ]
     if unknown:
         raise added_after_sharding(unknown)
+
+
+def _refuse_reading_shards(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
+    """Refuse a frame that computes with a sharded parameter itself, not through its module's
+    attribute: ``self.parameters()`` / ``named_parameters()`` inside forward (an L2 penalty)
+    give this rank's shard, a DTensor, and mixing it with the activations failed in AOT
+    autograd with torch's "got mixed torch.Tensor and DTensor". ``module.weight`` is the
+    whole value, through the markers (zerofx/sharding.py), which is what such code means."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    direct = [
+        _qualname(x)
+        for node, x in zip(placeholders, example_inputs)
+        if node.users
+        and isinstance(x, torch.nn.Parameter)
+        and isinstance(x, DTensor)
+        and getattr(x, "_zerofx_state", None) is not None
+        and x._zerofx_state.tp is None  # (a tensor-parallel one enters its frame as the DTensor it is)
+    ]
+    if direct:
+        raise ZeroFXError(
+            f"{some_names(direct)}: the compiled code computes with the sharded parameter itself (this rank's "
+            "shard, a DTensor), as model.parameters() / named_parameters() give it, e.g. for a weight penalty "
+            "inside forward. Read parameters through their modules, which give the whole value: "
+            "[getattr(m, n) for m in self.modules() for n, _ in m.named_parameters(recurse=False)] "
+            "(or use the optimizer's weight_decay)"
+        )
+
+
+def _refuse_writes_to_gathered(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
+    """Refuse a frame that changes a gathered parameter in place (``self.w.clamp_(-c, c)`` under
+    no_grad, WGAN's weight clipping; ``self.w.div_(norm)``). ``module.weight`` inside a compiled
+    forward is the value of a forward marker, a whole copy made for that read: the change reached
+    neither the parameter nor the next read of it, and the run went on without it. A marker's
+    output starts at version 0 (custom ops return new tensors), so any in-place op on it or on a
+    view of it while dynamo traced shows in its fake value's version counter. (Uncompiled, the
+    same write is refused by the gathered copy, zerofx/sharding.py.)"""
+    reads = {n: x for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs)}
+    for node in gm.graph.nodes:
+        # dynamo records the op's packet (torch.ops.zerofx.unshard), AOT autograd its overload
+        if node.op != "call_function" or getattr(node.target, "default", node.target) not in FORWARD_MARKERS:
+            continue
+        value = node.meta.get("example_value")
+        if not isinstance(value, torch.Tensor) or value._version == 0:
+            continue
+        source = node.args[0]
+        while isinstance(source, fx.Node) and source.op != "placeholder" and source.args:
+            source = source.args[0]
+        state = _state_of(reads.get(source)) if isinstance(source, fx.Node) else None
+        name = state.qualname if state is not None else "a sharded parameter"
+        raise ZeroFXError(
+            f"{name}: the compiled forward changes the parameter in place (an in-place op such as clamp_, mul_ or "
+            "copy_ on module.weight, or an assignment into it), but module.weight there is a whole copy gathered "
+            "for that read: the change would reach neither the parameter nor its next read. Change the parameter "
+            f"itself, outside the compiled forward: dict(model.named_parameters())[{name!r}] is a DTensor of this "
+            "rank's rows, and its in-place ops change every rank's rows (at stages 1 and 2, then renew the whole "
+            "copies: zerofx.sharding.runtime_of(model).refresh())"
+        )
 
 
 def _source_name(node: fx.Node) -> str:

@@ -1171,6 +1171,23 @@ def _refuse_hooked_parameters(model: nn.Module) -> None:
         )
 
 
+def _refuse_sparse_gradients(model: nn.Module) -> None:
+    """Refuse embeddings with ``sparse=True``: their gradient is a sparse tensor, which has no
+    rows to reduce-scatter, keep in a flat shard or step locally (as DeepSpeed's ZeRO and FSDP
+    have no sparse gradients either). It failed deep inside the first backward."""
+    sparse = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+    ]
+    if sparse:
+        raise ZeroFXError(
+            f"{some_names(sparse)}: an embedding with sparse=True makes sparse gradients, which zerofx does not "
+            "shard or reduce; build it with sparse=False (its gradient is then a dense tensor, reduce-scattered "
+            "like any other)"
+        )
+
+
 def _fsdp_wrapped(module: nn.Module) -> bool:
     """Whether FSDP2's ``fully_shard`` (its FSDPModule class) or FSDP1's wrapper holds ``module``."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -1276,6 +1293,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
         _flat_mesh(mesh)  # a 1-D mesh is an error here, before anything changes
     if not (mesh.size() == 1 and opts.param_dtype is None and tp_mesh is None):  # (else nothing is sharded)
         _refuse_hooked_parameters(model)
+        _refuse_sparse_gradients(model)
     full_precision = _full_precision_params(model, opts)
     _settle_hf_loss_functions(model)  # past every check: a call that raises leaves it alone
     runtime = ModelRuntime(stage=opts.stage, mesh=mesh, options=opts, local_step=opts.local_optimizer_step)
