@@ -928,3 +928,17 @@ def test_a_sparse_embedding_is_refused_where_parameters_are_sharded(one_rank):
     zerofx.shard(model, one_rank)
     model[1]["emb"](torch.tensor([1, 2])).sum().backward()
     assert model[1]["emb"].weight.grad.is_sparse
+
+
+def test_explain_reports_the_program_compiled_with_the_models_options(one_rank):
+    """explain on a model ``zerofx.compile`` compiled used to start from default options: the
+    report of a model compiled with qwZ said "quantize: (no change)", another program than the
+    one that runs. It explains with the compile's options, which its own override."""
+    torch.manual_seed(0)
+    model = zerofx.compile(MLP(), one_rank, param_dtype=torch.bfloat16, quantize_weights="int8")
+    x, y = torch.randn(4, 16), torch.randn(4, 8)
+    with contextlib.redirect_stdout(io.StringIO()):
+        compiled_with = zerofx.explain(model, x, y)
+        overridden = zerofx.explain(model, x, y, quantize_weights=None)
+    assert "quantized 1 all-gathers" in compiled_with, compiled_with
+    assert "quantized" not in overridden and "quantize: " in overridden, overridden

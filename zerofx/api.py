@@ -226,10 +226,15 @@ def explain(
     Layout options (``zerofx.options.LAYOUT_OPTIONS``: stage, dtypes, ...) were fixed when the
     model was sharded: one that differs from the sharding's is an error. A model (or submodule)
     compiled by ``zerofx.compile`` is compiled again here, every frame of it with this report's
-    recorder; its own compiled call is left as it was.
+    recorder and with the options it was compiled with (``options`` given here override them;
+    ``dump_dir`` is this call's own); its own compiled call is left as it was.
     """
-    opts = Options.from_kwargs(**options)
     runtime = runtime_of(model)
+    compiled_with = runtime.compiled.options if runtime is not None and runtime.compiled is not None else None
+    if compiled_with is not None:  # what runs is what is explained
+        opts = Options.from_kwargs(compiled_with, **{"dump_dir": None, **options})
+    else:
+        opts = Options.from_kwargs(**options)
     _check_explain_layout(options, opts, runtime)
     check_module_patterns(opts.checkpoint_modules, model)
     recorder = Recorder(dump_dir=opts.dump_dir)
@@ -249,7 +254,8 @@ def explain(
     def run(*args: Any, **kwargs: Any) -> Any:
         return model(*args, **kwargs)
 
-    compiled = torch.compile(_enter(run), backend=make_backend(opts, recorder))
+    cost = runtime.compiled.cost if compiled_with is not None else None  # (calibrated, where it was)
+    compiled = torch.compile(_enter(run), backend=make_backend(opts, recorder, cost=cost))
     if backward and runtime is not None and (runtime.pending or not runtime.sync):
         raise ZeroFXError(
             "zerofx.explain(backward=True) inside an accumulation window (zerofx.no_sync) would reduce the "
