@@ -930,6 +930,16 @@ def test_a_sparse_embedding_is_refused_where_parameters_are_sharded(one_rank):
     assert model[1]["emb"].weight.grad.is_sparse
 
 
+def test_a_complex_parameter_is_refused_where_parameters_are_sharded(one_rank):
+    """gloo's collectives have no complex type: sharding a complex parameter failed with
+    "Invalid scalar type" at stages 1-2, and stage 3 refused it for the wrong reason."""
+    model = nn.Linear(3, 4)
+    model.register_parameter("rot", nn.Parameter(torch.randn(4, dtype=torch.complex64)))
+    with pytest.raises(ZeroFXError, match="rot: complex parameters are not supported"):
+        zerofx.shard(model, one_rank, param_dtype=torch.bfloat16)
+    assert not zerofx.sharding.is_sharded(model)
+
+
 def test_explain_reports_the_program_compiled_with_the_models_options(one_rank):
     """explain on a model ``zerofx.compile`` compiled used to start from default options: the
     report of a model compiled with qwZ said "quantize: (no change)", another program than the

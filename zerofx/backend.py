@@ -453,7 +453,9 @@ def _refuse_reading_shards(gm: fx.GraphModule, example_inputs: list[Any]) -> Non
     attribute: ``self.parameters()`` / ``named_parameters()`` inside forward (an L2 penalty)
     give this rank's shard, a DTensor, and mixing it with the activations failed in AOT
     autograd with torch's "got mixed torch.Tensor and DTensor". ``module.weight`` is the
-    whole value, through the markers (zerofx/sharding.py), which is what such code means."""
+    whole value, through the markers (zerofx/sharding.py), which is what such code means.
+    Checked under ``plain_graph_inputs`` (the default), where the markers read each shard as a
+    plain tensor and nothing else in a frame reads the DTensor."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     direct = [
         _qualname(x)
@@ -463,6 +465,7 @@ def _refuse_reading_shards(gm: fx.GraphModule, example_inputs: list[Any]) -> Non
         and isinstance(x, DTensor)
         and getattr(x, "_zerofx_state", None) is not None
         and x._zerofx_state.tp is None  # (a tensor-parallel one enters its frame as the DTensor it is)
+        and x._zerofx_state.runtime.options.plain_graph_inputs  # (else the markers read the DTensor)
     ]
     if direct:
         raise ZeroFXError(

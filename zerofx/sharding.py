@@ -1171,10 +1171,16 @@ def _refuse_hooked_parameters(model: nn.Module) -> None:
         )
 
 
-def _refuse_sparse_gradients(model: nn.Module) -> None:
-    """Refuse embeddings with ``sparse=True``: their gradient is a sparse tensor, which has no
-    rows to reduce-scatter, keep in a flat shard or step locally (as DeepSpeed's ZeRO and FSDP
-    have no sparse gradients either). It failed deep inside the first backward."""
+def _refuse_unsupported_parameters(model: nn.Module) -> None:
+    """Refuse what zerofx cannot shard, by name, before anything changes:
+
+    - embeddings with ``sparse=True``: their gradient is a sparse tensor, which has no rows to
+      reduce-scatter, keep in a flat shard or step locally (DeepSpeed's ZeRO and FSDP have no
+      sparse gradients either). It failed deep inside the first backward.
+    - complex parameters: gloo's collectives have no complex type ("Invalid scalar type" while
+      sharding at stages 1-2; a misleading refusal at stage 3). ``torch.view_as_real`` storage
+      (a real parameter with a trailing dim of 2, viewed as complex in forward) shards as any
+      other."""
     sparse = [
         name
         for name, module in model.named_modules()
@@ -1185,6 +1191,12 @@ def _refuse_sparse_gradients(model: nn.Module) -> None:
             f"{some_names(sparse)}: an embedding with sparse=True makes sparse gradients, which zerofx does not "
             "shard or reduce; build it with sparse=False (its gradient is then a dense tensor, reduce-scattered "
             "like any other)"
+        )
+    complex_ = [name for name, p in model.named_parameters() if p.is_complex()]
+    if complex_:
+        raise ZeroFXError(
+            f"{some_names(complex_)}: complex parameters are not supported by zerofx's collectives; keep each as a "
+            "real parameter with a trailing dim of 2 and read it as torch.view_as_complex(self.weight) in forward"
         )
 
 
@@ -1293,7 +1305,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
         _flat_mesh(mesh)  # a 1-D mesh is an error here, before anything changes
     if not (mesh.size() == 1 and opts.param_dtype is None and tp_mesh is None):  # (else nothing is sharded)
         _refuse_hooked_parameters(model)
-        _refuse_sparse_gradients(model)
+        _refuse_unsupported_parameters(model)
     full_precision = _full_precision_params(model, opts)
     _settle_hf_loss_functions(model)  # past every check: a call that raises leaves it alone
     runtime = ModelRuntime(stage=opts.stage, mesh=mesh, options=opts, local_step=opts.local_optimizer_step)
