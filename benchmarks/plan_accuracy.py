@@ -66,6 +66,11 @@ CONFIGS = [
     ("hf-llama", 2, {"stage": 3}),
     ("hf-llama", 4, {"stage": 2}),
     ("hf-llama", 2, {"stage": 3, "activation_budget": 0}),
+    # ZeRO++: quantize / dequantize hold an fp32 buffer of the bucket while they run (cost_model.py,
+    # NOTE: op workspace)
+    ("gpt", 2, {"stage": 3, "param_dtype": "bf16", "quantize_weights": "int8", "quantize_grads": "int8"}),
+    ("gpt", 2, {"stage": 2, "quantize_grads": "int4"}),
+    ("gpt", 2, {"stage": 3, "quantize_weights": "fp8"}),
 ]
 
 

@@ -13,6 +13,7 @@ The API is small on purpose:
     storage_key(node)                     which buffer the value lives in (views share one)
     storage_bytes(node)                   bytes of that whole buffer
     estimate_memory(gm, ...)              liveness-based peak of the bytes a graph allocates
+    op_workspace_bytes(node)              bytes an op holds only while it runs (quantize / dequantize)
     PeakProbe(gm, facts)                  the same peak for reorders of one stretch, simulating only it
     memory_timeline(gm, ...)              the same simulation node by node (symbolic on request)
     estimate_time(gm, device, comm_for)   compute and exposed communication of a graph, simulated
@@ -83,7 +84,7 @@ from zerofx.ir.collectives import (
     wire_bytes,
 )
 from zerofx.ir.meta import BORROWED_INPUTS
-from zerofx.ir.quantize import DEQUANTIZE, QUANTIZE
+from zerofx.ir.quantize import DEQUANTIZE, QUANTIZE, QuantFormat, dequantize_workspace_bytes, quantize_workspace_bytes
 from zerofx.passes.graph import is_view
 
 __all__ = [
@@ -100,6 +101,7 @@ __all__ = [
     "saved_values",
     "saved_activation_bytes",
     "MemoryEstimate",
+    "op_workspace_bytes",
     "estimate_memory",
     "PeakProbe",
     "memory_timeline",
@@ -372,6 +374,49 @@ def collective_workspace_bytes(node: fx.Node, symbolic: bool = False) -> Any:
     return tensor_bytes(node.meta.get("val"), symbolic) if backend == "gloo" else zero
 
 
+# NOTE: op workspace
+# Some ops allocate buffers of their own that die before they return: the bytes are live only
+# while the op runs, on top of everything live at that node (unlike a collective's workspace,
+# held until its wait). Counted for block quantize / dequantize (ZeRO++'s qwZ / qgZ), whose ATen
+# bodies work in one fp32 buffer of the whole padded bucket: 4 bytes per value, 4x an int8
+# payload; without it a plan with qwZ / qgZ was 20-48% under a measured step's peak. The
+# formulas are zerofx/ir/quantize.py's (NOTE: quantize workspace), derived from the ops those
+# bodies run and checked against the allocator op by op (tests/test_quantize.py) and step by
+# step (tests/test_plan.py). They price the ATen bodies, the default executor's and the
+# CPU's: the cost model has no notion of the executor, and the "triton" executor's kernels
+# (codegen/quantize_kernels.py) allocate only their outputs, so there this is an upper bound.
+# Symbolic sizes give a polynomial upper bound (quantize.py says how).
+
+
+def op_workspace_bytes(node: fx.Node, symbolic: bool = False) -> Any:
+    """Bytes ``node`` holds above its output only while it runs (NOTE: op workspace)."""
+    zero: Any = sympy.Integer(0) if symbolic else 0
+    if node.op != "call_function" or node.target not in (QUANTIZE, DEQUANTIZE):
+        return zero
+    schema = node.target._schema
+    args = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    args.update({a.name: v for a, v in zip(schema.arguments, node.args)})
+    args.update(node.kwargs)
+    fmt = QuantFormat(args["bits"], args["block"], bool(args.get("floating", False)))
+    value = args["x"] if node.target is QUANTIZE else args["packed"]
+    val, out = (value.meta.get("val") if isinstance(value, fx.Node) else None), node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return zero
+
+    def size(n: Any) -> Any:  # exact at concrete sizes (ints), sympy where a size is symbolic
+        if symbolic and isinstance(n, torch.SymInt) and _expr(n).free_symbols:
+            return _expr(n)
+        return hint(n)
+
+    # sizes from the values (an argument may be a node computing a size): the quantized rows
+    # are the output's, the dequantized values per row the output's columns
+    if node.target is QUANTIZE:
+        out = quantize_workspace_bytes(size(val.numel()), hint(out.shape[0]), fmt)
+    else:
+        out = dequantize_workspace_bytes(hint(val.shape[0]), size(out.shape[1]), fmt, args["dtype"])
+    return sympy.sympify(out) if symbolic else int(out)
+
+
 @dataclass(frozen=True)
 class NodeFacts:
     """What the liveness simulation reads of each node that does not depend on where the node
@@ -386,6 +431,7 @@ class NodeFacts:
     root: dict[fx.Node, fx.Node]
     allocated: dict[fx.Node, Any]
     workspace: dict[fx.Node, Any]
+    transient: dict[fx.Node, Any]
     input_bytes: dict[fx.Node, Any]
     input_roots: dict[fx.Node, tuple[fx.Node, ...]]  # the storage roots a node reads, each once
 
@@ -398,6 +444,7 @@ class NodeFacts:
             root,
             {n: allocated_bytes(n, symbolic) for n in nodes},
             {n: collective_workspace_bytes(n, symbolic) for n in nodes},
+            {n: op_workspace_bytes(n, symbolic) for n in nodes},
             {n: tensor_bytes(n.meta.get("val"), symbolic) for n in nodes if n.op == "placeholder"},
             {n: tuple(dict.fromkeys(root[i] for i in n.all_input_nodes)) for n in nodes},
         )
@@ -420,18 +467,23 @@ def _simulate(
     pending: dict[fx.Node, Any],
 ) -> Iterator[tuple[Any, Any]]:
     """The liveness step every simulation here shares, node by node: yields ``(live bytes
-    entering the node, live bytes right after it allocated)``, then releases a collective's
-    backend workspace at its wait and frees the roots ``frees`` lists at that position (by
-    index into ``nodes``). ``pending`` (collective -> workspace not yet released) is updated in
+    entering the node, live bytes right after it allocated)`` (an op's own workspace included:
+    NOTE: op workspace), then releases a collective's backend workspace at its wait and frees
+    the roots ``frees`` lists at that position (by index into ``nodes``). ``pending`` (collective -> workspace not yet released) is updated in
     place, so a caller can read it between steps."""
     allocated, workspace_of, input_bytes = facts.allocated, facts.workspace, facts.input_bytes
+    transient_of = facts.transient
     for idx, node in enumerate(nodes):
         before = live
         workspace = workspace_of[node]
         if workspace != 0:  # held by the backend until the collective is waited on
             pending[node] = workspace
         live = live + allocated[node] + workspace
-        yield before, live
+        transient = transient_of[node]
+        if transient != 0:  # held only while the op runs (NOTE: op workspace)
+            yield before, live + transient
+        else:
+            yield before, live
         if pending and node.target is WAIT and node.op == "call_function" and node.args[0] in pending:
             live = live - pending.pop(node.args[0])
         for dead in frees.get(idx, ()):

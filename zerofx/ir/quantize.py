@@ -35,6 +35,7 @@ casts to float8, the CPU included; the "triton" executor leaves these nodes on A
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,6 +47,9 @@ __all__ = [
     "dequantize_blockwise",
     "QUANTIZE",
     "DEQUANTIZE",
+    "SCALAR_TEMPS",
+    "quantize_workspace_bytes",
+    "dequantize_workspace_bytes",
 ]
 
 # what each option value puts on the wire: bits per value, and whether the values are floats (fp8)
@@ -107,32 +111,130 @@ def row_numel(x: torch.Tensor, rows: int) -> int:
     return x.numel() // rows
 
 
+# NOTE: quantize workspace
+# The ATen bodies below hold one fp32 buffer of the padded rows (``rows · nb · block`` values)
+# and work on it in place: the input is copied (cast) into it once; the block maxima come from
+# ``vector_norm(ord=inf)`` (max |x| without a |x| temporary, the same values as ``abs().amax()``);
+# the scaling, rounding and clamping run in place; the integers are cast straight into the
+# packed output (int8, fp8) or, for int4, into one int8 buffer that is then packed in place.
+# Dequantize is the mirror: one fp32 buffer of the padded rows, filled from the payload, scaled
+# in place and cast into the output (it is the output itself when that is fp32 and unpadded).
+# An earlier version chained out-of-place ops and held up to three fp32 copies of a bucket at
+# once (12.6 MB to quantize 4 MiB of fp32); these write the same bytes and values, bit for bit
+# (tests/test_quantize.py). What is left, the bytes held above the op's output while it runs,
+# is ``quantize_workspace_bytes`` / ``dequantize_workspace_bytes``: the cost model adds it to
+# the live bytes at QUANTIZE / DEQUANTIZE nodes (passes/cost_model.py, NOTE: op workspace), and
+# tests/test_quantize.py checks it equals what the allocator sees. The Triton kernels
+# (codegen/quantize_kernels.py) allocate only their outputs; the cost model prices this path.
+
+
+def _ceil_div(a: Any, b: int) -> Any:
+    return -(-a // b)
+
+
+# 0-dim tensors torch wraps Python scalars in while the in-place ops run (``add_(0.5)``, the
+# shifts: 9-12 bytes measured, torch 2.x), counted as this many so the estimate is never short
+SCALAR_TEMPS = 16
+
+
+def quantize_workspace_bytes(numel: Any, rows: int, fmt: QuantFormat) -> Any:
+    """Bytes ``_quantize_aten`` holds above its output while it quantizes ``numel`` values (all
+    rows together) read as ``rows`` rows (NOTE: quantize workspace): exact for ints but for at
+    most ``SCALAR_TEMPS`` bytes over; for a sympy ``numel`` (symbolic sizes) a polynomial upper
+    bound (the partial block counted whole, the phases summed), which a symbolic peak can be
+    solved with."""
+    symbolic = not isinstance(numel, int)
+    row = numel / rows if symbolic else numel // rows
+    nb = (row + fmt.block - 1) / fmt.block if symbolic else _ceil_div(row, fmt.block)
+    buffer = 4 * rows * nb * fmt.block  # fp32, the padded rows
+    per_block = 4 * rows * nb  # one fp32 value per block: maxima, scales, inverses
+    if symbolic:  # scales, payload, up to 3 bytes of padding
+        output = rows * (4 * nb + (row if fmt.bits == 8 else (row + 1) / 2) + 3)
+    else:
+        output = rows * fmt.row_bytes(row)
+    # phases: the scales (maxima, scales, inverses, two bool masks of one flag per block); the
+    # in-place scaling and rounding (buffer + scales); the cast into the output, for int4 through
+    # an int8 copy of the padded rows
+    phases = [
+        buffer + 3 * per_block + 2 * rows * nb + SCALAR_TEMPS,
+        buffer + per_block + SCALAR_TEMPS,
+        buffer + per_block + output + (rows * nb * fmt.block if fmt.bits == 4 else 0),
+    ]
+    if symbolic:
+        return sum(phases)
+    return max(phases) - output
+
+
+def dequantize_workspace_bytes(rows: int, numel: Any, fmt: QuantFormat, dtype: torch.dtype) -> Any:
+    """Bytes ``_dequantize_aten`` holds above its output while it dequantizes ``rows`` packed
+    rows of ``numel`` values each into ``dtype`` (NOTE: quantize workspace): exact for ints but
+    for at most ``SCALAR_TEMPS`` bytes over; a polynomial upper bound for a sympy ``numel``."""
+    symbolic = not isinstance(numel, int)
+    if symbolic:
+        nb = (numel + fmt.block - 1) / fmt.block
+        separate = True  # whether the rows are padded is not known: the output is a copy
+    else:
+        nb = _ceil_div(numel, fmt.block)
+        if nb == 0:
+            return 0
+        separate = dtype != torch.float32 or nb * fmt.block != numel
+    scales = 4 * rows * nb if rows > 1 else 0  # copied out of the packed rows (one row: a view)
+    buffer = 4 * rows * nb * fmt.block  # fp32, the padded rows
+    # int4: one payload-sized temporary at a time while the nibbles are sign-extended
+    payload = rows * ((numel + 1) / 2 if symbolic else fmt.payload_bytes(numel))
+    fill = payload + SCALAR_TEMPS if fmt.bits == 4 else 0
+    if not separate:  # the buffer is the output
+        return scales + fill
+    out = rows * numel * torch.empty((), dtype=dtype).element_size()
+    if symbolic:
+        return scales + buffer + fill
+    return scales + buffer + max(fill - out, 0)
+
+
 def _quantize_aten(x: torch.Tensor, rows: int, fmt: QuantFormat) -> torch.Tensor:
     numel = row_numel(x, rows)
     nb, block = fmt.blocks(numel), fmt.block
-    values = x.reshape(rows, numel).float()
-    values = torch.nn.functional.pad(values, (0, nb * block - numel)).view(rows, nb, block)
-    absmax = values.abs().amax(-1)
+    # one fp32 buffer of the padded rows, worked on in place (NOTE: quantize workspace)
+    values = torch.empty((rows, nb * block), dtype=torch.float32, device=x.device)
+    values[:, :numel].copy_(x.reshape(rows, numel))
+    values[:, numel:].zero_()
+    blocks = values.view(rows, nb, block)
+    absmax = torch.linalg.vector_norm(blocks, float("inf"), dim=-1)  # max |x|, no |x| temporary
     scale = absmax / fmt.qmax
-    inv = fmt.qmax / absmax
+    inv = absmax.reciprocal().mul_(fmt.qmax)  # what qmax / absmax computes, without its temporary
     # an all-zero block, and one whose largest value is so small that qmax / absmax overflows
     # (below ~1e-36): every value quantizes to 0 (then 0 · inf would be NaN); a NaN or inf
     # absmax keeps its scale, so the dequantized block is NaN and a loss scaler sees the overflow
-    inv = torch.where((absmax > 0) & (inv <= _FLOAT32_MAX), inv, torch.zeros_like(absmax))
+    keep = (absmax > 0).logical_and_(inv <= _FLOAT32_MAX)
+    del absmax
+    inv.masked_fill_(keep.logical_not_(), 0.0)
+    del keep
+    blocks.mul_(inv.unsqueeze(-1))
+    del inv
     if fmt.floating:
-        q = (values * inv.unsqueeze(-1)).clamp_(-fmt.qmax, fmt.qmax).to(torch.float8_e4m3fn)
+        values.clamp_(-fmt.qmax, fmt.qmax)
     else:
-        q = torch.floor(values * inv.unsqueeze(-1) + 0.5).clamp_(-fmt.qmax, fmt.qmax)
+        values.add_(0.5).floor_().clamp_(-fmt.qmax, fmt.qmax)
         # a NaN or inf value (times inv = 0) is NaN here: write 0, not what a NaN to int8 cast
         # happens to give (the NaN scale already makes the block NaN; the Triton kernel does the same)
-        q = q.nan_to_num_(0.0).to(torch.int8)
-    q = q.view(rows, nb * block).view(torch.uint8)
-    if fmt.bits == 4:  # two's complement nibbles, element 2i low
-        q = (q[:, 0::2] & 0xF) | ((q[:, 1::2] & 0xF) << 4)
-    payload = q[:, : fmt.payload_bytes(numel)]
-    packed = x.new_zeros((rows, fmt.row_bytes(numel)), dtype=torch.uint8)
+        values.nan_to_num_(0.0)
+    packed = torch.zeros((rows, fmt.row_bytes(numel)), dtype=torch.uint8, device=x.device)
     packed[:, : 4 * nb] = scale.view(torch.uint8)
-    packed[:, 4 * nb : 4 * nb + payload.shape[1]] = payload
+    payload = packed[:, 4 * nb : 4 * nb + fmt.payload_bytes(numel)]
+    if fmt.floating:
+        payload.view(torch.float8_e4m3fn).copy_(values[:, :numel])
+        return packed
+    if fmt.bits == 8:
+        payload.view(torch.int8).copy_(values[:, :numel])
+        return packed
+    # int4: two's complement nibbles, element 2i low
+    q = values.to(torch.int8).view(torch.uint8)
+    del values, blocks
+    q.bitwise_and_(0xF)
+    width = 2 * payload.shape[1]
+    high = q[:, 1:width:2]
+    high.bitwise_left_shift_(4)
+    torch.bitwise_or(q[:, 0:width:2], high, out=payload)
     return packed
 
 
@@ -143,15 +245,23 @@ def _dequantize_aten(packed: torch.Tensor, numel: int, fmt: QuantFormat, dtype: 
         return torch.empty((rows, 0), dtype=dtype, device=packed.device)
     scale = packed[:, : 4 * nb].contiguous().view(torch.float32)
     payload = packed[:, 4 * nb : 4 * nb + fmt.payload_bytes(numel)]
+    # one fp32 buffer of the padded rows, scaled in place (NOTE: quantize workspace)
+    values = torch.empty((rows, nb * block), dtype=torch.float32, device=packed.device)
+    values[:, numel:].zero_()
     if fmt.floating:
-        q = payload.contiguous().view(torch.float8_e4m3fn).float()
+        values[:, :numel].copy_(payload.view(torch.float8_e4m3fn))
     elif fmt.bits == 8:
-        q = payload.view(torch.int8).float()
-    else:
-        nibbles = torch.stack((payload & 0xF, payload >> 4), dim=-1).view(rows, -1).float()
-        q = nibbles - 16 * (nibbles >= 8).float()
-    q = torch.nn.functional.pad(q, (0, nb * block - q.shape[1])).view(rows, nb, block)
-    return (q * scale.unsqueeze(-1)).view(rows, nb * block)[:, :numel].to(dtype).contiguous()
+        values[:, :numel].copy_(payload.view(torch.int8))
+    else:  # sign-extended nibbles: element 2i from the low one, 2i+1 from the high one
+        pairs = values[:, : 2 * payload.shape[1]].view(rows, -1, 2)
+        pairs[..., 0].copy_(torch.bitwise_left_shift(payload, 4).view(torch.int8).bitwise_right_shift_(4))
+        pairs[..., 1].copy_(payload.view(torch.int8) >> 4)
+    values.view(rows, nb, block).mul_(scale.unsqueeze(-1))
+    if dtype == torch.float32 and nb * block == numel:
+        return values
+    out = torch.empty((rows, numel), dtype=dtype, device=packed.device)
+    out.copy_(values[:, :numel])
+    return out
 
 
 @torch.library.custom_op("zerofx::quantize_blockwise", mutates_args=())
