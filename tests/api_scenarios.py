@@ -51,6 +51,19 @@ def _fresh_gpt():
     return model, copy.deepcopy(model)
 
 
+class _ExtraOnSomeRanks(torch.nn.Module):
+    """A layer, then a parameter only the ranks told to use it read (a data-dependent branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.extra = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x, use_extra: bool):
+        h = self.lin(x)
+        return (h @ self.extra if use_extra else h).pow(2).mean()
+
+
 def scenarios(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     out: dict = {}
@@ -377,6 +390,15 @@ def scenarios(rank: int, world: int) -> dict:
             eager = None
         except zerofx.ZeroFXError as e:
             eager = str(e)
+        # a parameter read last in forward on rank 0 only: rank 1's backward went straight to its
+        # reduce-scatters, which met rank 0's check of the read (gloo aborted)
+        torch.manual_seed(0)
+        branchy = zerofx.shard(_ExtraOnSomeRanks(), mesh)
+        try:
+            branchy(torch.randn(2, 4), rank == 0).backward()
+            skipped = None
+        except zerofx.ZeroFXError as e:
+            skipped = str(e)
         # a read that communicates nothing (stage 2's whole copy, no gradient) on one rank only,
         # as logging does: it must not wait for the other ranks
         whole = zerofx.shard(routed_experts()[0], mesh, stage=2)
@@ -393,6 +415,7 @@ def scenarios(rank: int, world: int) -> dict:
             "stage2": raised[2],
             "stage1": report.to_json(),
             "uncompiled": eager,
+            "uncompiled_skipped": skipped,
             "rank0_read": eager_norm,
             "rank0_eval": compiled_eval,
         }

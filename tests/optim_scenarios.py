@@ -475,7 +475,23 @@ def scenarios(rank: int, world: int, path: str | None = None) -> dict:
     attempt(out, "lr_schedulers", lambda: _compare(mesh, rank, OPTIMIZERS["adamw"], schedule=True))
     attempt(out, "subclass", lambda: _compare(mesh, rank, lambda ps: MyAdamW(ps, lr=1e-2)))
     attempt(out, "failing_step", lambda: _failing_step(mesh, rank))
+    attempt(out, "lbfgs_uneven", lambda: _lbfgs_uneven(mesh, rank))
     return out
+
+
+def _lbfgs_uneven(mesh, rank) -> dict:
+    """LBFGS over a layer with an odd number of rows, which DTensor cannot flatten."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = zerofx.compile(nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)), mesh)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=2)
+    try:
+        opt.step(lambda: model(x).pow(2).sum())
+        return {"lbfgs": "stepped"}
+    except zerofx.ZeroFXError as e:
+        return {"lbfgs": str(e)}
 
 
 def _few_rows(mesh, rank, by_rows: bool = False) -> dict:

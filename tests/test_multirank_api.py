@@ -189,6 +189,10 @@ def test_ranks_that_route_to_other_experts_stop_at_stage_3_and_train_at_stage_1(
         eager = r["uncompiled"]
         assert eager is not None and "rank(s) [0]: an uncompiled read of experts.1.weight; " in eager, eager
         assert "rank(s) [1]: an uncompiled read of experts.3.weight. This usually means" in eager, eager
+        # and the backward's reductions, before their collectives: rank 1 did not read `extra`
+        skipped = r["uncompiled_skipped"]
+        assert skipped is not None and "rank(s) [0]: an uncompiled read of extra; " in skipped, skipped
+        assert "rank(s) [1]: the uncompiled backward's reduction of lin." in skipped, skipped
     assert per_rank[0]["stage3"] == per_rank[1]["stage3"]
     assert per_rank[0]["rank0_read"] > 0  # a stage-2 read on rank 0 only did not wait for rank 1
     assert per_rank[0]["rank0_eval"] > 0  # nor did a compiled stage-2 evaluation (no collective)

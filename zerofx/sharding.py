@@ -256,6 +256,7 @@ def _gathered_property(name: str) -> property:
         value = state.forward_value(self._parameters[name])
         if torch.compiler.is_compiling() or type(value) is not torch.Tensor:
             return value  # traced into a graph (or a tensor-parallel DTensor): the plain value
+        state.check_uncompiled_reduction(value)
         return _as_gathered_copy(value, state.qualname, self._parameters[name])
 
     gathered.__name__ = f"gathered_{name}"

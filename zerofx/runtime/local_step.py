@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from zerofx.errors import ZeroFXError
+from zerofx.errors import ZeroFXError, some_names
 from zerofx.runtime.params import PENDING, discard_pending, optimizer_state, refuse_unreduced
 from zerofx.runtime.whole_step import Windows, check_steppable, stand_in, step_whole, whole_step_class
 
@@ -143,6 +143,8 @@ def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple
     ours = any(hasattr(p, "_zerofx_state") for p in params)
     if ours and "zero_grad" not in optimizer.__dict__:
         _drop_pending_on_zero_grad(optimizer)
+    if ours and isinstance(optimizer, torch.optim.LBFGS):
+        _refuse_unflattenable(params)
     whole = ours and whole_step_class(optimizer) is not None
     adopt = type(optimizer) in ELEMENTWISE and any(_managed(p) for p in params)
     first_local = ours and _local_from_the_first(optimizer)
@@ -185,6 +187,28 @@ def step_over_whole_tensors(optimizer: torch.optim.Optimizer, windows: Windows |
     if not state.whole:
         state.whole = True
         _run_last(optimizer, state)
+
+
+def _refuse_unflattenable(params: list) -> None:
+    """LBFGS flattens every gradient and update into one vector (``.view(-1)``, through DTensor).
+    DTensor cannot flatten a tensor split unevenly ("Cannot flatten unevenly sharded tensor":
+    any odd-sized dim over 2 ranks) and loops forever on a size-0 one (torch 2.13's view
+    propagation): both are refused at the first step, by name, on every rank alike."""
+    bad = []
+    for p in params:
+        s = getattr(p, "_zerofx_state", None)
+        if s is None:
+            continue
+        if p.numel() == 0:
+            bad.append(f"{s.qualname} {list(p.shape)} (no elements)")
+        elif not s.whole and s.full_rows % s.shard_group.size:
+            bad.append(f"{s.qualname} {list(p.shape)} ({s.full_rows} rows over {s.shard_group.size} ranks)")
+    if bad:
+        raise ZeroFXError(
+            f"torch.optim.LBFGS flattens every parameter into one vector through DTensor, which cannot flatten "
+            f"{some_names(bad)}: give LBFGS parameters whose sharded dim divides evenly over the ranks (and no "
+            "size-0 ones), or keep them whole (persistence_threshold above their size, at stage 3)"
+        )
 
 
 def _refreshing_closure(optimizer: torch.optim.Optimizer, state: Any, args: tuple, kwargs: dict) -> tuple | None:

@@ -268,10 +268,33 @@ class ParamState:
             return
         run.lockstep.check(self.read_digest, lambda: f"an uncompiled read of {self.qualname}")
 
+    def check_uncompiled_reduction(self, value: torch.Tensor) -> None:
+        """After an uncompiled read whose backward reduces (``value``: what the read returned):
+        the gradient's reduction is checked like the read, when the gradient reaches ``value``
+        (a hook, so before the marker's backward issues its collective). A rank that did not read
+        this parameter in forward (a data-dependent branch) otherwise met its peers' check of the
+        read with its backward's reduce-scatter: gloo aborted on the mismatch, NCCL would wait."""
+        run = self.runtime
+        if run.lockstep is None or run.lockstep.groups is None or run.gathered is not None:
+            return
+        if not value.requires_grad or self._reads_locally(self.param):  # its backward reduces nothing now
+            return
+        lockstep, digest, qualname = run.lockstep, self.reduction_digest, self.qualname
+
+        def check(grad: torch.Tensor) -> None:
+            lockstep.check(digest, lambda: f"the uncompiled backward's reduction of {qualname}")
+
+        value.register_hook(check)
+
     @functools.cached_property
     def read_digest(self) -> int:
         """What an uncompiled read compares across ranks (``check_uncompiled_read``)."""
         return digest_of("uncompiled read", self.qualname)
+
+    @functools.cached_property
+    def reduction_digest(self) -> int:
+        """What an uncompiled backward's reduction compares (``check_uncompiled_reduction``)."""
+        return digest_of("uncompiled reduction", self.qualname)
 
     def _reads_locally(self, param: torch.nn.Parameter) -> bool:
         """Whether a read takes the ``local_grad`` route (stage 1, no_sync, pending gradients)."""
