@@ -146,7 +146,20 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "--mesh is then the data-parallel size (or replicate x shard), the job has mesh x tp ranks",
     )
     plan.add_argument("--batch", type=int, default=1, help="sequences per rank per micro-step (default 1)")
-    plan.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks")
+    plan.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per optimizer step over all ranks: --batch is it / (data-parallel size x --grad-accumulation)",
+    )
+    plan.add_argument(
+        "--grad-accumulation",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches per optimizer step, the first N-1 under zerofx.no_sync: each rank holds whole "
+        "gradients across them (default 1)",
+    )
     plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's, else 1024)")
     plan.add_argument("--param-dtype", choices=("bf16", "fp16", "fp32"), default=None, help="compute dtype")
     plan.add_argument("--stage", type=int, choices=(1, 2, 3), default=None, help="ZeRO stage (default 3)")
@@ -172,6 +185,11 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "adafactor"), default="adamw")
     plan.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default nccl (gloo for cpu)")
     plan.add_argument("--compare", action="store_true", help="also plan each memory option that changes the answer")
+    plan.add_argument(
+        "--exact",
+        action="store_true",
+        help="trace every block of a built-in model (default: deeper than 4 blocks, from traces of 3 and 4)",
+    )
     plan.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for MODULE:FUNCTION")
     plan.add_argument(
         "--inputs",
@@ -225,6 +243,10 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             mesh = tuple(int(n) for n in args.mesh.lower().split("x"))
         except ValueError:
             return fail(f"--mesh {args.mesh!r}: give sizes joined by x, e.g. 128x8")
+    for flag, path in (("--json", args.json_path), ("--plot", args.plot_path)):
+        problem = _unwritable(path) if path else None
+        if problem:  # said before planning, which can take minutes
+            return fail(f"{flag} {path!r}: {problem}")
     if args.plot_path:
         check_plotting()
     if os.getcwd() not in sys.path:  # after the installed packages: a user's module, never a shadow of zerofx
@@ -262,6 +284,8 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             backend=args.backend,
             factory_kwargs=kwargs,
             compare=args.compare,
+            exact=args.exact,
+            grad_accumulation=args.grad_accumulation,
             tensor_parallel=args.tp,
             example_inputs_fn=inputs_fn,
             **options,
@@ -269,15 +293,32 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ZeroFXError as e:
         return fail(str(e))
     print(result.report())
-    if args.json_path:
-        planner.dump_json(result, args.json_path)
-        print(f"wrote {args.json_path}")
-    if args.plot_path:
-        print(f"wrote {planner.write_timeline_plot(result, args.plot_path)}")
+    try:
+        if args.json_path:
+            planner.dump_json(result, args.json_path)
+            print(f"wrote {args.json_path}")
+        if args.plot_path:
+            print(f"wrote {planner.write_timeline_plot(result, args.plot_path)}")
+    except OSError as e:  # checked before planning; the folder changed meanwhile
+        return fail(f"cannot write {e.filename}: {e.strerror}")
     if result.fits is False:
         print(f"zerofx plan: {result.advice()}", file=sys.stderr)
         return 3
     return 0
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written as a new or replaced file, or None."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "is a directory: give a file name"
+    if not os.path.isdir(folder):
+        return f"folder {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return "not writable"
+    return None
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}

@@ -188,9 +188,12 @@ class PerRank:
     peak_bytes: int  # device bytes: model state at rest (not offloaded) + buffers + the larger of the
     # forward/backward's peak and the optimizer step's (gradients and its transient)
     peak_node: str  # where the forward/backward's peak is
-    offloaded_bytes: int = 0  # parameter shards and optimizer state in host memory or on disk
+    offloaded_bytes: int = 0  # what offload_optimizer moves off the device (NOTE: what offload moves)
     optimizer_step_bytes: int = 0  # the optimizer step's transient (NOTE: the optimizer step's transient memory)
     optimizer_step_grad_bytes: int = 0  # the gradients it steps with (stage 1: shards, after the boundary reduce)
+    # whole gradients held from the first micro-batch to the last (grad_accumulation > 1), in the
+    # step's peak (NOTE: planning gradient accumulation)
+    accumulated_grad_bytes: int = 0
 
     @property
     def at_rest_bytes(self) -> int:
@@ -395,6 +398,7 @@ class Plan:
     # how many, and the first few as "name [shape]: Shard(k)"
     split_count: int = 0
     split_examples: list[str] = field(default_factory=list)
+    grad_accumulation: int = 1  # micro-batches (of ``batch``) per optimizer step, all but the last under no_sync
 
     @property
     def fits(self) -> bool | None:
@@ -409,8 +413,15 @@ class Plan:
         # (bytes off the forward/backward's peak, bytes off the optimizer step's, the option)
         frees = []
         if self.options.get("offload_optimizer") in (None, "none") and r.optimizer_bytes:
-            moved = r.optimizer_bytes + r.params_bytes  # and the step, with its transient, runs on the host
-            frees.append((moved, moved + r.optimizer_step_bytes, "offload_optimizer='host'"))
+            # NOTE: what offload moves. Its step brings a window back (up to the window's bytes) and
+            # its own transient is not known here: counted as in memory (--compare plans it)
+            cap = self.options.get("host_memory_cap")
+            window = cap // 8 if cap else 64 * 2**20
+            if self.device == "cpu":  # host memory is the device's: only files move anything
+                moved, what = r.optimizer_bytes + r.params_bytes, "offload_optimizer='disk'"
+            else:
+                moved, what = r.optimizer_bytes, "offload_optimizer='host'"
+            frees.append((moved, max(0, moved - window), what))
         if self.options.get("stage", 3) != 3 and r.whole_copy_bytes:
             frees.append((r.whole_copy_bytes, r.whole_copy_bytes, "stage=3"))
         if (
@@ -430,7 +441,7 @@ class Plan:
                 f"({_gib(r.optimizer_step_bytes)} of it transient), whatever the batch"
             )
         elif self.batch > 1:
-            verdict += f", or a smaller batch (the largest that fits: {self.max_batch})"
+            verdict += f", or a smaller batch (the largest that fits: {self.max_batch}){self._accumulation_advice()}"
         step = r.peak_bytes - r.model_state_bytes + r.grad_bytes  # what does not shrink with more ranks
         ranks = ""
         if step < self.device_memory:
@@ -440,6 +451,40 @@ class Plan:
             f"does not fit: peak {_gib(r.peak_bytes)} per rank is {_gib(over)} over device_memory "
             f"{_gib(self.device_memory)}; options free: {listed}; {verdict}{ranks} (plan each exactly with --compare)"
         )
+
+    def _accumulation_advice(self) -> str:
+        """What gradient accumulation would take to keep the sequences per step at a batch that
+        fits (NOTE: planning gradient accumulation): each rank then holds whole gradients too."""
+        if self.grad_accumulation > 1 or not self.max_batch:
+            return ""  # planned with it: its whole gradients are in the peak already
+        whole = self._whole_grad_bytes()
+        binding = self.bindings.get("batch")
+        if binding is None or self.device_memory is None:
+            return ""
+        _, coeffs, static = binding
+        bound = _first_crossing(tuple(sympy.Rational(c) for c in coeffs), self.device_memory - static - whole)
+        micro = self.batch - 1 if bound is None else min(max(int(sympy.floor(bound)), 0), self.batch - 1)
+        if micro < 1:
+            return (
+                f"; gradient accumulation would not help: under no_sync each rank also holds whole gradients "
+                f"({_gib(whole)})"
+            )
+        n = -(-self.batch // micro)
+        return (
+            f"; or batch {-(-self.batch // n)} x --grad-accumulation {n}, the same sequences per step: each rank "
+            f"then also holds whole gradients ({_gib(whole)}), room for which this plan's bytes leave (plan it to confirm)"
+        )
+
+    def _whole_grad_bytes(self) -> int:
+        """Bytes of every gradient whole on one rank (what no_sync accumulates), from the shards:
+        the rank-0 shard times the shard ranks, an upper bound where shards are padded."""
+        r = self.per_rank
+        if r.accumulated_grad_bytes:
+            return r.accumulated_grad_bytes
+        shards = self.mesh.get("shard", self.world_size)
+        if self.options.get("secondary_shard"):  # hpZ: sharded over the whole data-parallel mesh
+            shards = self.world_size // self.mesh.get("tp", 1)
+        return r.grad_bytes if self.options.get("stage", 3) == 1 else r.grad_bytes * shards
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -471,6 +516,12 @@ class Plan:
             f"  peak (on the device)       {_gib(r.peak_bytes):>12}",
             f"  offloaded (host or disk)   {_gib(r.offloaded_bytes):>12}",
         ]
+        if self.grad_accumulation > 1:
+            lines.insert(
+                -3,
+                f"  whole gradients (no_sync)  {_gib(r.accumulated_grad_bytes):>12}  "
+                f"(held across {self.grad_accumulation} micro-batches of {self.batch}: in the step's peak)",
+            )
         if self.split_count:
             lines.append(
                 f"  split along another dim than 0 (fewer rows than ranks, or shard_placement_fn): {self.split_count} parameters, "
@@ -603,6 +654,7 @@ def plan(
     compare: bool = False,
     depth_kwarg: str | None = None,
     exact: bool = False,
+    grad_accumulation: int = 1,
     tensor_parallel: int = 1,
     tp_plan: Callable[[nn.Module], dict] | None = None,
     **options: Any,
@@ -613,8 +665,10 @@ def plan(
     ``mesh_shape``: ``(world,)`` or ``(replicate, shard)``; ``example_inputs_fn(batch, seq)`` ->
     ``(args, kwargs)`` of one forward (default: token ids and targets for models with a
     ``vocab_size``); ``batch``: sequences per rank per micro-step (or ``global_batch``, divided by
-    the data-parallel size); ``device``: the rates the step is priced with (``cpu``, ``a100``,
-    ``h100``, ``h200``); ``backend``: the collective backend simulated (default nccl, gloo on cpu);
+    the data-parallel size and ``grad_accumulation``); ``device``: the rates the step is priced with (``cpu``, ``a100``,
+    ``h100``, ``h200``); ``grad_accumulation``: micro-batches per optimizer step, all but the last
+    under ``zerofx.no_sync`` (NOTE: planning gradient accumulation; ``global_batch`` counts them
+    all); ``backend``: the collective backend simulated (default nccl, gloo on cpu);
     ``compare``: also plan each memory option that changes the answer; ``depth_kwarg``: the
     factory keyword that sets the number of identical blocks (built-ins: ``n_layer``): deeper
     models are planned from traces of 3 and 4 blocks (NOTE: planning by depth) unless ``exact``;
@@ -654,14 +708,22 @@ def plan(
             f"mesh {'x'.join(map(str, mesh_shape))} has {world} ranks but world size is {world_size}: make the "
             "mesh dimensions multiply to --world-size"
         )
+    if isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int) or grad_accumulation < 1:
+        raise ZeroFXError(
+            f"grad_accumulation={grad_accumulation!r}: give the micro-batches per optimizer step, an int >= 1"
+        )
     if global_batch is not None:
         dp = world // tensor_parallel  # the ranks of a tensor-parallel group share their sequences
-        if global_batch % dp:
-            raise ZeroFXError(
-                f"global batch {global_batch} is not divisible by the data-parallel size {dp}: give a multiple "
-                f"of {dp} (e.g. {dp * max(1, global_batch // dp)}) or --batch per rank"
+        per = dp * grad_accumulation  # sequences of one micro-batch over all ranks, times the micro-batches
+        if global_batch % per:
+            what = f"the data-parallel size {dp}" + (
+                f" x {grad_accumulation} micro-batches = {per}" if grad_accumulation > 1 else ""
             )
-        batch = global_batch // dp
+            raise ZeroFXError(
+                f"global batch {global_batch} is not divisible by {what}: give a multiple "
+                f"of {per} (e.g. {per * max(1, global_batch // per)}) or --batch per rank"
+            )
+        batch = global_batch // per
     if batch < 1:
         raise ZeroFXError(f"batch {batch}: give at least one sequence per rank")
     if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
@@ -681,15 +743,17 @@ def plan(
         # symbolic batch and sequence sizes do not pass through DTensor's sharding of the sequence
         # yet: with tensor parallelism the plan is traced at the given sizes and solves no maximum
         optimizer, memory is not None and tensor_parallel == 1, options, tensor_parallel, tp_plan,
+        grad_accumulation=grad_accumulation,
     )  # fmt: skip
     depth = _depth(model_fn, factory_kwargs, depth_kwarg)
-    if depth is not None and not exact and depth[1] > TRACED_DEPTHS[1]:
-        _check_module_patterns(request)  # the traces have fewer blocks than the model they stand for
+    # the traces have fewer blocks than the model they stand for: patterns are checked on the
+    # model itself, and options that do not plan every block alike trace it all
+    if depth is not None and not exact and depth[1] > TRACED_DEPTHS[1] and _blocks_plan_alike(request, depth[1]):
         result = _plan_by_depth(request, model_fn, factory_kwargs, *depth)
     else:
         result = _plan_once(request)
     if compare:
-        for change in _alternatives(options):
+        for change in _alternatives(options, device):
             alt = _plan_once(dataclasses.replace(request, memory=None, symbolic=False, options={**options, **change}))
             result.alternatives.append(
                 {
@@ -717,19 +781,31 @@ def plan(
 # matches full traces (tests/test_plan.py), else the planner traces the whole model instead. Three
 # blocks, not two: with two, the head's logits can still outweigh one block's activations, and the
 # peak moves as blocks are added. ``exact=True`` (``--exact``) always traces the whole model:
-# minutes for 80 layers.
+# minutes for 80 layers. Options that plan blocks otherwise than each other trace the whole
+# model too (``_blocks_plan_alike``): a byte ``activation_budget`` (absolute per graph: the more
+# blocks share it, the less each keeps; 0, the least any plan keeps, is per value and extends),
+# and ``checkpoint_modules`` patterns that do not match the same modules in every block of the
+# model at its own depth (``blocks.[0-3]`` of 8 matches every block of both traces) or match a
+# module around them. Known to differ still: regions inside every block (``blocks.*.attn``)
+# and fraction budgets, where the shallow traces' peak at the head's backward grows by more
+# than a block's worth per block (and from 6 blocks on by exactly that): the extension
+# over-predicts, 4.6% and 5.5% of the device peak on a 7-block d_model 64 GPT.
 
 
 def _depth(model_fn: Any, kwargs: dict | None, depth_kwarg: str | None) -> tuple[str, int] | None:
     """(keyword, number of blocks) when the model's depth is a factory keyword."""
     kwargs = kwargs or {}
     if isinstance(model_fn, str) and model_fn in BUILTIN_MODELS:
-        return "n_layer", int(kwargs.get("n_layer", BUILTIN_MODELS[model_fn].depth))
-    if depth_kwarg is None:
+        key, value = "n_layer", kwargs.get("n_layer", BUILTIN_MODELS[model_fn].depth)
+    elif depth_kwarg is None:
         return None
-    if depth_kwarg not in kwargs:
+    elif depth_kwarg not in kwargs:
         raise ZeroFXError(f"depth_kwarg {depth_kwarg!r}: give its value in the factory's kwargs (--kwargs)")
-    return depth_kwarg, int(kwargs[depth_kwarg])
+    else:
+        key, value = depth_kwarg, kwargs[depth_kwarg]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ZeroFXError(f"{key}={value!r}: give the number of blocks, an int >= 1")
+    return key, value
 
 
 TRACED_DEPTHS = (3, 4)
@@ -745,19 +821,52 @@ def _affine(v2: Any, v3: Any, steps: int) -> Any:
     return int(out) if isinstance(v2, int) and isinstance(v3, int) else out
 
 
-def _check_module_patterns(req: _Request) -> None:
-    """``checkpoint_modules`` patterns are checked against the model at its own depth, built once
-    under a ``FakeTensorMode``: the shallower models traced for it lack its deeper blocks
-    (``blocks.40``), so ``zerofx.compile``'s own check is skipped on those traces."""
+def _blocks_plan_alike(req: _Request, depth: int) -> bool:
+    """Whether the options plan every block of the ``depth``-block model alike, so that traces of
+    3 and 4 blocks extend to it (NOTE: planning by depth). Not so for a byte ``activation_budget``
+    (absolute per graph: shared by more blocks, each keeps less), nor for ``checkpoint_modules``
+    patterns that match some blocks otherwise than others (``blocks.[0-3]`` of 8: every block of
+    the traces matches, half of the model's) or a module around the blocks. The patterns are
+    checked against the model at its own depth, built once under a ``FakeTensorMode``: the
+    shallower models traced for it lack its deeper blocks (``blocks.40``), so
+    ``zerofx.compile``'s own check is skipped on those traces."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from zerofx.options import Options
     from zerofx.passes.checkpoint import check_module_patterns
 
-    patterns = Options.from_kwargs(**req.options).checkpoint_modules
+    opts = Options.from_kwargs(**req.options)
+    patterns = opts.checkpoint_modules
     if patterns:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            check_module_patterns(patterns, _build(req.factory, req.name))
+            model = _build(req.factory, req.name)
+            check_module_patterns(patterns, model)
+            alike = _patterns_match_blocks_alike(model, patterns, depth)
+    budget = opts.activation_budget
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+        return False  # (0: the least any plan keeps, value by value, at every depth)
+    return not patterns or alike
+
+
+def _patterns_match_blocks_alike(model: nn.Module, patterns: tuple[str, ...], depth: int) -> bool:
+    """Whether ``patterns`` match the same modules, relative to their block, in each of the
+    model's ``depth`` blocks (the one ``nn.ModuleList`` of that length), and nothing around them."""
+    import fnmatch
+
+    stacks = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
+    if len(stacks) != 1 or not stacks[0]:
+        return False  # which modules are the blocks is not known
+    names = [n for n, _ in model.named_modules(remove_duplicate=False)]
+    matched = {n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)}
+    parts = stacks[0].split(".")
+    around = {".".join(parts[:k]) for k in range(1, len(parts) + 1)}  # the stack and the modules holding it
+    if matched & around:
+        return False  # one region holding all the blocks
+    signatures = set()
+    for i in range(depth):
+        block = f"{stacks[0]}.{i}"
+        signatures.add(frozenset(n[len(block) :] for n in matched if n == block or n.startswith(block + ".")))
+    return len(signatures) == 1
 
 
 def _plan_by_depth(request: _Request, model_fn: Any, kwargs: dict | None, key: str, depth: int) -> Plan:
@@ -803,6 +912,7 @@ def _plan_by_depth(request: _Request, model_fn: Any, kwargs: dict | None, key: s
             width = max(len(c2), len(c3))
             c2, c3 = (0,) * (width - len(c2)) + c2, (0,) * (width - len(c3)) + c3
             coeffs = tuple(_affine(a, b, steps) for a, b in zip(c2, c3))
+            result.bindings[what] = (p3.bindings[what][0], coeffs, _affine(s2, s3, steps))
             bound = _first_crossing(tuple(sympy.Rational(c) for c in coeffs), request.memory - _affine(s2, s3, steps))
             value = 2**62 if bound is None else max(int(sympy.floor(bound)), 0)
             if attr == "max_seq" and p3.seq_limit is not None:
@@ -817,7 +927,7 @@ def _node_kind(label: str) -> str:
     return re.sub(r"_\d+$", "", label.split(":")[-1])
 
 
-def _alternatives(options: dict) -> list[dict]:
+def _alternatives(options: dict, device: str = "h100") -> list[dict]:
     """The memory options that change a plan's answer, each changed alone."""
     out = []
     for stage in (1, 2, 3):
@@ -832,8 +942,8 @@ def _alternatives(options: dict) -> list[dict]:
         out.append(change)
     if options.get("activation_budget") is None:
         out.append({"activation_budget": 0})
-    if options.get("offload_optimizer") in (None, "none"):
-        out.append({"offload_optimizer": "host"})
+    if options.get("offload_optimizer") in (None, "none"):  # on a CPU target host moves nothing
+        out.append({"offload_optimizer": "disk" if device == "cpu" else "host"})
     return out
 
 
@@ -857,6 +967,7 @@ class _Request:
     options: dict[str, Any]
     tensor_parallel: int = 1  # > 1: mesh_shape is (dp, tp) or (replicate, shard, tp)
     tp_plan: Callable | None = None
+    grad_accumulation: int = 1  # micro-batches per optimizer step (NOTE: planning gradient accumulation)
     shallow: bool = False  # a model with fewer blocks than the one planned (NOTE: planning by depth)
 
 
@@ -871,13 +982,14 @@ def _plan_once(req: _Request) -> Plan:
     options = dict(req.options)
     options.setdefault("calibrate", False)
     if options.get("offload_optimizer") in ("disk", "auto"):
-        # the device holds the same bytes with either tier; fake tensors cannot live in files
-        options["offload_optimizer"] = "host"  # the fake group has nothing to measure: decide on the defaults
+        # fake tensors cannot live in files: traced as host, the tier's bytes counted by
+        # _offload (NOTE: what offload moves)
+        options["offload_optimizer"] = "host"
     torch._dynamo.reset()  # a fresh compile, as at launch (and no recompile limit left over from earlier plans)
     with _fake_world(math.prod(req.mesh_shape), 0, req.backend):
         mesh = init_device_mesh("cpu", req.mesh_shape, mesh_dim_names=dims)  # real tensors: outside the fake mode
         with FakeTensorMode(allow_non_fake_inputs=True):
-            return _trace_step(dataclasses.replace(req, options=options), mesh, dims)
+            return _trace_step(dataclasses.replace(req, options=options), mesh, dims, req.options)
 
 
 def _build(factory: Callable[[], nn.Module], name: str) -> nn.Module:
@@ -893,8 +1005,9 @@ def _build(factory: Callable[[], nn.Module], name: str) -> nn.Module:
     return model
 
 
-def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
-    """One training step of the fake model on the fake mesh, read into a Plan."""
+def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...], given: dict) -> Plan:
+    """One training step of the fake model on the fake mesh, read into a Plan (``given``: the
+    options as asked, before the trace's own: NOTE: what offload moves)."""
     from torch.fx.experimental import _config as fx_config
 
     import zerofx
@@ -934,13 +1047,14 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     _compile(model, dp_mesh, None, options, cost=decide, keep_graphs=True, check_patterns=not req.shallow)
     opt = _make_optimizer(list(model.parameters()), req.optimizer, foreach=device != "cpu")
     hints = (max(batch, 2), max(seq, 3)) if symbolic else (batch, seq)
-    args, kwargs = _split(inputs_fn(*hints))
-    if symbolic:
-        for t in (*args, *kwargs.values()):
-            if isinstance(t, torch.Tensor) and t.dim() >= 2:
-                torch._dynamo.mark_dynamic(t, 0)
-                torch._dynamo.mark_dynamic(t, 1)
-    with zerofx.CollectiveCounter() as comm:
+
+    def micro_step() -> None:
+        args, kwargs = _split(inputs_fn(*hints))
+        if symbolic:
+            for t in (*args, *kwargs.values()):
+                if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                    torch._dynamo.mark_dynamic(t, 0)
+                    torch._dynamo.mark_dynamic(t, 1)
         duck = fx_config.use_duck_shape
         fx_config.use_duck_shape = False  # batch and seq get symbols of their own even when equal
         try:
@@ -952,12 +1066,25 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
             loss.backward()
         finally:
             fx_config.use_duck_shape = duck
+
+    runtime = runtime_of(model)
+    compiled = runtime.compiled
+    # NOTE: planning gradient accumulation: a micro-batch under no_sync, then the last one
+    first_comm, first_frames, accumulated = None, None, 0
+    if req.grad_accumulation > 1:
+        with zerofx.CollectiveCounter() as first_comm, zerofx.no_sync(model):
+            micro_step()
+        first_frames = compiled.frames()
+        accumulated = sum(
+            local_nbytes(s.sink.grad) for s in runtime.states if s.sink is not None and s.sink.grad is not None
+        )
+    with zerofx.CollectiveCounter() as comm:
+        micro_step()
         state = model_state_bytes(model, opt)  # the backward's gradients still held: the step's peak
         tested = _step_planned(opt)  # NOTE: optimizer steps that read values
     if tested:
         _same_state_either_way(opt)
-    runtime = runtime_of(model)
-    compiled = runtime.compiled
+    last_frames = [g for g in compiled.frames() if g not in (first_frames or ())] or first_frames
     _refuse_mixed_dtype_kernels(compiled.graphs)
     whole = sum({id(s.full): local_nbytes(s.full) for s in runtime.states if s.full is not None}.values())
     buffers = sum(local_nbytes(b) for b in model.buffers())
@@ -966,10 +1093,11 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     # any other group spans the whole mesh (hpZ's flattened mesh: secondary_shard) and crosses nodes
     whole_mesh = "all" if "replicate" in dims else "shard"
     comm_bytes: dict[str, dict[str, int]] = {}
-    for (kind, group), nbytes in comm.by_group.items():
-        dim = group_dim.get(group, whole_mesh)
-        comm_bytes.setdefault(kind, {}).setdefault(dim, 0)
-        comm_bytes[kind][dim] += int(hint(nbytes))
+    for counter, times in ((first_comm, req.grad_accumulation - 1), (comm, 1)):
+        for (kind, group), nbytes in (counter.by_group if counter else {}).items():
+            dim = group_dim.get(group, whole_mesh)
+            comm_bytes.setdefault(kind, {}).setdefault(dim, 0)
+            comm_bytes[kind][dim] += times * int(hint(nbytes))
 
     inner = mesh_shape[-1] * (mesh_shape[-2] if req.tensor_parallel > 1 else 1)  # ranks the shard dim spans
     links = {
@@ -980,17 +1108,33 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
     }
     if device == "cpu":
         links = {d: CommModel() for d in (*dims, "all")}
-    time_parts = _step_time(compiled, rates, comm, lambda group: links[group_dim.get(group, whole_mesh)])
+    link_of = lambda group: links[group_dim.get(group, whole_mesh)]  # noqa: E731
+    time_parts = _step_time(compiled, rates, comm, link_of, last_frames)
+    if first_comm is not None:  # the micro-batches before the last, under no_sync
+        earlier = _step_time(compiled, rates, first_comm, link_of, first_frames)
+        time_parts = tuple(t + (req.grad_accumulation - 1) * e for t, e in zip(time_parts, earlier))
     params_bytes = state.params - whole
-    offloaded = params_bytes + opt_bytes if options.get("offload_optimizer", "none") != "none" else 0
+    tier, window = _offload_tier(given, params_bytes, device)
+    offloaded = {"none": 0, "host": 0 if device == "cpu" else opt_bytes, "disk": params_bytes + opt_bytes}[tier]
     opt_s = 2 * (state.params + state.grads + opt_bytes) / rates.memory_bytes_per_s
-    boundary = reduce_transient_bytes(runtime.states) if runtime.stage == 1 else 0  # stage 1 reduces at the end
+    # stage 1 reduces at the end of the backward, as does the last micro-batch of an accumulation
+    boundary = reduce_transient_bytes(runtime.states) if runtime.stage == 1 or accumulated else 0
     # NOTE: the optimizer step's transient memory (last: it steps the optimizer once more); the
     # gradients it starts from (stage 1: the shards the end-of-backward reduce left)
     step_grads = model_state_bytes(model, opt).grads
-    step_bytes = 0 if offloaded else _step_transient(opt, runtime.states)
+    if tier == "none":
+        step_bytes = _step_transient(opt, runtime.states)
+    else:
+        step_bytes = _windowed_step_transient(opt, runtime.states, tier, window, device)
     per_rank, act, timeline, sym_peak, (max_batch, max_seq, bindings) = _memory(
-        compiled, symbolic, batch, seq, params_bytes + whole + opt_bytes + buffers - offloaded, memory, boundary
+        compiled,
+        symbolic,
+        batch,
+        seq,
+        params_bytes + whole + opt_bytes + buffers - offloaded,
+        memory,
+        boundary,
+        (first_frames, last_frames, accumulated),
     )
     timeline.append(("optimizer step", step_grads + step_bytes))
     if limit is not None and max_seq is not None and max_seq > limit:
@@ -1006,7 +1150,7 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
         batch=batch,
         seq=seq,
         device=device,
-        options={k: v for k, v in options.items() if k != "calibrate" or v},
+        options={k: v for k, v in given.items() if k != "calibrate" or v},
         per_rank=PerRank(
             params_bytes=params_bytes,
             whole_copy_bytes=whole,
@@ -1020,6 +1164,7 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
             offloaded_bytes=offloaded,
             optimizer_step_bytes=step_bytes,
             optimizer_step_grad_bytes=step_grads,
+            accumulated_grad_bytes=accumulated,
         ),
         comm_bytes_per_step=comm_bytes,
         step_time_s=time_parts[0] + opt_s,
@@ -1033,9 +1178,83 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...]) -> Plan:
         symbolic_peak=sym_peak,
         seq_limit=limit,
         bindings=bindings,
+        grad_accumulation=req.grad_accumulation,
     )
     _settle_peak(result)
     return result
+
+
+# NOTE: what offload moves
+# zerofx/runtime/offload_store.py, per tier, on the device the plan is for:
+#   host on a CPU target: nothing (host memory is the device's memory; docs/memory.md);
+#   host on a GPU: the optimizer state, parked in pinned host memory after each window's step;
+#     the parameter shards stay on the device (``place_model_state`` moves shards into files
+#     only for disk), as do the gradients;
+#   disk (CPU only: the graphs read the shards from their mappings): the parameter shards and
+#     the optimizer state, each in its memory-mapped file.
+# ``auto`` is disk when three times the shards' bytes exceed ``host_memory_cap``, else host. The
+# offloaded step runs a window of parameters at a time (``host_memory_cap / 8``, else 64 MiB,
+# counting parameter + two moments): its transient is, over the windows, the most of what the
+# window brings back to the device (host on a GPU: its state; disk: its shards and state, paged
+# in) plus what the window's own step allocates (the optimizer's step on that window alone, on
+# fake tensors, as ``_step_transient``). A whole-tensor step (Adafactor, Muon) is planned as in
+# memory (its windows hold the largest tensor whole anyway), plus the largest window's
+# brought-back bytes.
+
+
+def _offload_tier(options: dict, params_bytes: int, device: str) -> tuple[str, int]:
+    """(where model state lives: none, host or disk, the step's window bytes) as
+    ``place_model_state`` decides it (NOTE: what offload moves)."""
+    tier = options.get("offload_optimizer") or "none"
+    cap = options.get("host_memory_cap")
+    if tier == "auto":
+        tier = "disk" if 3 * params_bytes > cap else "host"
+    if tier == "disk" and device != "cpu":
+        raise ZeroFXError(
+            f"offload_optimizer={options['offload_optimizer']!r} keeps parameter shards in memory-mapped files"
+            f"{' (auto: they exceed host_memory_cap)' if options['offload_optimizer'] == 'auto' else ''}, which "
+            f"the device reads directly only on CPU; on {device} use offload_optimizer='host'"
+        )
+    return tier, cap // 8 if cap else 64 * 2**20
+
+
+def _windowed_step_transient(opt: torch.optim.Optimizer, states: list, tier: str, window: int, device: str) -> int:
+    """The offloaded step's transient on the device (NOTE: what offload moves): a window of
+    parameters at a time, each window's step on fake tensors (uncounted)."""
+    from zerofx.measure.model_state import local_nbytes
+    from zerofx.measure.transient import TransientBytes
+    from zerofx.runtime.offload_store import _windows
+    from zerofx.runtime.whole_step import whole_step_class
+
+    def brought(win: list) -> int:  # what the window brings back to the device
+        nbytes = sum(local_nbytes(p) for p in win) if tier == "disk" else 0
+        if tier == "disk" or device != "cpu":
+            nbytes += sum(
+                local_nbytes(v)
+                for p in win
+                for v in opt.state.get(p, {}).values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            )
+        return nbytes
+
+    groups = [list(g["params"]) for g in opt.param_groups]
+    ordered = [p for ps in groups for p in ps if p.grad is not None]
+    windows = _windows(ordered, window)
+    if whole_step_class(opt) is not None:
+        return _step_transient(opt, states) + max((brought(w) for w in windows), default=0)
+    worst = 0
+    try:
+        for win in windows:
+            members = set(win)
+            for g, ps in zip(opt.param_groups, groups):
+                g["params"] = [p for p in ps if p in members]
+            with _PlaceholderScalars(test=False), TransientBytes() as held:
+                opt.step()
+            worst = max(worst, brought(win) + held.peak)
+    finally:
+        for g, ps in zip(opt.param_groups, groups):
+            g["params"] = ps
+    return worst
 
 
 def _settle_peak(p: Plan) -> None:
@@ -1055,16 +1274,18 @@ def _split(inputs: Any) -> tuple[tuple, dict]:
     return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
 
 
-def _step_time(compiled, rates, counter, link_of) -> tuple[float, float, float]:
-    """(graph time, compute, exposed communication) of a step, ``link_of(group name)`` pricing each
-    collective; collectives outside the graphs (stages 1-2: the post-step all-gather, stage 1's
-    boundary reduce) are exposed in full."""
+def _step_time(compiled, rates, counter, link_of, frames=None) -> tuple[float, float, float]:
+    """(graph time, compute, exposed communication) of a step (of the graphs of ``frames``, default
+    all), ``link_of(group name)`` pricing each collective; collectives outside the graphs (stages
+    1-2: the post-step all-gather, stage 1's boundary reduce) are exposed in full."""
     from zerofx.measure.instrument import graph_collectives
     from zerofx.passes.cost_model import estimate_time
 
     total = compute = 0.0
     in_graphs: dict[tuple[str, str], int] = {}
-    for gm in compiled.graphs.values():
+    for (gid, _), gm in compiled.graphs.items():
+        if frames is not None and gid not in frames:
+            continue
         t = estimate_time(gm, rates, link_of)
         total, compute = total + t.total_s, compute + t.compute_s
         for kind, nbytes, group, *_ in graph_collectives(gm):
@@ -1078,6 +1299,23 @@ def _step_time(compiled, rates, counter, link_of) -> tuple[float, float, float]:
     return total, compute, total - compute
 
 
+# NOTE: planning gradient accumulation
+# With ``grad_accumulation=N`` the step is N micro-batches of ``batch``, the first N-1 under
+# ``zerofx.no_sync`` (zerofx/runtime/accumulation.py). Their parameters take the ``local_grad``
+# route at every stage (zerofx/runtime/params.py, NOTE: the accumulation boundary): each backward
+# returns whole, unreduced gradients, which autograd adds into one whole buffer per parameter,
+# held until the last micro-batch's backward ends and the boundary reduce lands each rank's
+# shard. The plan runs what a rank runs: a micro-batch under no_sync, whose gradients are those
+# buffers (``accumulated_grad_bytes``: whole, in the reduce dtype, per rank; 4 bytes per
+# parameter in fp32, not sharded), then the last micro-batch, whose graphs (the same local
+# route, compiled once more) run on top of them, then the boundary reduce (its eager buckets'
+# transient, as stage 1's at every step). The step's peak is the largest of the first
+# micro-batch alone, the later ones on top of the held gradients, and the boundary; measured on
+# gloo ranks it is where the run peaks (tests/test_plan.py). Collective bytes and times count N
+# micro-batches: N-1 of the first, one of the last (stage 3 gathers N times, reduces once).
+# ``global_batch`` is ``batch`` x data-parallel size x N.
+
+
 # NOTE: solving for the largest batch
 # With symbolic batch B and sequence S, the live bytes after every node of every graph of the
 # step are polynomials in (B, S) with non-negative coefficients (a sum of the sizes of the tensors
@@ -1089,13 +1327,17 @@ def _step_time(compiled, rates, counter, link_of) -> tuple[float, float, float]:
 # coefficient by coefficient by another are dropped (their roots are never the smallest).
 
 
-def _memory(compiled, symbolic, batch, seq, static, memory, boundary=0):
+def _memory(compiled, symbolic, batch, seq, static, memory, boundary=0, accumulation=(None, None, 0)):
     """((step peak, peak node), saved activations, downsampled timeline, symbolic peak, (max batch,
     max seq, what binds them)). Saved activations: what the forward graphs allocate and return
-    beyond their inputs."""
+    beyond their inputs. ``accumulation``: (the frames of a micro-batch under no_sync, those of
+    the last micro-batch, the bytes of whole gradients held from the first to the last) when
+    micro-batches accumulate (NOTE: planning gradient accumulation); ``boundary``: the transient of
+    the reduce at the end of the last backward."""
     from zerofx.passes.cost_model import memory_timeline, predict_step_peak, tangent_bytes
 
-    frames = compiled.frames()
+    first_frames, frames, accumulated = accumulation
+    frames = frames or compiled.frames()
     graphs = compiled.graphs
     labels: list[str] = []
     values: list[Any] = []
@@ -1109,19 +1351,31 @@ def _memory(compiled, symbolic, batch, seq, static, memory, boundary=0):
             values.append(base + v)
         return out
 
-    fw_out = {}
-    for gid in frames:
-        fw_out[gid] = walk(gid, "forward", live)
-        live = live + fw_out[gid]
-    for i, gid in enumerate(reversed(frames)):  # the first gets its gradients from the engine
-        engine = tangent_bytes(graphs[(gid, "backward")], symbolic) if i == 0 else 0
-        out = walk(gid, "backward", live + engine)
-        live = live + out - fw_out[gid]
-    if boundary:  # the end-of-backward reduce of pending gradients, outside the graphs (stage 1)
+    def micro_batch(frames: list[str], live: Any) -> tuple[dict, Any]:
+        fw_out = {}
+        for gid in frames:
+            fw_out[gid] = walk(gid, "forward", live)
+            live = live + fw_out[gid]
+        for i, gid in enumerate(reversed(frames)):  # the first gets its gradients from the engine
+            engine = tangent_bytes(graphs[(gid, "backward")], symbolic) if i == 0 else 0
+            out = walk(gid, "backward", live + engine)
+            live = live + out - fw_out[gid]
+        return fw_out, live
+
+    if first_frames:  # the first micro-batch under no_sync: its gradients become the whole ones held
+        micro_batch(first_frames, live)
+        live = live + accumulated
+    fw_out, live = micro_batch(frames, live)
+    if accumulated:  # the last backward's whole gradients were added to those held, in place
+        live = sympy.Integer(accumulated) if symbolic else accumulated
+    if boundary:  # the end-of-backward reduce of pending gradients, outside the graphs
         labels.append("boundary reduce (eager buckets)")
         values.append(live + boundary)
     if not symbolic:
-        peak = max(predict_step_peak(compiled.memory_estimates, frames), values[-1] if boundary else 0)
+        graphs_peak = predict_step_peak(compiled.memory_estimates, frames)
+        if first_frames:  # the last micro-batch's graphs on top of the whole gradients held
+            graphs_peak = max(accumulated + graphs_peak, predict_step_peak(compiled.memory_estimates, first_frames))
+        peak = max(graphs_peak, values[-1] if boundary else 0)
         i = max(range(len(values)), key=lambda j: values[j]) if values else 0
         node = labels[i] if labels else "start"
         return (peak, node), int(sum(fw_out.values())), _downsample(labels, values), None, (None, None, {})
