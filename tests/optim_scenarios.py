@@ -483,15 +483,21 @@ def _lbfgs_uneven(mesh, rank) -> dict:
     """LBFGS over a layer with an odd number of rows, which DTensor cannot flatten."""
     from torch import nn
 
-    torch.manual_seed(0)
-    model = zerofx.compile(nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)), mesh)
-    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
-    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=2)
-    try:
-        opt.step(lambda: model(x).pow(2).sum())
-        return {"lbfgs": "stepped"}
-    except zerofx.ZeroFXError as e:
-        return {"lbfgs": str(e)}
+    out = {}
+    for key, features, layers in (
+        ("lbfgs", 4, (nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))),  # a [3, 4] weight
+        ("one_dim", 3, (nn.LayerNorm(3), nn.Linear(3, 4))),  # [3] weight and bias; a [4, 3] weight
+    ):
+        torch.manual_seed(0)
+        model = zerofx.compile(nn.Sequential(*layers), mesh)
+        x = torch.randn(2, features, generator=torch.Generator().manual_seed(rank))
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=2)
+        try:
+            opt.step(lambda: model(x).pow(2).sum())
+            out[key] = "stepped"
+        except zerofx.ZeroFXError as e:
+            out[key] = str(e)
+    return out
 
 
 def _few_rows(mesh, rank, by_rows: bool = False) -> dict:

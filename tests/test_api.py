@@ -869,11 +869,19 @@ class _ChangesItsWeight(nn.Module):
             elif self.how == "clone":
                 w = self.b.weight.clone()
                 w.clamp_(-0.1, 0.1)
-        return self.b(torch.relu_(self.a(x))).sum()  # an in-place op on an activation is fine
+        h = torch.relu_(self.a(x))  # an in-place op on an activation is fine
+        if self.how == "checkpointed":  # inside a region dynamo captures as a subgraph
+            return torch.utils.checkpoint.checkpoint(self._clipped, h, use_reentrant=False).sum()
+        return self.b(h.to(next(self.parameters())).to(h.dtype)).sum()  # a shard as to()'s template is fine
+
+    def _clipped(self, h):
+        with torch.no_grad():
+            self.b.weight.clamp_(-0.1, 0.1)
+        return self.b(h)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("how", ["clamp_", "row", "setitem"])
+@pytest.mark.parametrize("how", ["clamp_", "row", "setitem", "checkpointed"])
 def test_a_compiled_forward_changing_a_parameter_in_place_is_refused_by_name(one_rank, stage, how):
     """Inside a compiled forward ``self.b.weight`` is a whole copy gathered for that read: an
     in-place change to it reached neither the parameter nor its next read, and training went
@@ -885,6 +893,14 @@ def test_a_compiled_forward_changing_a_parameter_in_place_is_refused_by_name(one
     torch._dynamo.reset()
     model = zerofx.compile(_ChangesItsWeight("clone"), one_rank, stage=stage, param_dtype=torch.bfloat16)
     model(torch.randn(2, 8)).backward()  # a copy of its own is the user's to change
+
+
+def test_a_compiled_embedding_with_max_norm_is_refused_saying_why(one_rank):
+    """``nn.Embedding(max_norm=...)`` renormalizes looked-up rows in the weight, in place: inside
+    a compiled forward that reached only the gathered copy. Refused, naming max_norm."""
+    model = zerofx.compile(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0)), one_rank, param_dtype=torch.bfloat16)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"0\.weight: an embedding with max_norm"):
+        model(torch.tensor([1, 2]))
 
 
 class _Penalized(nn.Module):

@@ -460,7 +460,7 @@ def _refuse_reading_shards(gm: fx.GraphModule, example_inputs: list[Any]) -> Non
     direct = [
         _qualname(x)
         for node, x in zip(placeholders, example_inputs)
-        if node.users
+        if any(_holds_dtensor(u.meta.get("example_value")) for u in node.users)  # (x.to(p): a template)
         and isinstance(x, torch.nn.Parameter)
         and isinstance(x, DTensor)
         and getattr(x, "_zerofx_state", None) is not None
@@ -477,6 +477,13 @@ def _refuse_reading_shards(gm: fx.GraphModule, example_inputs: list[Any]) -> Non
         )
 
 
+def _holds_dtensor(value: Any) -> bool:
+    """Whether a node's value is (or holds) a DTensor: what computing with a shard gives."""
+    if isinstance(value, (tuple, list)):
+        return any(_holds_dtensor(v) for v in value)
+    return isinstance(value, DTensor)
+
+
 def _refuse_writes_to_gathered(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
     """Refuse a frame that changes a gathered parameter in place (``self.w.clamp_(-c, c)`` under
     no_grad, WGAN's weight clipping; ``self.w.div_(norm)``). ``module.weight`` inside a compiled
@@ -486,7 +493,20 @@ def _refuse_writes_to_gathered(gm: fx.GraphModule, example_inputs: list[Any]) ->
     view of it while dynamo traced shows in its fake value's version counter. (Uncompiled, the
     same write is refused by the gathered copy, zerofx/sharding.py.)"""
     reads = {n: x for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs)}
-    for node in gm.graph.nodes:
+    # the frame's graph and those of the regions dynamo captured as subgraphs (torch.utils.checkpoint)
+    graphs = [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+    nodes = [n for m in graphs for n in m.graph.nodes]
+    # a subgraph's placeholders are the operands its call passes (``hop(get_attr, *operands)``)
+    operand_of = {}
+    for m in graphs:
+        for call in m.graph.nodes:
+            first = call.args[0] if call.op == "call_function" and call.args else None
+            if isinstance(first, fx.Node) and first.op == "get_attr":
+                sub = getattr(m, first.target, None)
+                if isinstance(sub, fx.GraphModule):
+                    inner = [n for n in sub.graph.nodes if n.op == "placeholder"]
+                    operand_of.update(zip(inner, call.args[1:]))
+    for node in nodes:
         # dynamo records the op's packet (torch.ops.zerofx.unshard), AOT autograd its overload
         if node.op != "call_function" or getattr(node.target, "default", node.target) not in FORWARD_MARKERS:
             continue
@@ -494,10 +514,17 @@ def _refuse_writes_to_gathered(gm: fx.GraphModule, example_inputs: list[Any]) ->
         if not isinstance(value, torch.Tensor) or value._version == 0:
             continue
         source = node.args[0]
-        while isinstance(source, fx.Node) and source.op != "placeholder" and source.args:
-            source = source.args[0]
+        while isinstance(source, fx.Node) and (source.op != "placeholder" or source in operand_of):
+            source = operand_of[source] if source.op == "placeholder" else (source.args or [None])[0]
         state = _state_of(reads.get(source)) if isinstance(source, fx.Node) else None
         name = state.qualname if state is not None else "a sharded parameter"
+        if any(_renorms(u) for u in node.users):
+            raise ZeroFXError(
+                f"{name}: an embedding with max_norm renormalizes the rows it looks up in the weight itself, "
+                "in place; inside a compiled forward the weight is a whole copy gathered for that read, so "
+                "the renormalized rows would not reach the parameter as they do in eager PyTorch. Drop max_norm, "
+                "or renormalize the rows yourself between steps"
+            )
         raise ZeroFXError(
             f"{name}: the compiled forward changes the parameter in place (an in-place op such as clamp_, mul_ or "
             "copy_ on module.weight, or an assignment into it), but module.weight there is a whole copy gathered "
@@ -506,6 +533,15 @@ def _refuse_writes_to_gathered(gm: fx.GraphModule, example_inputs: list[Any]) ->
             "rank's rows, and its in-place ops change every rank's rows (at stages 1 and 2, then renew the whole "
             "copies: zerofx.sharding.runtime_of(model).refresh())"
         )
+
+
+def _renorms(node: fx.Node) -> bool:
+    """Whether ``node`` is an embedding lookup with ``max_norm`` (it renormalizes the weight's rows
+    in place: ``embedding_renorm_``)."""
+    if node.op != "call_function" or node.target is not torch.nn.functional.embedding:
+        return False
+    max_norm = node.kwargs.get("max_norm", node.args[3] if len(node.args) > 3 else None)
+    return max_norm is not None
 
 
 def _source_name(node: fx.Node) -> str:

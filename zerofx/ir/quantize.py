@@ -120,9 +120,11 @@ def row_numel(x: torch.Tensor, rows: int) -> int:
 # Dequantize is the mirror: one fp32 buffer of the padded rows, filled from the payload, scaled
 # in place and cast into the output (it is the output itself when that is fp32 and unpadded).
 # An earlier version chained out-of-place ops and held up to three fp32 copies of a bucket at
-# once (12.6 MB to quantize 4 MiB of fp32); these write the same bytes and values, bit for bit
-# (tests/test_quantize.py). What is left, the bytes held above the op's output while it runs,
-# is ``quantize_workspace_bytes`` / ``dequantize_workspace_bytes``: the cost model adds it to
+# once (12.6 MB to quantize 4 MiB of fp32); these write the same values and payload bytes (a
+# NaN scale may carry other NaN bits: ``vector_norm`` keeps an input NaN's, ``abs().amax()``
+# wrote the canonical one; tests/test_quantize.py). What is left, the bytes held above the
+# op's output while it runs, is ``quantize_workspace_bytes`` /
+# ``dequantize_workspace_bytes``: the cost model adds it to
 # the live bytes at QUANTIZE / DEQUANTIZE nodes (passes/cost_model.py, NOTE: op workspace), and
 # tests/test_quantize.py checks it equals what the allocator sees. The Triton kernels
 # (codegen/quantize_kernels.py) allocate only their outputs; the cost model prices this path.

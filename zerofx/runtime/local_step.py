@@ -191,9 +191,10 @@ def step_over_whole_tensors(optimizer: torch.optim.Optimizer, windows: Windows |
 
 def _refuse_unflattenable(params: list) -> None:
     """LBFGS flattens every gradient and update into one vector (``.view(-1)``, through DTensor).
-    DTensor cannot flatten a tensor split unevenly ("Cannot flatten unevenly sharded tensor":
-    any odd-sized dim over 2 ranks) and loops forever on a size-0 one (torch 2.13's view
-    propagation): both are refused at the first step, by name, on every rank alike."""
+    DTensor cannot merge an unevenly split dim with the others ("Cannot flatten unevenly sharded
+    tensor": a [3, 4] weight over 2 ranks; a 1-D one has nothing to merge and flattens) and
+    loops forever on a size-0 tensor (torch 2.13's view propagation): both are refused at the
+    first step, by name, on every rank alike."""
     bad = []
     for p in params:
         s = getattr(p, "_zerofx_state", None)
@@ -201,12 +202,12 @@ def _refuse_unflattenable(params: list) -> None:
             continue
         if p.numel() == 0:
             bad.append(f"{s.qualname} {list(p.shape)} (no elements)")
-        elif not s.whole and s.full_rows % s.shard_group.size:
+        elif p.dim() > 1 and not s.whole and s.full_rows % s.shard_group.size:  # (1-D: nothing to merge)
             bad.append(f"{s.qualname} {list(p.shape)} ({s.full_rows} rows over {s.shard_group.size} ranks)")
     if bad:
         raise ZeroFXError(
             f"torch.optim.LBFGS flattens every parameter into one vector through DTensor, which cannot flatten "
-            f"{some_names(bad)}: give LBFGS parameters whose sharded dim divides evenly over the ranks (and no "
+            f"{some_names(bad)}: give LBFGS multi-dim parameters whose sharded dim divides evenly over the ranks (and no "
             "size-0 ones), or keep them whole (persistence_threshold above their size, at stage 3)"
         )
 
