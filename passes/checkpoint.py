@@ -132,13 +132,18 @@ def _op_matches(node: fx.Node, names: tuple[str, ...]) -> bool:
     return any(name in spelled for name in names)
 
 
+def matches(name: str, patterns: tuple[str, ...] | list[str]) -> bool:
+    """Whether the module path ``name`` matches one of the ``checkpoint_modules`` patterns."""
+    return any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+
+
 def check_module_patterns(patterns: tuple[str, ...], model: torch.nn.Module) -> None:
     """Refuse ``checkpoint_modules`` patterns that match no module of ``model``: ``_regions``
     matches them against the module paths in each graph, where a misspelt pattern matches
     nothing and checkpoints nothing, silently. Checked on the whole model where it is compiled
     (a frame after a graph break holds only some modules, so no one graph can tell)."""
     names = [name for name, _ in model.named_modules(remove_duplicate=False)]
-    missing = [pat for pat in patterns if not any(fnmatch.fnmatchcase(name, pat) for name in names)]
+    missing = [pat for pat in patterns if not any(matches(name, (pat,)) for name in names)]
     if not missing:
         return
     shallow_first = sorted((name for name in names if name), key=lambda name: name.count("."))
@@ -161,7 +166,7 @@ def _regions(fw_nodes: list[fx.Node], options: MemoryPolicy) -> dict[fx.Node, st
     regions = {}
     for n in fw_nodes:
         for p in _paths(n):  # outermost first
-            if any(fnmatch.fnmatchcase(p, pat) for pat in patterns):
+            if matches(p, patterns):
                 regions[n] = p
                 break
         else:

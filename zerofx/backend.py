@@ -429,6 +429,11 @@ def _describe_forward(graph_id: str, collectives: list[tuple], reads: tuple[str,
     return f"the forward graph of {graph_id} ({_issues(collectives)}), {reading}"
 
 
+def _graph_inputs(gm: fx.GraphModule, example_inputs: list[Any]) -> list[tuple[fx.Node, Any]]:
+    """The frame's placeholders, each with the input dynamo gives it."""
+    return list(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+
+
 def _refuse_parameters_added_after_sharding(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
     """Refuse a frame of a sharded model that trains parameters zerofx has never seen (a module
     added after ``zerofx.shard`` / ``zerofx.compile``: LoRA adapters, a new head). Nothing
@@ -438,10 +443,9 @@ def _refuse_parameters_added_after_sharding(gm: fx.GraphModule, example_inputs: 
     sharded = [s for s in map(_state_of, example_inputs) if s is not None]
     if not sharded or all(s.shard_group.size == 1 and s.replicate_group is None for s in sharded):
         return
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     unknown = [
         _source_name(node)
-        for node, x in zip(placeholders, example_inputs)
+        for node, x in _graph_inputs(gm, example_inputs)
         if isinstance(x, torch.nn.Parameter) and x.requires_grad and _state_of(x) is None
     ]
     if unknown:
@@ -456,10 +460,9 @@ def _refuse_reading_shards(gm: fx.GraphModule, example_inputs: list[Any]) -> Non
     whole value, through the markers (zerofx/sharding.py), which is what such code means.
     Checked under ``plain_graph_inputs`` (the default), where the markers read each shard as a
     plain tensor and nothing else in a frame reads the DTensor."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     direct = [
         _qualname(x)
-        for node, x in zip(placeholders, example_inputs)
+        for node, x in _graph_inputs(gm, example_inputs)
         if any(_holds_dtensor(u.meta.get("example_value")) for u in node.users)  # (x.to(p): a template)
         and isinstance(x, torch.nn.Parameter)
         and isinstance(x, DTensor)
@@ -492,7 +495,7 @@ def _refuse_writes_to_gathered(gm: fx.GraphModule, example_inputs: list[Any]) ->
     output starts at version 0 (custom ops return new tensors), so any in-place op on it or on a
     view of it while dynamo traced shows in its fake value's version counter. (Uncompiled, the
     same write is refused by the gathered copy, zerofx/sharding.py.)"""
-    reads = {n: x for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs)}
+    reads = dict(_graph_inputs(gm, example_inputs))
     # the frame's graph and those of the regions dynamo captured as subgraphs (torch.utils.checkpoint)
     graphs = [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
     nodes = [n for m in graphs for n in m.graph.nodes]

@@ -851,13 +851,13 @@ def _blocks_plan_alike(req: _Request, depth: int) -> bool:
 def _patterns_match_blocks_alike(model: nn.Module, patterns: tuple[str, ...], depth: int) -> bool:
     """Whether ``patterns`` match the same modules, relative to their block, in each of the
     model's ``depth`` blocks (the one ``nn.ModuleList`` of that length), and nothing around them."""
-    import fnmatch
+    from zerofx.passes.checkpoint import matches
 
     stacks = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
     if len(stacks) != 1 or not stacks[0]:
         return False  # which modules are the blocks is not known
     names = [n for n, _ in model.named_modules(remove_duplicate=False)]
-    matched = {n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)}
+    matched = {n for n in names if matches(n, patterns)}
     parts = stacks[0].split(".")
     around = {".".join(parts[:k]) for k in range(1, len(parts) + 1)}  # the stack and the modules holding it
     if matched & around:
