@@ -177,6 +177,29 @@ def test_newer_deepspeed_keys_map_or_say_they_have_no_effect():
     assert any("auto_cast" in w for w in fp16.warnings), fp16.warnings
 
 
+@pytest.mark.parametrize(
+    "config, named",
+    [
+        (
+            {"bf16": {"enabled": True, "check_grad_overflow": True}},
+            "bf16.check_grad_overflow=true: zerofx does not skip",
+        ),
+        ({"bf16": {"enabled": True, "immediate_grad_update": True}}, "bf16.immediate_grad_update has no effect"),
+        ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "zerofx keeps fp32 master weights"),
+        ({"zero_optimization": {"stage": 1, "reduce_bucket_size": 64}}, "reduce_bucket_size: at stage 1"),
+    ],
+    ids=["check_grad_overflow", "immediate_grad_update", "fp16_master_weights", "stage1_reduce_bucket"],
+)
+def test_precision_and_bucket_keys_zerofx_does_not_follow_are_named(config, named):
+    """Keys DeepSpeed acts on and zerofx does not (a bf16 step skipped on inf/NaN, fp16 masters,
+    stage 1's reduce buckets) were taken without a word: each is named in a warning now."""
+    t = from_deepspeed({"zero_optimization": {"stage": 3}, **config})
+    assert any(named in w for w in t.warnings), t.warnings
+    if "check_grad_overflow" in str(config):  # false is what zerofx does: nothing to say
+        off = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True, "check_grad_overflow": False}}
+        assert not any("check_grad_overflow" in w for w in from_deepspeed(off).warnings)
+
+
 def test_zero_plus_plus_quantization_keys_map_to_the_quantize_options():
     t = from_deepspeed(
         {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}}

@@ -13,7 +13,8 @@ contradiction, a feature zerofx does not have). Nothing is dropped silently.
       (and offload_param.device, stage 3)                 (one tier holds master shards and optimizer state)
     ...offload_*.nvme_path                              offload_dir
     zero_optimization.stage3_param_persistence_threshold persistence_threshold (elements)
-    zero_optimization.reduce_bucket_size (elements)     bucket_bytes (elements x the reduce dtype's size)
+    zero_optimization.reduce_bucket_size (elements)     bucket_bytes (elements x the reduce dtype's size;
+                                                          stage 1's end-of-backward reduce: 32 MiB buckets, warned)
     zero_optimization.stage3_prefetch_bucket_size       prefetch_bytes (elements x the compute dtype's size)
     zero_optimization.overlap_comm = false              disable_passes += ("schedule",)
     bf16.enabled                                        param_dtype=torch.bfloat16
@@ -40,6 +41,9 @@ warning.
 Not in zerofx, so an error when switched on: ``torch_autocast`` (zerofx does not wrap the
 forward: run it under ``torch.autocast`` yourself, or use ``bf16``), ``sparse_gradients``.
 DeepSpeed's ``compile`` section has no effect (zerofx always compiles, with its own passes).
+Precision keys zerofx does not follow are warned about: ``bf16.check_grad_overflow`` (zerofx does
+not skip a bf16 step on inf/NaN gradients), ``bf16.immediate_grad_update`` (gradients accumulate in
+the reduce dtype anyway), ``fp16.fp16_master_weights_and_grads`` (masters stay fp32).
 """
 
 from __future__ import annotations
@@ -292,6 +296,17 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
         opts["param_dtype"] = None  # switched off in so many words: a keyword turning it on contradicts
     if b is True:
         opts["param_dtype"] = torch.bfloat16
+        if bf16.get("check_grad_overflow") is True:
+            notes.append(
+                "bf16.check_grad_overflow=true: zerofx does not skip a bf16 step whose gradients hold inf or "
+                "NaN; to skip such steps, check torch.isfinite(torch.nn.utils.clip_grad_norm_(...)) before "
+                "optimizer.step()"
+            )
+        if "immediate_grad_update" in bf16:
+            notes.append(
+                "bf16.immediate_grad_update has no effect: zerofx accumulates gradients in the reduce dtype "
+                "(fp32 unless reduce_dtype / communication_data_type says otherwise)"
+            )
     if f is True:
         opts["param_dtype"] = torch.float16
         scale = fp16.get("loss_scale", 0)
@@ -307,6 +322,11 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
             opts["loss_scale_window"] = fp16["loss_scale_window"]
         if fp16.get("auto_cast") is False:
             notes.append("fp16.auto_cast=false has no effect: zerofx casts floating inputs to param_dtype")
+        if fp16.get("fp16_master_weights_and_grads") is True:
+            notes.append(
+                "fp16.fp16_master_weights_and_grads=true: zerofx keeps fp32 master weights and gradient "
+                "shards (param_dtype is the compute dtype only)"
+            )
         ignored = sorted(set(fp16) & {"hysteresis", "consecutive_hysteresis", "min_loss_scale"})
         if ignored:
             notes.append(
@@ -430,6 +450,11 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
                 continue
             value = from_hidden(hidden_size)
         opts[option] = value if element_bytes is None else value * element_bytes
+    if "reduce_bucket_size" in zero and stage == 1:
+        notes.append(
+            "zero_optimization.reduce_bucket_size: at stage 1 zerofx reduces at the end of the backward in "
+            "32 MiB flat buckets (zerofx/runtime/eager_buckets.py) whatever it says"
+        )
     if "allgather_bucket_size" in zero and stage in (1, 2):
         notes.append(
             "zero_optimization.allgather_bucket_size: zerofx buckets the post-step all-gather in 32 MiB "
