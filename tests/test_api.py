@@ -151,6 +151,11 @@ def test_backend_is_registered_by_entry_point_and_takes_options():
     with pytest.raises(Exception, match="unknown zerofx option"):
         torch.compile(nn.Linear(2, 2), backend="zerofx", options={"bogus": 1})(torch.randn(1, 2))
     torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(model, backend="zerofx", mode="default")(x), model(x))
+    for mode in ("max-autotune", "reduce-overhead"):  # inductor's presets: named, not an unknown option
+        with pytest.raises(Exception, match=rf"torch.compile\(mode='{mode}'\) picks one of inductor's presets"):
+            torch.compile(nn.Linear(2, 2), backend="zerofx", mode=mode)(torch.randn(1, 2))
+        torch._dynamo.reset()
 
 
 def test_dump_dir_from_environment(monkeypatch, tmp_path):

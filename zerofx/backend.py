@@ -604,6 +604,13 @@ def zerofx_backend(
 
     Layout options (``zerofx.options.LAYOUT_OPTIONS``: stage, dtypes, ...) are rejected here: the
     backend only sees graphs, and the layout was fixed when the model was sharded."""
+    mode = kwargs.pop("mode", None)
+    if mode not in (None, "default"):
+        raise ZeroFXError(
+            f"torch.compile(mode={mode!r}) picks one of inductor's presets (autotuning, CUDA graphs), which the "
+            "zerofx backend does not run: leave mode out and pass zerofx's options=... instead (with "
+            "executor='triton' on a GPU, options={'executor': 'triton', 'autotune': True} times Triton's block sizes)"
+        )
     opts = Options.from_kwargs(options, **kwargs)
     layout = opts.non_default_layout()
     if layout:
