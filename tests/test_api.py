@@ -341,6 +341,45 @@ def test_a_parameter_replaced_after_sharding_is_an_error_naming_it(compiled):
         dist.destroy_process_group()
 
 
+class _FunctionalCall(nn.Module):
+    """A forward that calls a submodule with an overriding weight (torch.func.functional_call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.func.functional_call(self.a, {"weight": self.a.weight * 0.5}, (x,))
+        return self.b(torch.tanh(h)).pow(2).mean()
+
+
+def _functional_call_grads(rank: int, world: int) -> dict[str, list]:
+    torch.manual_seed(0)
+    ref = _FunctionalCall()
+    x = torch.randn(4, 8)  # the same batch on every rank: the averaged gradient is each rank's, exactly
+    ref(x).backward()
+    out = {"reference": [p.grad.tolist() for p in ref.parameters()]}
+    mesh = init_device_mesh("cpu", (world,))
+    for how in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model = zerofx.shard(_FunctionalCall(), mesh) if how == "eager" else zerofx.compile(_FunctionalCall(), mesh)
+        model(x).backward()
+        out[how] = [p.grad.full_tensor().tolist() for p in model.parameters()]
+        torch._dynamo.reset()
+    return out
+
+
+def test_functional_call_with_a_tensor_for_a_sharded_parameter_computes_with_it():
+    """torch.func.functional_call puts its tensors in the module's ``_parameters`` for the call:
+    a plain tensor there is the call's to compute with, not a parameter replaced after sharding
+    (which nn.Module only allows as an nn.Parameter, and stays refused above). It was refused as
+    one; eager and compiled, the gradients are now the unsharded model's, bit for bit."""
+    from tests.multirank import run_ranks
+
+    for got in run_ranks(_functional_call_grads, 2):
+        assert got["eager"] == got["reference"] and got["compiled"] == got["reference"]
+
+
 def test_backward_with_create_graph_keeps_the_gradients_differentiable():
     """A gradient penalty's ``backward(create_graph=True)`` (uncompiled: AOTAutograd has no
     double backward): the gradient moved from the plain leaf into the DTensor parameter keeps its

@@ -251,6 +251,12 @@ def _as_gathered_copy(value: torch.Tensor, qualname: str, param: nn.Parameter | 
 def _gathered_property(name: str) -> property:
     def gathered(self: nn.Module) -> torch.Tensor:
         state = self._zerofx_params[name]
+        held = self._parameters[name]
+        if held is not state.param and type(held) is torch.Tensor:
+            # a plain tensor in ``_parameters`` was put there for one call by
+            # torch.func.functional_call / nn.utils.stateless (``module.weight = tensor`` is refused by
+            # nn.Module, which takes only Parameters there): the module computes with it, as in torch
+            return held
         if not torch.compiler.is_compiling():
             state.check_uncompiled_read()
         value = state.forward_value(self._parameters[name])
