@@ -197,20 +197,45 @@ class FusedAdamW(torch.optim.Optimizer):
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
+    def _refuse_what_it_cannot_step(self) -> None:
+        """Before any state changes: parameters the kernel cannot update as torch's AdamW would.
+        Its arithmetic is fp32 (registers and scalar arguments), so an fp64 parameter would be
+        rounded to fp32 at every step; a device Triton cannot launch on would fail inside Triton."""
+        from zerofx.codegen.triton_runtime import launch_problem
+
+        devices = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse or torch.is_complex(p):
+                    raise RuntimeError("FusedAdamW supports dense real parameters only")
+                if p.dtype == torch.float64 or self.state.get(p, {}).get("exp_avg", p).dtype == torch.float64:
+                    raise ZeroFXError(
+                        f"FusedAdamW computes in fp32: a float64 parameter (shape {tuple(p.shape)}) would be rounded "
+                        "to fp32 at every step; use torch.optim.AdamW for fp64 parameters"
+                    )
+                devices.add(p.device)
+        for device in devices:
+            problem = launch_problem(device)
+            if problem is not None:
+                raise ZeroFXError(
+                    f"FusedAdamW runs one Triton kernel per group of shards, and here it cannot: {problem}"
+                )
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_what_it_cannot_step()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse or torch.is_complex(p):
-                    raise RuntimeError("FusedAdamW supports dense real parameters only")
                 state = self._state_of(p, group["amsgrad"])
                 state["step"] += 1
                 key = (p.device, p.dtype, p.grad.dtype, state["exp_avg"].dtype, int(state["step"].item()))

@@ -102,6 +102,41 @@ def test_a_parameter_that_is_not_dense_is_a_clear_error():
         FusedAdamW([p], lr=1e-2).step()
 
 
+def test_a_float64_parameter_is_refused_before_any_state_changes():
+    """The kernel computes in fp32: an fp64 parameter came back rounded to fp32 at every step
+    (lr 1e-9 moved values by up to 6e-8). Refused, naming torch's AdamW, with no state made."""
+    from zerofx.errors import ZeroFXError
+
+    p = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    p.grad = torch.randn(5, dtype=torch.float64)
+    opt = FusedAdamW([p], lr=1e-9)
+    with pytest.raises(ZeroFXError, match="computes in fp32: a float64 parameter"):
+        opt.step()
+    assert not opt.state
+
+
+def test_without_a_device_or_the_interpreter_it_says_so(tmp_path):
+    """On CPU without TRITON_INTERPRET a step failed inside Triton ("0 active drivers")."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from zerofx.codegen.fused_adamw import FusedAdamW\n"
+        "p = torch.nn.Parameter(torch.randn(4)); p.grad = torch.randn(4)\n"
+        "FusedAdamW([p]).step()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode != 0
+    assert "ZeroFXError: FusedAdamW runs one Triton kernel" in run.stderr and "TRITON_INTERPRET=1" in run.stderr, (
+        run.stderr[-2000:]
+    )
+
+
 def test_a_tensor_lr_is_read_at_every_step():
     ours, ref = _pair()
     lr, ref_lr = torch.tensor(1e-2), torch.tensor(1e-2)
