@@ -83,6 +83,20 @@ def _fuse(gm: fx.GraphModule, ctx: PassContext, recorder: Any, autotune: bool):
     return result, claimed, sources, opened
 
 
+_WARNED: set[tuple[str, str]] = set()  # (why, graph id): one warning per frame and process
+
+
+def _symbolic(gm: fx.GraphModule) -> bool:
+    """Whether a placeholder of ``gm`` has a symbolic size or stride (nothing of it can lower)."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) or (
+            isinstance(val, torch.Tensor) and not all(isinstance(s, int) for s in (*val.shape, *val.stride()))
+        ):
+            return True
+    return False
+
+
 def compile_triton(gm: fx.GraphModule, ctx: PassContext | None = None, recorder: Any = None) -> fx.GraphModule:
     """``gm`` with its fusible regions replaced by Triton kernels (``gm`` itself is not modified)."""
     ctx = ctx or PassContext("graph", "inference")
@@ -93,6 +107,19 @@ def compile_triton(gm: fx.GraphModule, ctx: PassContext | None = None, recorder:
     why = "the graph has no tensors" if device is None else launch_problem(device)
     if why is not None:
         log.warning("zerofx: executor='triton': %s; %s_%s runs as ATen", why, ctx.graph_id, ctx.kind)
+        if recorder is not None:
+            recorder.note(ctx.graph_id, ctx.kind, f"codegen: {why}; the graph runs as ATen")
+        return gm
+
+    if _symbolic(gm):
+        why = (
+            "its sizes are symbolic (dynamo compiled it for changing shapes: zerofx.compile's default dynamic='auto' "
+            "does so after the first shape change), and the Triton kernels are emitted per static shape; pass "
+            "dynamic=False to compile each shape with kernels"
+        )
+        if ("symbolic", ctx.graph_id) not in _WARNED:
+            _WARNED.add(("symbolic", ctx.graph_id))
+            log.warning("zerofx: executor='triton': %s_%s runs as ATen: %s", ctx.graph_id, ctx.kind, why)
         if recorder is not None:
             recorder.note(ctx.graph_id, ctx.kind, f"codegen: {why}; the graph runs as ATen")
         return gm

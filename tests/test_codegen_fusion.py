@@ -154,6 +154,22 @@ def test_no_usable_triton_means_the_graph_runs_as_aten(monkeypatch, tmp_path):
     assert "no GPU here" in (tmp_path / "rank0" / "summary.txt").read_text()
 
 
+def test_a_graph_with_symbolic_sizes_runs_as_aten_with_a_warning_saying_why(caplog, tmp_path):
+    """The kernels are emitted per static shape: after dynamo recompiled a frame for changing
+    shapes (zerofx.compile's default dynamic='auto'), nothing lowered, without a word. Now one
+    warning per frame and a note in the dump say so and name dynamic=False."""
+    gm = make_fx(lambda x: torch.exp(x) * 2, tracing_mode="symbolic")(torch.randn(3, 5))
+    recorder = Recorder(dump_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="zerofx.codegen"):
+        for _ in range(2):
+            assert triton_codegen.compile_triton(gm, PassContext("frame7", "forward"), recorder) is gm
+    warned = [r.getMessage() for r in caplog.records if "sizes are symbolic" in r.getMessage()]
+    assert len(warned) == 1 and "dynamic=False" in warned[0], warned
+    assert "sizes are symbolic" in (tmp_path / "rank0" / "summary.txt").read_text()
+    static = make_fx(lambda x: torch.exp(x) * 2, tracing_mode="fake")(torch.randn(3, 5))
+    assert triton_codegen.compile_triton(static) is not static
+
+
 def test_triton_executor_without_triton_installed_warns_and_runs_aten(tmp_path):
     """docs/codegen.md promises a warning and ATen where triton cannot be imported; importing the
     codegen must therefore not import triton (a fresh process, triton made unimportable)."""
