@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from zerofx.errors import ZeroFXError
 from zerofx.ir.collectives import ALL_GATHER, WAIT
 from zerofx.ir.layout import padded_rows
 from zerofx.ir.markers import FORWARD_MARKERS, LOCAL_GRAD, READ_FULL, UNSHARD
@@ -59,8 +60,37 @@ def _replace(gm: fx.GraphModule, marker: fx.Node, value: fx.Node) -> None:
     gm.graph.erase_node(marker)
 
 
+def _check_static_layout(marker: fx.Node, shard: fx.Node, group_size: object, full_rows: object) -> None:
+    """Refuse an unshard whose layout is not a set of ints: a parameter's layout is static
+    (docs/architecture.md, Dynamic shapes), and the markers carry it as Python ints
+    (zerofx/runtime/params.py, NOTE: static layouts in a frame of their own). A graph value here
+    (a size symbol dynamo traced) would fail in the padding arithmetic below with a bare TypeError."""
+    symbolic = [
+        what
+        for what, value in (
+            ("row count", full_rows),
+            ("group size", group_size),
+            ("shard's rows", shard.meta["val"].shape[0]),
+        )
+        if type(value) is not int
+    ]
+    if not symbolic:
+        return
+    stack = list((marker.meta.get("nn_module_stack") or {}).values())  # (path, class), outermost first
+    module = stack[-1][0] if stack and isinstance(stack[-1], tuple) else None
+    where = f"read in module {module!r}" if module else "(the graph records no module for it)"
+    raise ZeroFXError(
+        f"zerofx.unshard ({marker.name}, shard {shard.name}) of a sharded parameter {where}: its "
+        f"{' and '.join(symbolic)} reached the gather pass "
+        "as graph values (size symbols of dynamic shapes), but a parameter's layout must be static ints. "
+        "Compile with static shapes to work around it (zerofx.compile(model, mesh, dynamic=False)), and "
+        "report it: zerofx's markers should carry the layout as Python ints"
+    )
+
+
 def _lower_unshard(gm: fx.GraphModule, marker: fx.Node) -> None:
     shard, group_size, group_name, full_rows, compute_dtype = full_args(marker)[:5]
+    _check_static_layout(marker, shard, group_size, full_rows)
     rows = padded_rows(full_rows, group_size)
     shard_rows = shard.meta["val"].shape[0]
     # hpZ's backward re-gather of a secondary shard (passes/secondary.py) keeps its own role

@@ -96,6 +96,7 @@ the graphs the DTensors.
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -344,27 +345,51 @@ class ParamState:
         ops = torch.ops.zerofx
         leaf = self.leaf  # NOTE: plain graph inputs
         local = param.to_local() if leaf is None else leaf if param.requires_grad else leaf.detach()
-        local = self.rows(local)
+        # the markers' layout arguments are static (NOTE: static layouts in a frame of their own)
+        local = self._static_shape(self.rows(local))
+        rows, sg, rg = operator.index(self.full_rows), self.shard_group, self.replicate_group
+        size = operator.index(sg.size)
         rdt, cdt = self.reduce_dtype, self.compute_dtype
-        sg, rg = self.shard_group, self.replicate_group
         if self._reads_locally(param):
             if self.full is not None:
-                value = self.rows(self.full)
+                value = self._static_shape(self.rows(self.full))
             elif self.whole:
                 value = local if cdt is None else local.to(cdt)
             else:
-                value = ops.unshard(local.detach(), sg.size, sg.name, self.full_rows, cdt, rdt)
-            return ops.local_grad(value, self.rows(self.sink))
+                value = ops.unshard(local.detach(), size, sg.name, rows, cdt, rdt)
+            return ops.local_grad(value, self._static_shape(self.rows(self.sink)))
         if rg is not None:
-            local = ops.sync_grad(local, rg.size, rg.name, None, rdt)
+            local = ops.sync_grad(local, operator.index(rg.size), rg.name, None, rdt)
         if self.whole:
-            return ops.sync_grad(local, sg.size, sg.name, cdt, rdt)
+            return ops.sync_grad(local, size, sg.name, cdt, rdt)
         if self.full is not None:
-            return ops.read_full(local, self.rows(self.full), sg.size, sg.name, rdt)
+            return ops.read_full(local, self._static_shape(self.rows(self.full)), size, sg.name, rdt)
         if self.secondary_group is not None:  # hpZ: passes/secondary.py reads the inner group
             sec = self.secondary_group
-            return ops.unshard(local, sg.size, sg.name, self.full_rows, cdt, rdt, sec.size, sec.name)
-        return ops.unshard(local, sg.size, sg.name, self.full_rows, cdt, rdt)
+            return ops.unshard(local, size, sg.name, rows, cdt, rdt, operator.index(sec.size), sec.name)
+        return ops.unshard(local, size, sg.name, rows, cdt, rdt)
+
+    @staticmethod
+    def _static_shape(t: torch.Tensor) -> torch.Tensor:
+        """``t``, whose sizes dynamo is told are static while it traces (see below).
+
+        # NOTE: static layouts in a frame of their own
+        A parameter's layout is static: its shard, whole copy and sink have fixed shapes, and the
+        markers' ints (``full_rows``, the group sizes) are the passes' arithmetic (padding, bucket
+        membership, ``out=`` buffers; docs/architecture.md, Dynamic shapes). Read through a module
+        (``module.weight`` inside a compiled frame, the usual case) dynamo takes them as constants:
+        ints and tensors of nn.Module attributes are static. But a module dynamo does not trace
+        (nn.LSTM / nn.GRU / nn.RNN: ``torch._dynamo.config.allow_rnn`` is off) runs its forward
+        eagerly, and dynamo compiles the ``forward_value`` of each weight it reads as a frame of
+        its own, recompiled per parameter layout. There this ParamState is a frame local, and
+        under the default ``dynamic="auto"`` the first recompile made ``full_rows`` and the
+        shard's sizes size symbols (automatic dynamic shapes): the unshard marker reached the
+        gather pass with a graph value for its row count (tests/test_rnn.py). ``operator.index`` makes the ints Python ints (dynamo specializes a symbol it is
+        given, with a guard on the value), and ``torch._dynamo.mark_static`` does the same for
+        the tensors' sizes; both are no-ops where the values are constants already."""
+        if torch.compiler.is_compiling():
+            torch._dynamo.mark_static(t)  # outside a trace it would mark the tensor itself
+        return t
 
     def reduce_local(self, pending: torch.Tensor) -> torch.Tensor:
         """This rank's part of the average of every rank's ``pending`` whole gradient.
