@@ -170,6 +170,11 @@ def test_gpt_sequence_parallel_tp_bytes_follow_the_analytic_formula(results):
             r"wte.weight and lm_head.weight are one \(tied\) parameter.*Shard\(dim=0\).*Shard\(dim=1\)",
         ),
         ("tp_outer", r"mesh dimension \('tp',\), which is outer to the data-parallel dimension \('dp',\)"),
+        (
+            "uneven_sequence",
+            r"^ZeroFXError: wte: the tensor-parallel plan shards this module's output along dim 1 over 2 ranks "
+            r"\(sequence parallelism\), and its input's size there is 15",
+        ),
     ],
 )
 def test_bad_inputs_are_clear_errors(results, case, message):

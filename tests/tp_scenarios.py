@@ -513,6 +513,13 @@ def errors() -> dict:
         zerofx.compile(model, other["dp"])
 
     attempt("tp_outer", tp_outer)
+
+    def uneven_sequence():  # sequence parallelism over 2 ranks, a sequence of 15: gloo aborted the process
+        model = zerofx.compile(parallelize(gpt(), mesh["tp"], gpt_plan(gpt())), mesh["dp"])
+        x, y = batches(1, 1, seq=15)[0]
+        model(x, y)
+
+    attempt("uneven_sequence", uneven_sequence)
     return results
 
 

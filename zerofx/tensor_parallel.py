@@ -34,6 +34,7 @@ from collections.abc import Callable
 from fnmatch import fnmatch
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -243,6 +244,52 @@ def _check_plan_keys(model: nn.Module, plan: dict[str, Any]) -> None:
             raise ZeroFXError(f"tensor-parallel plan key {key!r}: {why}")
 
 
+def _check_even_activation_splits(model: nn.Module, tp: int, plan: dict[str, Any]) -> None:
+    """A forward pre-hook on every planned module whose output the plan shards along a dim other
+    than the last (sequence parallelism: the embeddings' ``Shard(1)`` output, the row-wise
+    layers' reduce-scatter), refusing an input whose size there the TP size does not divide.
+
+    torch's styles rebuild such outputs from the local pieces as if the split were even: with a
+    sequence of 15 over 2 ranks one rank's collective expects 8 rows and the other sends 7, and
+    gloo aborts the process ("op.preamble.length <= op.nbytes"; NCCL may hang). The output's
+    dims before the last are its input's (an embedding's index dims, a linear layer's leading
+    dims), so the check reads the first tensor input."""
+    checks: dict[str, int] = {}
+    for key, style in plan.items():
+        layouts = getattr(style, "output_layouts", None) or ()
+        dims = [p.dim for p in layouts if isinstance(p, Shard)]
+        if not dims or dims[0] == -1:
+            continue
+        for name, module in model.named_modules():
+            if (
+                name
+                and len(name.split(".")) == len(key.split("."))
+                and all(fnmatch(n, k) for n, k in zip(name.split("."), key.split(".")))
+            ):
+                checks[name] = dims[0]
+    for name, module in model.named_modules():
+        if name in checks:
+            module.register_forward_pre_hook(_even_split_hook(name, checks[name], tp))
+
+
+def _even_split_hook(name: str, dim: int, tp: int) -> Callable:
+    def hook(module: nn.Module, args: tuple) -> None:
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None:  # (a DTensor, after the style's own input hook: its global shape is read)
+            return
+        extra = 1 if isinstance(module, nn.Embedding) else 0  # an embedding's output has one dim more
+        d = dim if dim >= 0 else dim + x.dim() + extra
+        if 0 <= d < x.dim() and x.shape[d] % tp != 0:
+            raise ZeroFXError(
+                f"{name}: the tensor-parallel plan shards this module's output along dim {dim} over {tp} ranks "
+                f"(sequence parallelism), and its input's size there is {x.shape[d]}, which {tp} does not divide: "
+                f"torch's styles assume an even split (uneven pieces abort or hang the collective). Pad the "
+                f"sequence to a multiple of {tp}, or build the plan with sequence_parallel=False"
+            )
+
+    return hook
+
+
 def parallelize(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Any]) -> nn.Module:
     """``parallelize_module(model, tp_mesh, plan)``, keeping tied parameters tied and frozen
     parameters frozen, after checking that every plan key names a submodule and that the TP size
@@ -264,6 +311,7 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Any]) -> 
                 trainable.append((module, name, p.requires_grad))
     tied = [users for users in owners.values() if len({q for _, _, q in users}) > 1]
     parallelize_module(model, tp_mesh, plan)
+    _check_even_activation_splits(model, tp_mesh.size(), plan)
     for module, name, requires_grad in trainable:
         p = module._parameters.get(name)
         if p is not None and p.requires_grad != requires_grad:
