@@ -40,6 +40,31 @@ the uninterrupted run; state of another optimizer, of parameters this optimizer 
 in another number of parameter groups is one error naming it, raised before anything is read.
 Every saved parameter-group key is read, also those a fresh optimizer lacks (``initial_lr``, set
 by an LR scheduler), as torch's ``optimizer.load_state_dict`` restores them.
+
+# NOTE: a load that fails
+A load that refuses (another model, other tied names, another optimizer, a damaged folder)
+leaves the model and the optimizer as they were. What can be checked from the checkpoint's
+metadata and the model is checked before the optimizer is touched; the per-parameter state
+names need the optimizer's state, which a fresh one gets from torch's step at lr 0 (above), so
+``load`` takes a shallow copy of the optimizer's attributes first (its state, its groups' keys,
+its hooks, the step methods zerofx and LR schedulers patch in, zerofx's own record of it) and
+puts them back on any failure: a fresh optimizer is fresh again, its Adam step count not 1.
+LBFGS is refused up front (its state is vectors flattened over all of a rank's parameters,
+which do not reshard, and torch's helper steps it without the closure it needs). Before
+anything else ``load`` checks that ``.metadata`` and every file it lists are there and long
+enough, one error on every rank. A read that still fails (a file damaged inside) does so after
+DCP has overwritten some tensors in place, differently on each rank: the optimizer is put back
+(one that held state has its state partly overwritten: its ``step`` then refuses, until a load
+succeeds), and the model is marked, so that its forward (and ``save``) refuses with an error
+saying a load into it failed, until a ``load`` of it succeeds (or ``model.load_state_dict`` of
+every tensor); the ``ZeroFXError`` raised says so, chained from DCP's.
+
+# NOTE: tied parameters in a checkpoint
+DCP stores each state_dict name, so a tied pair (``lm_head.weight`` is ``wte.weight``) is two
+entries with the same values. ``save`` records in the completion marker which names were one
+tensor (``aliases``); ``load`` refuses a model that ties names the checkpoint stored separately,
+or the reverse, naming them (reading two different tensors into one would keep whichever was
+read last). A checkpoint without the record (older ones) is not checked.
 """
 
 from __future__ import annotations
@@ -57,6 +82,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -213,12 +239,16 @@ def save(
     path = Path(path)
     _check_extra(extra or {}, "extra")
     extra_json = json.dumps(extra or {})
+    for what in (model, optimizer):
+        if what is not None and _FAILED in vars(what):
+            raise ZeroFXError(f"zerofx.checkpoint.save: {vars(what)[_FAILED]} (nothing was written)")
     _refuse_replacing(path)
     tmp = path.parent / same_on_every_rank(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
     if _rank() == 0:
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(_state(model, optimizer, _left_unstepped), checkpoint_id=str(tmp))
+    state = _state(model, optimizer, _left_unstepped)
+    dcp.save(state, checkpoint_id=str(tmp))
     _barrier()  # every rank's shards and DCP's metadata are on disk
     if _rank() == 0:
         runtime = runtime_of(model)
@@ -228,6 +258,7 @@ def save(
             "loss_scaler": scaler,
             "extra": json.loads(extra_json),
             "hf_config": _hf_config(model),
+            "aliases": _tied_keys(model, state["model"]),  # NOTE: tied parameters in a checkpoint
         }
         with open(tmp / COMPLETE_MARKER, "w") as f:
             json.dump(marker, f)
@@ -281,57 +312,320 @@ def load(
     ``load_model=False`` reads only the optimizer's state (``model`` then only names the
     parameters and is left as it is): for a resume that loaded the model already, before the
     optimizer existed, without reading the parameters twice.
+
+    A load that refuses (``ZeroFXError``: another model, other tied names, another optimizer,
+    LBFGS, a missing or short file) leaves the model and optimizer as they were. A read that
+    fails part-way (a file damaged inside) raises a ``ZeroFXError`` saying so, after which the
+    model refuses to run (or be saved) until a load into it succeeds (NOTE: a load that fails).
     """
     path = Path(path)
     info = _check_complete(path)
-    if not load_model:
-        return _load_optimizer_only(path, info, model, optimizer)
-    _init_unsaved_buffers(model)
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = _read_metadata(path)
     stored = metadata.state_dict_metadata
-    state = _state(model, optimizer, _grads_held_back)
-    _check_compatible(f"checkpoint {path}", model, state["model"], _model_entries(path, stored), exact=True)
     if optimizer is not None:
-        _check_optimizer_state(path, state["optimizer"], stored)
-        _request_saved_group_keys(state["optimizer"], metadata)
-    dcp.load(state, checkpoint_id=str(path))
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        # not strict: _check_optimizer_state left out the parameters with no saved state, which
-        # get none; every key was checked against the checkpoint before the read
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=StateDictOptions(strict=False),
-        )
+        _refuse_lbfgs(path, optimizer)
+    if not load_model:
+        return _load_optimizer_only(path, info, metadata, model, optimizer)
+    model_sd = get_model_state_dict(model)
+    _check_compatible(f"checkpoint {path}", model, model_sd, _model_entries(path, stored), exact=True)
+    _check_ties(path, info, model, model_sd)
+    if optimizer is not None:
+        _check_optimizer_groups(path, len(optimizer.param_groups), stored)
+    state = {"model": model_sd}
+    with _left_as_it_was_on_failure(path, model, optimizer, parameters=True) as reading:
+        if optimizer is not None:
+            with _grads_held_back(optimizer):
+                state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+            _check_optimizer_state(path, state["optimizer"], stored)
+            _request_saved_group_keys(state["optimizer"], metadata)
+        _init_unsaved_buffers(model)
+        reading()
+        dcp.load(state, checkpoint_id=str(path))
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            # not strict: _check_optimizer_state left out the parameters with no saved state, which
+            # get none; every key was checked against the checkpoint before the read
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+                options=StateDictOptions(strict=False),
+            )
+    _clear_failed(model)
+    _clear_failed(optimizer)
     mark_loaded(model, state["model"])
     _after_load(model, info)
     return info["extra"]
 
 
 def _load_optimizer_only(
-    path: Path, info: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None
+    path: Path, info: dict[str, Any], metadata: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any]:
     if optimizer is None:
         raise ZeroFXError(
             "zerofx.checkpoint.load(load_model=False) reads only an optimizer's state: pass the optimizer"
         )
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
     stored = metadata.state_dict_metadata
-    _check_compatible(
-        f"checkpoint {path}", model, get_model_state_dict(model), _model_entries(path, stored), exact=True
-    )
-    with _grads_held_back(optimizer):
-        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    _check_optimizer_state(path, state["optimizer"], stored)
-    _request_saved_group_keys(state["optimizer"], metadata)
-    dcp.load(state, checkpoint_id=str(path))
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
+    model_sd = get_model_state_dict(model)
+    _check_compatible(f"checkpoint {path}", model, model_sd, _model_entries(path, stored), exact=True)
+    _check_ties(path, info, model, model_sd)
+    _check_optimizer_groups(path, len(optimizer.param_groups), stored)
+    with _left_as_it_was_on_failure(path, model, optimizer, parameters=False) as reading:
+        with _grads_held_back(optimizer):
+            state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        _check_optimizer_state(path, state["optimizer"], stored)
+        _request_saved_group_keys(state["optimizer"], metadata)
+        reading()
+        dcp.load(state, checkpoint_id=str(path))
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
+    _clear_failed(optimizer)
     _after_load(model, info, parameters_changed=False)
     return info["extra"]
+
+
+# -- what a load checks first, and what it puts back when it fails (NOTE: a load that fails) ----------
+
+
+def _damage(path: Path) -> tuple[str, Any]:
+    """What is missing from checkpoint ``path`` that DCP would need (``""``: nothing), and its
+    metadata: ``.metadata``, then every file it lists, each at least as long as the metadata's
+    last byte in it. Cheap (file sizes), and before anything is read into the model."""
+    if not (path / ".metadata").is_file():
+        return "its .metadata file (DCP's index of the shards) is missing", None
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a damaged index: unpickling fails in many ways
+        return f"its .metadata file cannot be read ({type(e).__name__}: {str(e)[:200]})", None
+    need: dict[str, int] = {}
+    for item in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(item, "relative_path", None)
+        if name is not None:
+            need[name] = max(need.get(name, 0), int(item.offset) + int(item.length))
+    missing = sorted(name for name in need if not (path / name).is_file())
+    if missing:
+        return f"{some_names(missing)} (listed in its .metadata) {'is' if len(missing) == 1 else 'are'} missing", None
+    short = [
+        f"{name} has {size} bytes, its .metadata says at least {n}"
+        for name, n in sorted(need.items())
+        if (size := (path / name).stat().st_size) < n
+    ]
+    if short:
+        return f"{some_names(short, 3, '; ')} (cut short)", None
+    return "", metadata
+
+
+def _read_metadata(path: Path) -> Any:
+    """DCP's metadata of checkpoint ``path``, after ``_damage`` found nothing missing; rank 0
+    looks and every rank raises together, naming what is missing."""
+    problem, metadata = _damage(path) if _rank() == 0 else ("", None)
+    problem = same_on_every_rank(problem)
+    if problem:
+        raise ZeroFXError(f"checkpoint {path} is damaged: {problem} (nothing was loaded)")
+    return metadata if metadata is not None else dcp.FileSystemReader(str(path)).read_metadata()
+
+
+def _raise_if_damaged(path: Path) -> None:
+    """``_damage`` in one process (export)."""
+    problem, _ = _damage(path)
+    if problem:
+        raise ZeroFXError(f"checkpoint {path} is damaged: {problem}")
+
+
+def _refuse_lbfgs(path: Path, optimizer: torch.optim.Optimizer) -> None:
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ZeroFXError(
+            f"checkpoint {path}: zerofx.checkpoint.load cannot read torch.optim.LBFGS's state: LBFGS keeps its "
+            "history as vectors flattened over all of a rank's parameters, which do not reshard, and torch's "
+            "state-dict helpers step it without the closure it needs. Load the model only "
+            "(zerofx.checkpoint.load(path, model)) and start LBFGS afresh (nothing was loaded)"
+        )
+
+
+def _check_optimizer_groups(path: Path, groups: int, stored: dict[str, Any]) -> None:
+    """What ``_check_optimizer_state`` refuses that needs no optimizer state (no optimizer state
+    saved, another number of parameter groups): checked also before anything makes state for a
+    fresh optimizer (NOTE: a load that fails)."""
+    if not any(key.startswith("optimizer.") for key in stored):
+        raise ZeroFXError(f"checkpoint {path} holds no optimizer state (it was saved without an optimizer)")
+    saved = {key.split(".")[2] for key in stored if key.startswith("optimizer.param_groups.")}
+    if len(saved) != groups:
+        raise ZeroFXError(
+            f"checkpoint {path} has {len(saved)} optimizer parameter group(s), this optimizer "
+            f"{groups}: build the optimizer with the groups it was saved with (nothing was loaded)"
+        )
+
+
+def _tied_keys(model: nn.Module, keys: Any) -> list[list[str]]:
+    """The state_dict ``keys`` that name one tensor (tied parameters), in sorted groups of two
+    or more (NOTE: tied parameters in a checkpoint). Wrapper prefixes that torch's state-dict
+    helpers leave out (``torch.compile``'s ``_orig_mod``) are left out here too."""
+    wrappers = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+    keys = set(keys)
+    groups = []
+    for names in alias_names(model):
+        named = {".".join(part for part in n.split(".") if part not in wrappers) for n in names} & keys
+        if len(named) > 1:
+            groups.append(sorted(named))
+    return sorted(groups)
+
+
+def _check_ties(path: Path, info: dict[str, Any], model: nn.Module, keys: Any) -> None:
+    """Refuse a model that ties names the checkpoint stored as separate tensors, or the reverse
+    (NOTE: tied parameters in a checkpoint); a checkpoint without the record is not checked."""
+    saved = info.get("aliases")
+    if saved is None:
+        return
+    saved_groups = [frozenset(g) for g in saved]
+    here = [frozenset(g) for g in _tied_keys(model, keys)]
+    problems = [
+        f"this model ties {' and '.join(sorted(g))} (one tensor), which the checkpoint stored as separate tensors"
+        for g in here
+        if g not in saved_groups
+    ]
+    problems += [
+        f"the checkpoint's {' and '.join(sorted(g))} were one tensor (tied), which this model holds separately"
+        for g in saved_groups
+        if g not in here
+    ]
+    if problems:
+        raise ZeroFXError(
+            f"checkpoint {path} does not fit this {type(model).__name__}: {some_names(problems, 3, '; ')}: "
+            "build the model tied as it was saved (nothing was loaded)"
+        )
+
+
+def _keep_optimizer(optimizer: torch.optim.Optimizer) -> Any:
+    """A function that puts ``optimizer`` back as it is now: its attributes (what torch's step at
+    lr 0 and zerofx's adoption at a first step add: state, group keys, hooks, a patched ``step``
+    and ``zero_grad``, the LR scheduler's ``_opt_called``, zerofx's ``_zerofx`` record), the
+    contents of its containers (``state`` and each parameter's entry in it, ``param_groups`` and
+    each group, the hook dicts), shallowly: tensors are not copied."""
+    attrs = dict(vars(optimizer))
+    contents = {
+        k: (list(v) if isinstance(v, list) else dict(v)) for k, v in attrs.items() if isinstance(v, (list, dict))
+    }
+    entries = [(entry, dict(entry)) for entry in optimizer.state.values() if isinstance(entry, dict)]
+    groups = [(group, dict(group)) for group in optimizer.param_groups]
+    record = attrs.get("_zerofx")
+    record_vars = dict(vars(record)) if hasattr(record, "__dict__") else None
+
+    def restore() -> None:
+        for key in [k for k in vars(optimizer) if k not in attrs]:
+            del vars(optimizer)[key]
+        vars(optimizer).update(attrs)
+        for key, items in contents.items():
+            if isinstance(attrs[key], list):
+                attrs[key][:] = items
+            else:
+                attrs[key].clear()
+                attrs[key].update(items)
+        for obj, items in [*entries, *groups]:
+            obj.clear()
+            obj.update(items)
+        if record_vars is not None:
+            vars(record).clear()
+            vars(record).update(record_vars)
+
+    return restore
+
+
+@contextlib.contextmanager
+def _left_as_it_was_on_failure(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, parameters: bool):
+    """Inside, any failure puts ``optimizer`` back as it was on entry. The body calls the function
+    it is given right before DCP reads into the tensors: a failure from then on (the tensors
+    read in place, partly) also marks the model (``parameters``) and an optimizer that held
+    state, and is raised as a ``ZeroFXError`` chained from it (NOTE: a load that fails)."""
+    restore = _keep_optimizer(optimizer) if optimizer is not None else None
+    had_state = optimizer is not None and bool(optimizer.state)
+    reading = []
+    try:
+        yield lambda: reading.append(True)
+    except BaseException as e:
+        if restore is not None:
+            restore()
+        if not reading:
+            raise
+        reason = _reason(e)
+        told = []
+        if parameters:
+            _mark_failed(
+                model,
+                f"a zerofx.checkpoint.load of {path} into this model failed part-way ({reason}), leaving its "
+                "parameters partly overwritten: load again (zerofx.checkpoint.load of a checkpoint that reads, "
+                "or model.load_state_dict of every tensor) before using it",
+            )
+            told.append(
+                "the model's tensors are partly overwritten (differently on each rank): its forward and "
+                "zerofx.checkpoint.save refuse until a load into it succeeds"
+            )
+        if had_state:
+            _mark_failed(
+                optimizer,
+                f"a zerofx.checkpoint.load of {path} into this optimizer failed part-way ({reason}), leaving its "
+                "state partly overwritten: load again (zerofx.checkpoint.load with it, or "
+                "optimizer.load_state_dict) before stepping it",
+            )
+            told.append("the optimizer's state is partly overwritten: its step refuses until a load into it succeeds")
+        elif optimizer is not None:
+            told.append("the optimizer was left as it was")
+        if not isinstance(e, (Exception, CheckpointException)):
+            raise  # KeyboardInterrupt and the like, as they are (the marks are set)
+        raise ZeroFXError(
+            f"checkpoint {path} could not be read ({reason}): {'; '.join(told)}. Load another checkpoint "
+            "(or this one, repaired)"
+        ) from e
+
+
+def _reason(e: BaseException) -> str:
+    """A line of what went wrong: the first rank's exception of a DCP ``CheckpointException``."""
+    failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
+    if failures:
+        rank, (exc, _) = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
+        e, where = exc, f"rank {rank}: "
+    else:
+        where = ""
+    text = str(e).strip().splitlines()
+    line = (text[0] if text else "").split(". ")[0]  # its first sentence (torch's go on with advice)
+    return f"{where}{type(e).__name__}: {line[:200]}"
+
+
+_FAILED = "_zerofx_failed_load"  # a model's or optimizer's attribute: why it refuses (NOTE: a load that fails)
+_FAILED_HOOKS = "_zerofx_failed_load_hooks"  # whether it has the hooks that read it (kept: removing a hook
+# inside the load_state_dict hooks that clear the mark would change the dict torch iterates over)
+
+
+def _mark_failed(obj: nn.Module | torch.optim.Optimizer, message: str) -> None:
+    vars(obj)[_FAILED] = message
+    if vars(obj).get(_FAILED_HOOKS):
+        return
+    if isinstance(obj, nn.Module):
+        obj.register_forward_pre_hook(_refuse_failed, prepend=True, with_kwargs=True)
+        obj.register_load_state_dict_post_hook(_loaded_again)
+    else:
+        obj.register_step_pre_hook(_refuse_failed)
+        obj.register_load_state_dict_post_hook(_clear_failed)
+    vars(obj)[_FAILED_HOOKS] = True
+
+
+def _clear_failed(obj: Any) -> None:
+    """Remove the mark of a failed load (a load into ``obj`` succeeded)."""
+    if obj is not None:
+        vars(obj).pop(_FAILED, None)
+
+
+def _refuse_failed(obj: Any, args: Any, kwargs: Any) -> None:
+    """Forward pre-hook of a model, step pre-hook of an optimizer, that a load failed in."""
+    message = vars(obj).get(_FAILED)
+    if message is not None:
+        raise ZeroFXError(message)
+
+
+def _loaded_again(model: nn.Module, incompatible: Any) -> None:
+    """``model.load_state_dict`` of every tensor loads the model again."""
+    if not incompatible.missing_keys:
+        _clear_failed(model)
 
 
 def _after_load(model: nn.Module, info: dict[str, Any], parameters_changed: bool = True) -> None:
@@ -362,6 +656,7 @@ def export_full_state_dict(
     """
     path = Path(path)
     _check_complete(path)
+    _raise_if_damaged(path)
     reader = dcp.FileSystemReader(str(path))
     metadata = reader.read_metadata()
     model_sd: dict[str, torch.Tensor] = {}
@@ -468,6 +763,7 @@ def export(
         raise ZeroFXError(f"export: max_shard_bytes must be positive, got {max_shard_bytes}")
     path, out = Path(path), Path(out)
     info = _check_complete(path)
+    _raise_if_damaged(path)
     if out.exists():
         raise ZeroFXError(f"export: {out} already exists; choose a new folder (nothing was written)")
     hf_config = _config_dict(config) if config is not None else info.get("hf_config")
@@ -635,15 +931,7 @@ def _check_optimizer_state(path: Path, request: dict[str, Any], stored: dict[str
     groups is one ``ZeroFXError``, raised before anything is read."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    if not any(key.startswith("optimizer.") for key in stored):
-        raise ZeroFXError(f"checkpoint {path} holds no optimizer state (it was saved without an optimizer)")
-    groups = {key.split(".")[2] for key in stored if key.startswith("optimizer.param_groups.")}
-    if len(groups) != len(request["param_groups"]):
-        raise ZeroFXError(
-            f"checkpoint {path} has {len(groups)} optimizer parameter group(s), this optimizer "
-            f"{len(request['param_groups'])}: build the optimizer with the groups it was saved with "
-            "(nothing was loaded)"
-        )
+    _check_optimizer_groups(path, len(request["param_groups"]), stored)
     saved = {key for key in stored if key.startswith("optimizer.state.")}
     claimed: set[str] = set()
     problems = []
@@ -753,7 +1041,10 @@ def load_hf(path: str | os.PathLike, model: nn.Module) -> None:
             for n in names - stored.keys():
                 state.pop(n, None)
     _check_compatible(f"checkpoint {path}", model, state, stored)
-    _init_unsaved_buffers(model)
-    dcp.load(state, storage_reader=reader)
-    model.load_state_dict(state, strict=False)  # a no-op copy where storage is shared; stages 1-2 refresh here
+    with _left_as_it_was_on_failure(path, model, None, parameters=True) as reading:
+        _init_unsaved_buffers(model)
+        reading()
+        dcp.load(state, storage_reader=reader)
+        model.load_state_dict(state, strict=False)  # a no-op copy where storage is shared; stages 1-2 refresh here
+    _clear_failed(model)
     mark_loaded(model, state)
