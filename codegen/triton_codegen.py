@@ -87,12 +87,11 @@ _WARNED: set[tuple[str, str]] = set()  # (why, graph id): one warning per frame 
 
 
 def _symbolic(gm: fx.GraphModule) -> bool:
-    """Whether a placeholder of ``gm`` has a symbolic size or stride (nothing of it can lower)."""
+    """Whether a tensor placeholder of ``gm`` has a symbolic size or stride (nothing of it can
+    lower). A symbolic scalar input (a Python int dynamo made dynamic) leaves the tensors static."""
     for node in gm.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
-        if isinstance(val, torch.SymInt) or (
-            isinstance(val, torch.Tensor) and not all(isinstance(s, int) for s in (*val.shape, *val.stride()))
-        ):
+        if isinstance(val, torch.Tensor) and not all(isinstance(s, int) for s in (*val.shape, *val.stride())):
             return True
     return False
 

@@ -168,6 +168,13 @@ def test_a_graph_with_symbolic_sizes_runs_as_aten_with_a_warning_saying_why(capl
     assert "sizes are symbolic" in (tmp_path / "rank0" / "summary.txt").read_text()
     static = make_fx(lambda x: torch.exp(x) * 2, tracing_mode="fake")(torch.randn(3, 5))
     assert triton_codegen.compile_triton(static) is not static
+    # a symbolic scalar input (a Python int dynamo made dynamic) next to static tensors still lowers
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with static.graph.inserting_before(next(iter(static.graph.nodes))):
+        static.graph.placeholder("n").meta["val"] = ShapeEnv().create_unbacked_symint()
+    static.recompile()
+    assert not triton_codegen._symbolic(static)
 
 
 def test_triton_executor_without_triton_installed_warns_and_runs_aten(tmp_path):

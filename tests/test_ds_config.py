@@ -184,11 +184,21 @@ def test_newer_deepspeed_keys_map_or_say_they_have_no_effect():
             {"bf16": {"enabled": True, "check_grad_overflow": True}},
             "bf16.check_grad_overflow=true: zerofx does not skip",
         ),
+        (
+            {"bf16": {"enabled": "auto", "check_grad_overflow": True}},
+            "bf16.check_grad_overflow=true: zerofx does not skip",
+        ),
         ({"bf16": {"enabled": True, "immediate_grad_update": True}}, "bf16.immediate_grad_update has no effect"),
         ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "zerofx keeps fp32 master weights"),
         ({"zero_optimization": {"stage": 1, "reduce_bucket_size": 64}}, "reduce_bucket_size: at stage 1"),
     ],
-    ids=["check_grad_overflow", "immediate_grad_update", "fp16_master_weights", "stage1_reduce_bucket"],
+    ids=[
+        "check_grad_overflow",
+        "check_grad_overflow_auto",
+        "immediate_grad_update",
+        "fp16_master_weights",
+        "stage1_reduce_bucket",
+    ],
 )
 def test_precision_and_bucket_keys_zerofx_does_not_follow_are_named(config, named):
     """Keys DeepSpeed acts on and zerofx does not (a bf16 step skipped on inf/NaN, fp16 masters,

@@ -392,6 +392,38 @@ def test_parallelize_keeps_frozen_parameters_frozen_and_refuses_unknown_plan_key
             parallelize(model, mesh, plan)
 
 
+def test_the_even_split_check_leaves_column_splits_alone_however_the_dim_is_written():
+    """parallelize refuses an input that sequence parallelism would split unevenly (the 4-rank
+    errors scenario: a sequence of 15 on wte), and nothing else: a column-wise layer's output
+    split along its last dim, written ``Shard(1)`` on a 2-D output or ``Shard(2)`` on a 3-D one,
+    was refused at first, reading the layer's input width (one process, a fake group of 2)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from zerofx import ZeroFXError
+    from zerofx.tensor_parallel import parallelize
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        for shape, dim in (((4, 15), 1), ((4, 15, 15), 2), ((4, 15, 15), -1)):
+            model = torch.nn.Sequential(torch.nn.Linear(15, 8))
+            parallelize(model, mesh, {"0": ColwiseParallel(output_layouts=Shard(dim))})
+            assert model(torch.randn(*shape)).shape[-1] == 4  # this rank's columns
+        uneven = torch.nn.Sequential(torch.nn.Linear(15, 8))
+        parallelize(uneven, mesh, {"0": ColwiseParallel(output_layouts=Shard(1))})
+        with pytest.raises(
+            ZeroFXError, match=r"^0: the tensor-parallel plan shards .* along dim 1 .* size there is 15"
+        ):
+            uneven(torch.randn(4, 15, 15))  # a 3-D output's dim 1 is the sequence's
+    finally:
+        dist.destroy_process_group()
+
+
 def test_hf_plan_leaves_out_keys_of_modules_the_model_does_not_have():
     """A config's plan names every variant's modules (an MoE router a dense variant lacks):
     hf_plan leaves those out, with a warning, where a plan the user writes is refused."""

@@ -296,17 +296,18 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
         opts["param_dtype"] = None  # switched off in so many words: a keyword turning it on contradicts
     if b is True:
         opts["param_dtype"] = torch.bfloat16
-        if bf16.get("check_grad_overflow") is True:
-            notes.append(
-                "bf16.check_grad_overflow=true: zerofx does not skip a bf16 step whose gradients hold inf or "
-                "NaN; to skip such steps, check torch.isfinite(torch.nn.utils.clip_grad_norm_(...)) before "
-                "optimizer.step()"
-            )
-        if "immediate_grad_update" in bf16:
-            notes.append(
-                "bf16.immediate_grad_update has no effect: zerofx accumulates gradients in the reduce dtype "
-                "(fp32 unless reduce_dtype / communication_data_type says otherwise)"
-            )
+    # keys zerofx does not follow, also under "auto" (the HF Trainer's configs, precision from --bf16)
+    if b in (True, "auto") and bf16.get("check_grad_overflow") is True:
+        notes.append(
+            "bf16.check_grad_overflow=true: zerofx does not skip a bf16 step whose gradients hold inf or "
+            "NaN; to skip such steps, check torch.isfinite(torch.nn.utils.clip_grad_norm_(...)) before "
+            "optimizer.step()"
+        )
+    if b in (True, "auto") and "immediate_grad_update" in bf16:
+        notes.append(
+            "bf16.immediate_grad_update has no effect: zerofx accumulates gradients in the reduce dtype "
+            "(fp32 unless reduce_dtype / communication_data_type says otherwise)"
+        )
     if f is True:
         opts["param_dtype"] = torch.float16
         scale = fp16.get("loss_scale", 0)
@@ -322,17 +323,17 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
             opts["loss_scale_window"] = fp16["loss_scale_window"]
         if fp16.get("auto_cast") is False:
             notes.append("fp16.auto_cast=false has no effect: zerofx casts floating inputs to param_dtype")
-        if fp16.get("fp16_master_weights_and_grads") is True:
-            notes.append(
-                "fp16.fp16_master_weights_and_grads=true: zerofx keeps fp32 master weights and gradient "
-                "shards (param_dtype is the compute dtype only)"
-            )
         ignored = sorted(set(fp16) & {"hysteresis", "consecutive_hysteresis", "min_loss_scale"})
         if ignored:
             notes.append(
                 f"fp16.{', fp16.'.join(ignored)}: zerofx's dynamic scaling (torch's ShardedGradScaler) backs "
                 "off at every overflow, with no hysteresis or floor"
             )
+    if f in (True, "auto") and fp16.get("fp16_master_weights_and_grads") is True:
+        notes.append(
+            "fp16.fp16_master_weights_and_grads=true: zerofx keeps fp32 master weights and gradient "
+            "shards (param_dtype is the compute dtype only)"
+        )
     if "communication_data_type" in cfg:
         name = cfg["communication_data_type"]
         if name not in _DTYPES:

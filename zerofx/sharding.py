@@ -252,10 +252,11 @@ def _gathered_property(name: str) -> property:
     def gathered(self: nn.Module) -> torch.Tensor:
         state = self._zerofx_params[name]
         held = self._parameters[name]
-        if held is not state.param and type(held) is torch.Tensor:
-            # a plain tensor in ``_parameters`` was put there for one call by
-            # torch.func.functional_call / nn.utils.stateless (``module.weight = tensor`` is refused by
-            # nn.Module, which takes only Parameters there): the module computes with it, as in torch
+        if held is not state.param and type(held) is torch.Tensor and held.shape == state.param.shape:
+            # a plain tensor of the parameter's full shape in ``_parameters``: put there for one call
+            # by torch.func.functional_call / nn.utils.stateless (``module.weight = tensor`` is refused
+            # by nn.Module, which takes only Parameters there), so the module computes with it, as in
+            # torch; only writing into ``_parameters`` directly could leave one there for good
             return held
         if not torch.compiler.is_compiling():
             state.check_uncompiled_read()

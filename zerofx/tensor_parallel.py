@@ -144,7 +144,7 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle]:
         return hf_plan(model)
     raise ZeroFXError(
         f"no tensor-parallel plan for {type(model).__name__}: zerofx.tensor_parallel knows zerofx's GPT and Llama "
-        "and HF models that declare base_model_tp_plan; pass a plan for parallelize_module"
+        "and HF models that declare base_model_tp_plan; pass a plan for parallelize"
     )
 
 
@@ -177,7 +177,7 @@ def hf_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     if unknown:
         raise ZeroFXError(
             f"{type(model).__name__}'s tensor-parallel plan uses {sorted(unknown)}, which zerofx.tensor_parallel "
-            f"does not translate (it knows {sorted(_HF_STYLES)}); write the plan for parallelize_module yourself"
+            f"does not translate (it knows {sorted(_HF_STYLES)}); write the plan for parallelize yourself"
         )
     # a config's plan names every variant's modules (an MoE router a dense variant lacks): the
     # keys this model has no module for are left out, as torch and transformers skip them
@@ -258,7 +258,7 @@ def _check_even_activation_splits(model: nn.Module, tp: int, plan: dict[str, Any
     for key, style in plan.items():
         layouts = getattr(style, "output_layouts", None) or ()
         dims = [p.dim for p in layouts if isinstance(p, Shard)]
-        if not dims or dims[0] == -1:
+        if not dims or dims[0] == -1:  # the last dim (a column split): no activation is split unevenly
             continue
         for name, module in model.named_modules():
             if (
@@ -277,8 +277,10 @@ def _even_split_hook(name: str, dim: int, tp: int) -> Callable:
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is None:  # (a DTensor, after the style's own input hook: its global shape is read)
             return
-        extra = 1 if isinstance(module, nn.Embedding) else 0  # an embedding's output has one dim more
-        d = dim if dim >= 0 else dim + x.dim() + extra
+        out_dims = x.dim() + (1 if isinstance(module, nn.Embedding) else 0)  # an embedding's output: one dim more
+        d = dim if dim >= 0 else dim + out_dims
+        if d == out_dims - 1:  # the output's last dim, written as a positive index: a column split
+            return
         if 0 <= d < x.dim() and x.shape[d] % tp != 0:
             raise ZeroFXError(
                 f"{name}: the tensor-parallel plan shards this module's output along dim {dim} over {tp} ranks "
