@@ -107,7 +107,10 @@ def new_file(directory: str, nbytes: int, preallocate: bool = True) -> int:
     of space here is a ``ZeroFXError`` naming the folder and the bytes. A file system without
     ``fallocate`` keeps the sparse file. Files written with ``pwrite`` (parked activations) need
     none: a full disk is an ordinary error there."""
-    fd, path = within_file_limit(lambda: tempfile.mkstemp(dir=directory, prefix="zerofx-", suffix=".bin"))
+    try:
+        fd, path = within_file_limit(lambda: tempfile.mkstemp(dir=directory, prefix="zerofx-", suffix=".bin"))
+    except OSError as e:
+        raise _cannot_create(directory, nbytes, e) from None
     try:
         os.ftruncate(fd, nbytes)
         if nbytes and preallocate:
@@ -122,10 +125,28 @@ def new_file(directory: str, nbytes: int, preallocate: bool = True) -> int:
                     ) from None
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                     os.close(fd)
-                    raise
+                    raise _cannot_create(directory, nbytes, e) from None
+    except OSError as e:  # ftruncate
+        os.close(fd)
+        raise _cannot_create(directory, nbytes, e) from None
     finally:
         os.unlink(path)
     return fd
+
+
+def _cannot_create(directory: str, nbytes: int, e: OSError) -> ZeroFXError:
+    """An offload file could not be made: the error names the option and its folder (not the
+    file's random name)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ZeroFXError(
+            f"offload folder {directory!r}: no room for {nbytes:,} more bytes ({e.strerror}); "
+            "free space there or pass another offload_dir"
+        )
+    return ZeroFXError(
+        f"option offload_dir={directory!r}: could not create an offload file of {nbytes:,} bytes there "
+        f"({e.strerror or e}); the folder must stay a writable folder on a local disk while the model "
+        "trains: restore it, or pass another offload_dir"
+    )
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int = 0) -> None:

@@ -23,23 +23,27 @@ updates the current one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
 import tempfile
 import types
 import weakref
+from collections import defaultdict
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.layout import pack_consecutive
 from zerofx.ir.offload_ops import default_offload_dir, new_file, paged_storages, within_file_limit
-from zerofx.runtime.local_step import _class_step, fused_without_dtensor, step_over_whole_tensors
+from zerofx.runtime.local_step import ELEMENTWISE, _class_step, fused_without_dtensor, step_over_whole_tensors
 from zerofx.runtime.params import optimizer_state, runtime_of
-from zerofx.runtime.whole_step import Windows, whole_step_class
+from zerofx.runtime.whole_step import Windows, stand_in, whole_step_class
 
 __all__ = [
     "check_offload_dir",
@@ -113,20 +117,9 @@ class DiskStore:
     def nbytes(self) -> int:
         return sum(n for _, _, n in list(self.files.values()))  # a copy: a finalizer may drop entries meanwhile
 
-    def adopt(self, t: torch.Tensor) -> None:
-        """Move ``t``'s bytes into a new file and re-point ``t`` (its local shard) at the mapping."""
-        local = _local(t)
-        nbytes = local.numel() * local.element_size()
-        if nbytes == 0 or t in self:
-            return
-        # in storage order: a shard split along another dim is a permuted view (NOTE: the sharded dim)
-        order = sorted(range(local.dim()), key=lambda d: -local.stride(d))
-        in_order = local.permute(order)
-        if not in_order.is_contiguous() or local.device.type != "cpu":
-            raise ZeroFXError(
-                "disk offload keeps dense CPU tensors; got "
-                f"{'a strided' if local.device.type == 'cpu' else local.device.type} tensor"
-            )
+    def reserve(self, nbytes: int) -> tuple[int, mmap.mmap]:
+        """A new file of ``nbytes`` bytes (allocated) and its memory map, for ``adopt`` to fill
+        later: what can fail about a file (no room, no folder, no descriptor left) fails here."""
         fd = new_file(self.directory, nbytes)
         try:  # the map keeps a descriptor of its own (a dup of fd)
             mapping = within_file_limit(
@@ -135,6 +128,31 @@ class DiskStore:
         except BaseException:
             os.close(fd)
             raise
+        return fd, mapping
+
+    def adopt(self, t: torch.Tensor, reserved: tuple[int, mmap.mmap] | None = None) -> None:
+        """Move ``t``'s bytes into a new file (``reserved``: that one, from ``reserve`` with
+        ``t``'s bytes) and re-point ``t`` (its local shard) at the mapping."""
+        local = _local(t)
+        nbytes = local.numel() * local.element_size()
+        if nbytes == 0 or t in self:
+            if reserved is not None:
+                _close(reserved)
+            return
+        # in storage order: a shard split along another dim is a permuted view (NOTE: the sharded dim)
+        order = sorted(range(local.dim()), key=lambda d: -local.stride(d))
+        in_order = local.permute(order)
+        if not in_order.is_contiguous() or local.device.type != "cpu":
+            if reserved is not None:
+                _close(reserved)
+            raise ZeroFXError(
+                "disk offload keeps dense CPU tensors; got "
+                f"{'a strided' if local.device.type == 'cpu' else local.device.type} tensor"
+            )
+        if reserved is not None and len(reserved[1]) != nbytes:
+            _close(reserved)
+            reserved = None
+        fd, mapping = self.reserve(nbytes) if reserved is None else reserved
         data = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(local.dtype)
         data.copy_(in_order.reshape(-1))
         with torch.no_grad():
@@ -176,6 +194,13 @@ class DiskStore:
         entry = self._mapping(t)
         if entry is not None:
             entry[0].madvise(mmap.MADV_WILLNEED)
+
+
+def _close(reserved: tuple[int, mmap.mmap]) -> None:
+    """Give back a file ``DiskStore.reserve`` made and nothing adopted."""
+    fd, mapping = reserved
+    mapping.close()
+    os.close(fd)
 
 
 _param_store = WeakIdKeyDictionary()  # parameter -> (tier, store, window)
@@ -247,24 +272,171 @@ def place_model_state(model: torch.nn.Module, options) -> str:
     return tier
 
 
+def _agreed_bytes(p: torch.Tensor) -> int:
+    """The bytes of the largest shard of ``p`` over its ranks (the global shape split as DTensor
+    splits it, rounded up): the same number on every rank, at least this rank's shard."""
+    if not isinstance(p, DTensor):
+        return p.numel() * p.element_size()
+    shape = list(p.shape)
+    for mesh_dim, placement in enumerate(p.placements):
+        if placement.is_shard():
+            n = p.device_mesh.size(mesh_dim)
+            shape[placement.dim] = -(-shape[placement.dim] // n)
+    return math.prod(shape) * p.element_size()
+
+
 def _windows(params: list[torch.Tensor], window: int, state_factor: int = 3) -> list[list[torch.Tensor]]:
     """Consecutive groups of parameters whose bytes (with their optimizer state) fit ``window``;
-    a parameter larger than the window is a group of its own."""
-    return pack_consecutive(params, lambda p: _local(p).numel() * _local(p).element_size() * state_factor, window)
+    a parameter larger than the window is a group of its own. Packed from the largest shard of
+    each parameter (``_agreed_bytes``), so every rank packs the same windows (NOTE: windows
+    every rank agrees on)."""
+    return pack_consecutive(params, lambda p: _agreed_bytes(p) * state_factor, window)
+
+
+# NOTE: windows every rank agrees on
+# Only the optimizers of ``ELEMENTWISE`` (exact classes, zerofx/runtime/local_step.py) step in
+# windows with their param groups narrowed: their update of a parameter reads that parameter,
+# its gradient and its own state only. Any other class may read across parameters inside its
+# step (a global gradient-norm clip: timm's Lamb) or keep state in its groups (schedule-free's
+# group['k']): narrowed, it would clip by a window's norm and count a step per window. Such a
+# class steps over its whole groups in one window, as in memory (on a CPU: a disk-tier step
+# then maps all its state at once, and the kernel pages it as it needs), or, where its state
+# would have to move to an accelerator whole (host tier), is refused when offloaded. The
+# windows are packed from sizes every rank computes alike (the largest shard of each
+# parameter), never from this rank's shard sizes: with uneven shards those differ, and so would
+# the number of windows, and with it of anything a step runs per window.
+
+# NOTE: a step that cannot leave half its windows stepped
+# At the disk tier each optimizer-state tensor gets its file the first time its window is
+# parked, after its window has stepped. Were that file's creation to fail (a full disk, the
+# folder gone, no descriptor left) in a later window, the earlier windows would be stepped
+# and a retry would step them twice. So before a step whose parameters were not all parked yet
+# (the first), the step's files are made first (``_reserve``): the state each parameter will
+# hold is learned from the class's own step over a one-element stand-in parameter (a stand-in
+# optimizer: nothing real is read or written), and a file of the shard's bytes and its memory
+# map are made for each parameter-shaped state tensor; the ranks then agree that every rank
+# made its files (one small all-reduce per group, first steps only), and a failure anywhere
+# raises on every rank before any window steps. Anything that still fails after a window
+# stepped marks the optimizer: its next step refuses (saying the last one was partly applied)
+# until ``load_state_dict`` gives it a consistent state again.
+
+_PARTLY = "_zerofx_partly_stepped"  # an optimizer's attribute: why its step refuses
+
+
+def _refuse_partly_stepped(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    message = vars(optimizer).get(_PARTLY)
+    if message is not None:
+        raise ZeroFXError(message)
+
+
+def _forget_partly_stepped(optimizer: torch.optim.Optimizer) -> None:
+    vars(optimizer).pop(_PARTLY, None)
+
+
+def _mark_partly_stepped(optimizer: torch.optim.Optimizer, error: BaseException) -> None:
+    line = (str(error).strip().splitlines() or [""])[0][:300]
+    vars(optimizer)[_PARTLY] = (
+        f"zerofx.offload_optimizer: a step of this {type(optimizer).__name__} failed part-way ({type(error).__name__}: "
+        f"{line}) after some of its windows had stepped, so some parameters and their state took that step "
+        "and others did not; stepping again would step those twice. Load a checkpoint (model and optimizer: "
+        "optimizer.load_state_dict clears this), or build a new optimizer"
+    )
+
+
+def _agree_groups(params: list[torch.Tensor]) -> list[tuple]:
+    """The process groups (of more than one rank) the parameters span, in their order."""
+    groups: dict[str, tuple] = {}
+    for p in params:
+        s = getattr(p, "_zerofx_state", None)
+        for g in (s.shard_group, s.replicate_group) if s is not None else ():
+            if g is not None and g.size > 1:
+                groups.setdefault(g.name, (g, _local(p).device))
+    return list(groups.values())
+
+
+def _any_rank_failed(groups: list[tuple], failed: bool) -> bool:
+    flag = int(failed)
+    for group, device in groups:
+        t = torch.tensor([flag], dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_resolve_process_group(group.name))
+        flag = max(flag, int(t))
+    return bool(flag)
+
+
+def _state_layout(optimizer: torch.optim.Optimizer, index: int, p: torch.Tensor) -> dict[str, torch.dtype] | None:
+    """The parameter-shaped state tensors (key -> dtype) the class's step leaves for ``p`` of
+    param group ``index``: from one step of a stand-in optimizer over a one-element stand-in
+    parameter (with ``p``'s state, if it has any yet, as its state). None where that step fails."""
+    local = _local(p)
+    dummy = torch.zeros(1, dtype=local.dtype, device=local.device)
+    dummy.grad = torch.zeros(1, dtype=local.dtype, device=local.device)
+    seeded: dict[str, Any] = {}
+    for k, v in optimizer.state.get(p, {}).items():
+        if isinstance(v, torch.Tensor):
+            v = _local(v)
+            seeded[k] = torch.zeros(1, dtype=v.dtype, device=v.device) if v.dim() > 0 else v.detach().clone()
+        else:
+            seeded[k] = v
+    groups = [{**g, "params": [dummy] if i == index else []} for i, g in enumerate(optimizer.param_groups)]
+    state: defaultdict = defaultdict(dict)
+    if seeded:
+        state[dummy] = seeded
+    try:
+        _class_step(optimizer)(stand_in(optimizer, groups, state))
+    except Exception:
+        return None
+    return {
+        k: v.dtype
+        for k, v in state.get(dummy, {}).items()
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == 1
+    }
+
+
+def _reserve(
+    optimizer: torch.optim.Optimizer, store: DiskStore, params: list[torch.Tensor]
+) -> dict[tuple[int, str], tuple[int, mmap.mmap]]:
+    """The files (and maps) the state of ``params`` will need (NOTE: a step that cannot leave half
+    its windows stepped), by (id of the parameter, state key); on a failure none are kept."""
+    index_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    layouts: dict[tuple, dict | None] = {}
+    reserved: dict[tuple[int, str], tuple[int, mmap.mmap]] = {}
+    try:
+        for p in params:
+            local = _local(p)
+            if local.numel() == 0 or local.device.type != "cpu":
+                continue
+            have = optimizer.state.get(p, {})
+            key = (index_of[p], local.dtype, tuple(sorted(map(str, have))))
+            if key not in layouts:
+                layouts[key] = _state_layout(optimizer, index_of[p], p)
+            for k, dtype in (layouts[key] or {}).items():
+                value = have.get(k)
+                if isinstance(value, torch.Tensor) and value in store:
+                    continue
+                reserved[(id(p), k)] = store.reserve(local.numel() * dtype.itemsize)
+    except BaseException:
+        for r in reserved.values():
+            _close(r)
+        raise
+    return reserved
 
 
 def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Make ``optimizer`` keep its state where the model's ``offload_optimizer`` option put the
     parameters, and step a window of parameters at a time. Returns the same optimizer.
 
-    An optimizer whose per-parameter state is elementwise (Adam, AdamW, SGD with momentum, ...)
-    steps each window by its own ``step`` with its parameter groups narrowed to that window, so
-    the arithmetic is the optimizer's, unchanged; its step hooks (its own, torch's global ones)
-    run once per step around the windows, with the whole groups. One that steps over whole tensors (Adafactor,
+    An optimizer of ``ELEMENTWISE`` (Adam, AdamW, SGD, ...: exact classes, whose update of a
+    parameter reads only it, its gradient and its state) steps each window by its own ``step``
+    with its parameter groups narrowed to that window, so the arithmetic is the optimizer's,
+    unchanged; its step hooks (its own, torch's global ones) run once per step around the
+    windows, with the whole groups. One that steps over whole tensors (Adafactor,
     Muon: zerofx/runtime/whole_step.py) steps its own windows of whole tensors, at most the
     window's bytes at a time; after each, the state shaped like the parameters (sharded: Muon's
     momentum, an unfactored variance) goes back to the tier, while the small state every rank
-    holds whole (Adafactor's row and column factors, step counts) stays in memory."""
+    holds whole (Adafactor's row and column factors, step counts) stays in memory. Any other
+    class (one that may clip by a global norm or keep state in its groups) steps over its whole
+    groups in one window, on a CPU; on an accelerator (host tier) it is refused (NOTE: windows
+    every rank agrees on)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     placed = [state_store(p) for p in params]
     if not params or any(s is None for s in placed):
@@ -279,10 +451,24 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
             "kernel, and offloaded windows step through DTensor: build it without fused=True (foreach or the "
             "default), or keep its state in memory"
         )
+    whole = whole_step_class(optimizer) is not None
+    elementwise = type(optimizer) in ELEMENTWISE
+    if not whole and not elementwise and any(_local(p).device.type != "cpu" for p in params):
+        cls = type(optimizer)
+        raise ZeroFXError(
+            f"zerofx.offload_optimizer: {cls.__module__}.{cls.__qualname__} is not one of the optimizers known to "
+            "update each parameter from its own gradient and state alone (zerofx.runtime.local_step.ELEMENTWISE: "
+            "exact classes), so its step cannot run a window of parameters at a time (a global gradient-norm clip "
+            "or a group-level counter would be computed per window), and stepping it whole would bring all its "
+            f"state to {_local(params[0]).device} at once: keep its state in memory (offload_optimizer='none'), "
+            "or use one of those optimizers"
+        )
     state = optimizer_state(optimizer, create=True)
     if state.offload is not None:
         return optimizer
-    if whole_step_class(optimizer) is not None:
+    optimizer.register_step_pre_hook(_refuse_partly_stepped)
+    optimizer.register_load_state_dict_post_hook(_forget_partly_stepped)
+    if whole:
         # its own windows, over whole tensors (NOTE: whole-tensor steps); each window's
         # parameter-shaped state parked after it like an elementwise window's
         def before(win: list[torch.Tensor], following: list[torch.Tensor]) -> None:
@@ -290,14 +476,19 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
             for p in following if store is not None else ():
                 _prefetch(optimizer, store, p)
 
-        step_over_whole_tensors(
-            optimizer,
-            Windows(window, before, lambda win: _park(optimizer, win, tier, store, rows_only=True)),
-        )
+        def after(win: list[torch.Tensor]) -> None:
+            try:
+                _park(optimizer, win, tier, store, rows_only=True)
+            except BaseException as e:  # this window (and those before it) stepped
+                _mark_partly_stepped(optimizer, e)
+                raise
+
+        step_over_whole_tensors(optimizer, Windows(window, before, after))
         state.offload = (tier, store, window)
         return optimizer
     state.offload = (tier, store, window)
     state.local_step = False  # windows step through DTensor (zerofx/runtime/local_step.py)
+    parked = WeakIdKeyDictionary()  # parameters whose state went to the tier once (-> True)
 
     def windows_step(self: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
         loss = None
@@ -306,21 +497,50 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
                 loss = closure()
         full = [list(g["params"]) for g in self.param_groups]
         ordered = [p for ps in full for p in ps if p.grad is not None]
-        windows = _windows(ordered, window)
+        # (NOTE: windows every rank agrees on) another class: its whole groups, in one window
+        windows = _windows(ordered, window) if elementwise else [ordered]
+        reserved: dict = {}
+        if store is not None and any(p not in parked for p in ordered):  # the same on every rank
+            # (NOTE: a step that cannot leave half its windows stepped)
+            failed: BaseException | None = None
+            try:
+                reserved = _reserve(self, store, ordered)
+            except Exception as e:
+                failed = e
+            if _any_rank_failed(_agree_groups(ordered), failed is not None) or failed is not None:
+                for r in reserved.values():
+                    _close(r)
+                if failed is not None:
+                    raise failed
+                raise ZeroFXError(
+                    "zerofx.offload_optimizer: another rank could not make the files of this step's optimizer "
+                    "state (under its offload_dir); no parameter took this step on any rank (that rank's "
+                    "error says why)"
+                )
+        stepped = False  # whether a window's step ran to its end (a failure from then on is part-way)
         try:
             for i, win in enumerate(windows):
                 if store is not None and i + 1 < len(windows):
                     for p in windows[i + 1]:
                         _prefetch(self, store, p)
-                members = set(win)
-                for g, ps in zip(self.param_groups, full):
-                    g["params"] = [p for p in ps if p in members]
+                if elementwise:
+                    members = set(win)
+                    for g, ps in zip(self.param_groups, full):
+                        g["params"] = [p for p in ps if p in members]
                 _swap_in(self, win, tier)
                 _class_step(self)(self)  # without torch's hooks: they run once per step (NOTE below)
-                _park(self, win, tier, store)
+                stepped = True
+                _park(self, win, tier, store, reserved)
+                parked.update(dict.fromkeys(win, True))
+        except BaseException as e:
+            if stepped:
+                _mark_partly_stepped(self, e)
+            raise
         finally:
             for g, ps in zip(self.param_groups, full):
                 g["params"] = ps
+            for r in reserved.values():
+                _close(r)
         return loss
 
     # NOTE: step hooks around the windows
@@ -371,17 +591,19 @@ def _park(
     params: list[torch.Tensor],
     tier: str,
     store: DiskStore | None,
+    reserved: dict | None = None,
     rows_only: bool = False,
 ) -> None:
     """After this window's step: state back to its tier, and its pages out of memory
-    (``rows_only``: only the state sharded like the parameter, the DTensors)."""
+    (``rows_only``: only the state sharded like the parameter, the DTensors; ``reserved``: files
+    made for it before the step, by (id of the parameter, key), taken from there)."""
     for p in params:
         for key, value in list(_state_tensors(optimizer, p)):
             if rows_only and not isinstance(value, DTensor):
                 continue
             if store is not None:
                 if value not in store:
-                    store.adopt(value)
+                    store.adopt(value, reserved.pop((id(p), key), None) if reserved else None)
                 else:
                     store.page_out(value)
             elif tier == "host" and _local(value).device.type != "cpu":
