@@ -135,6 +135,9 @@ def _uneven_ranks(rank, world, folder):
         _train(model, opt, 2, rank)
         out[name] = all(torch.equal(p, q) for p, q in zip(_full(model), _full(ref)))
     out["windows"] = windows
+    # "auto" near the cap: 3x this rank's shard bytes is 2688 on rank 0 and 2496 on rank 1
+    auto = zerofx.Options(offload_optimizer="auto", offload_dir=f"{folder}/auto-{rank}", host_memory_cap=2600)
+    out["auto"] = place_model_state(zerofx.shard(Net(), mesh, auto), auto)
     return out
 
 
@@ -148,6 +151,9 @@ def test_every_rank_steps_the_same_windows_over_uneven_shards(tmp_path):
     assert [r["local_rows"] for r in results] == [[3, 8, 8, 8], [2, 8, 8, 8]]
     assert results[0]["windows"] == results[1]["windows"] and max(results[0]["windows"]) > 1, results
     assert all(r["adamw"] and r["global_norm"] for r in results), results
+    # offload_optimizer="auto" picked disk on one rank and host on the other (whose first step then
+    # skipped the disk ranks' agreement): it is decided from the largest shards, alike
+    assert [r["auto"] for r in results] == ["disk", "disk"], results
 
 
 def _state_steps(opt):

@@ -63,8 +63,10 @@ every tensor); the ``ZeroFXError`` raised says so, chained from DCP's.
 DCP stores each state_dict name, so a tied pair (``lm_head.weight`` is ``wte.weight``) is two
 entries with the same values. ``save`` records in the completion marker which names were one
 tensor (``aliases``); ``load`` refuses a model that ties names the checkpoint stored separately,
-or the reverse, naming them (reading two different tensors into one would keep whichever was
-read last). A checkpoint without the record (older ones) is not checked.
+naming them (reading two different tensors into one would keep whichever was read last). The
+reverse (saved tied, loaded untied) loads: both tensors get the same values. A checkpoint
+without the record (older ones, or saved through a wrapper whose state_dict drops its own
+prefix, e.g. Lightning Fabric's module) is not checked.
 """
 
 from __future__ import annotations
@@ -419,7 +421,12 @@ def _damage(path: Path) -> tuple[str, Any]:
 def _read_metadata(path: Path) -> Any:
     """DCP's metadata of checkpoint ``path``, after ``_damage`` found nothing missing; rank 0
     looks and every rank raises together, naming what is missing."""
-    problem, metadata = _damage(path) if _rank() == 0 else ("", None)
+    problem, metadata = "", None
+    if _rank() == 0:
+        try:  # rank 0 must reach the broadcast: a raise here would leave the others waiting in it
+            problem, metadata = _damage(path)
+        except Exception as e:
+            problem = f"its files cannot be checked ({type(e).__name__}: {str(e)[:200]})"
     problem = same_on_every_rank(problem)
     if problem:
         raise ZeroFXError(f"checkpoint {path} is damaged: {problem} (nothing was loaded)")
@@ -457,37 +464,39 @@ def _check_optimizer_groups(path: Path, groups: int, stored: dict[str, Any]) -> 
         )
 
 
-def _tied_keys(model: nn.Module, keys: Any) -> list[list[str]]:
+def _tied_keys(model: nn.Module, keys: Any) -> list[list[str]] | None:
     """The state_dict ``keys`` that name one tensor (tied parameters), in sorted groups of two
-    or more (NOTE: tied parameters in a checkpoint). Wrapper prefixes that torch's state-dict
-    helpers leave out (``torch.compile``'s ``_orig_mod``) are left out here too."""
+    or more (NOTE: tied parameters in a checkpoint); None where the parameters' names do not map
+    onto the keys (a wrapper whose ``state_dict`` drops a prefix of its own, as Lightning
+    Fabric's module and DDP's ``module.`` do): unknown, so neither recorded nor checked. Wrapper
+    prefixes that torch's state-dict helpers leave out (``torch.compile``'s ``_orig_mod``) are
+    left out here too."""
     wrappers = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
     keys = set(keys)
     groups = []
     for names in alias_names(model):
         named = {".".join(part for part in n.split(".") if part not in wrappers) for n in names} & keys
+        if not named:
+            return None
         if len(named) > 1:
             groups.append(sorted(named))
     return sorted(groups)
 
 
 def _check_ties(path: Path, info: dict[str, Any], model: nn.Module, keys: Any) -> None:
-    """Refuse a model that ties names the checkpoint stored as separate tensors, or the reverse
-    (NOTE: tied parameters in a checkpoint); a checkpoint without the record is not checked."""
+    """Refuse a model that ties names the checkpoint stored as separate tensors (NOTE: tied
+    parameters in a checkpoint); a checkpoint without the record, or a model whose ties cannot be
+    mapped onto its keys, is not checked. The reverse (saved tied, loaded untied) reads the same
+    values into both tensors: nothing is lost, so it loads."""
     saved = info.get("aliases")
-    if saved is None:
+    here = _tied_keys(model, keys)
+    if saved is None or here is None:
         return
     saved_groups = [frozenset(g) for g in saved]
-    here = [frozenset(g) for g in _tied_keys(model, keys)]
     problems = [
         f"this model ties {' and '.join(sorted(g))} (one tensor), which the checkpoint stored as separate tensors"
-        for g in here
-        if g not in saved_groups
-    ]
-    problems += [
-        f"the checkpoint's {' and '.join(sorted(g))} were one tensor (tied), which this model holds separately"
-        for g in saved_groups
-        if g not in here
+        for g in map(frozenset, here)
+        if not any(g <= other for other in saved_groups)
     ]
     if problems:
         raise ZeroFXError(

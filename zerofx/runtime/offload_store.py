@@ -220,7 +220,8 @@ def place_model_state(model: torch.nn.Module, options) -> str:
     if tier == "none":
         return tier
     params = list(dict.fromkeys(model.parameters()))
-    param_bytes = sum(_local(p).numel() * _local(p).element_size() for p in params)
+    # the largest shard of each (NOTE: windows every rank agrees on): "auto" picks one tier on every rank
+    param_bytes = sum(_agreed_bytes(p) for p in params)
     if tier == "auto":
         tier = "disk" if 3 * param_bytes > options.host_memory_cap else "host"
     window = options.host_memory_cap // 8 if options.host_memory_cap else 64 * 2**20
@@ -270,6 +271,14 @@ def place_model_state(model: torch.nn.Module, options) -> str:
         + f") in {where}; the optimizer steps {window} B windows (call zerofx.offload_optimizer(opt))"
     )
     return tier
+
+
+def _class_step_of(cls: type) -> Callable:
+    """``cls.step`` without torch's hook wrappers (as ``local_step._class_step`` for an instance)."""
+    step = cls.step
+    while getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        step = step.__wrapped__
+    return step
 
 
 def _agreed_bytes(p: torch.Tensor) -> int:
@@ -452,7 +461,8 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
             "default), or keep its state in memory"
         )
     whole = whole_step_class(optimizer) is not None
-    elementwise = type(optimizer) in ELEMENTWISE
+    # an ELEMENTWISE class, or a subclass that keeps its step (a user's AdamW with another name)
+    elementwise = any(isinstance(optimizer, c) and _class_step(optimizer) is _class_step_of(c) for c in ELEMENTWISE)
     if not whole and not elementwise and any(_local(p).device.type != "cpu" for p in params):
         cls = type(optimizer)
         raise ZeroFXError(
@@ -517,6 +527,8 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
                     "state (under its offload_dir); no parameter took this step on any rank (that rank's "
                     "error says why)"
                 )
+            # every rank made its files: from here the set changes alike on every rank, whatever fails later
+            parked.update(dict.fromkeys(ordered, True))
         stepped = False  # whether a window's step ran to its end (a failure from then on is part-way)
         try:
             for i, win in enumerate(windows):
@@ -531,7 +543,6 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
                 _class_step(self)(self)  # without torch's hooks: they run once per step (NOTE below)
                 stepped = True
                 _park(self, win, tier, store, reserved)
-                parked.update(dict.fromkeys(win, True))
         except BaseException as e:
             if stepped:
                 _mark_partly_stepped(self, e)
