@@ -25,7 +25,7 @@ from torch import fx
 from zerofx.codegen.decompose import decompose_for_codegen
 from zerofx.codegen.fusion import Claimed, find_groups, group_io, is_comm, replace_groups
 from zerofx.codegen.triton_emit import Unsupported, emit_group
-from zerofx.codegen.triton_ops import can_lower
+from zerofx.codegen.triton_ops import _static, can_lower
 from zerofx.codegen.triton_runtime import FusedKernel, group_module, interpreting, launch_problem
 from zerofx.passes.contract import PassContext
 from zerofx.passes.graph import copy_graph, is_view
@@ -91,7 +91,7 @@ def _symbolic(gm: fx.GraphModule) -> bool:
     lower). A symbolic scalar input (a Python int dynamo made dynamic) leaves the tensors static."""
     for node in gm.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and not all(isinstance(s, int) for s in (*val.shape, *val.stride())):
+        if isinstance(val, torch.Tensor) and not _static(val):
             return True
     return False
 

@@ -137,6 +137,21 @@ def train_case(name: str, rank: int, world_size: int, steps: int, dump_dir: str 
     return result
 
 
+def step_against_reference(model, opt, ref: ShardedReference, step: int, loss, loss_fn) -> list[str]:
+    """After ``loss.backward()`` on ``model``: the same step on ``ref`` (``loss_fn`` runs the
+    replica), both optimizers stepped, and every divergence (loss, gradients, parameters) as text."""
+    ref_loss = ref.backward(loss_fn)
+    d = exact_divergence(step, "loss", "loss", loss.detach(), ref_loss)
+    found = [str(d)] if d else []
+    ref.reduce_gradients()
+    found += map(str, ref.check_gradients(model, step))
+    opt.step()
+    ref.step()
+    opt.zero_grad()
+    found += map(str, ref.check_parameters(model, step))
+    return found
+
+
 def loss_tolerances(r: dict) -> list[float]:
     """Per step, how far zerofx's loss may be from the whole-batch reference's (see SPLIT_FACTOR)."""
     out, envelope = [], 0.0

@@ -18,9 +18,10 @@ from torch.profiler import ProfilerActivity, profile
 
 import zerofx
 from tests.multirank import attempt
+from tests.parity import step_against_reference
 from zerofx.models import GPT, GPTConfig
 from zerofx.runtime.params import runtime_of
-from zerofx.testing import ShardedReference, exact_divergence
+from zerofx.testing import ShardedReference
 
 CFG = GPTConfig(vocab_size=96, seq_len=64, n_layer=1, n_head=4, d_model=32)
 LENGTHS = (8, 16, 24, 32, 40, 48, 56, 64)  # 8 distinct lengths, one per step
@@ -53,15 +54,7 @@ def train_lengths(rank: int, world: int, lengths: list[int], options: dict, prof
         with profile(activities=[ProfilerActivity.CPU]) if last else contextlib.nullcontext() as prof:
             loss = model(x, y)
             loss.backward()
-        ref_loss = ref.backward(lambda m: m(x, y))
-        d = exact_divergence(step, "loss", "loss", loss.detach(), ref_loss)
-        failures += [str(d)] if d else []
-        ref.reduce_gradients()
-        failures += map(str, ref.check_gradients(model, step))
-        opt.step()
-        ref.step()
-        opt.zero_grad()
-        failures += map(str, ref.check_parameters(model, step))
+        failures += step_against_reference(model, opt, ref, step, loss, lambda m: m(x, y))
     state = runtime_of(model).compiled
     names = [e.name for e in prof.events()] if profile_last else []
     return {

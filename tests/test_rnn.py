@@ -44,9 +44,10 @@ def train(rank: int, world: int, stage: int, cell: type[nn.Module] = nn.LSTM) ->
     from torch.distributed.device_mesh import init_device_mesh
 
     import zerofx
+    from tests.parity import step_against_reference
     from zerofx.ir.meta import ROLE
     from zerofx.runtime.params import runtime_of
-    from zerofx.testing import ShardedReference, exact_divergence
+    from zerofx.testing import ShardedReference
 
     torch.manual_seed(0)
     model = LSTMNet(cell)
@@ -63,15 +64,7 @@ def train(rank: int, world: int, stage: int, cell: type[nn.Module] = nn.LSTM) ->
         x, y = torch.randn(PER_RANK, length, 6, generator=gen), torch.randn(PER_RANK, 4, generator=gen)
         loss = model(x, y)
         loss.backward()
-        ref_loss = ref.backward(lambda m: m(x, y))
-        d = exact_divergence(step, "loss", "loss", loss.detach(), ref_loss)
-        failures += [str(d)] if d else []
-        ref.reduce_gradients()
-        failures += map(str, ref.check_gradients(model, step))
-        opt.step()
-        ref.step()
-        opt.zero_grad()
-        failures += map(str, ref.check_parameters(model, step))
+        failures += step_against_reference(model, opt, ref, step, loss, lambda m: m(x, y))
         losses.append(loss.item())
     # the frames whose forward gathers a parameter, and the size symbols of their inputs
     gathering = {

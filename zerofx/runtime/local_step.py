@@ -264,9 +264,14 @@ def _is_stand_in(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _class_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
-    """The optimizer class's step function, without torch's hook wrappers (one per class that
-    was patched: a subclass's wraps its parent's)."""
-    step = type(optimizer).step
+    """The optimizer class's step function, without torch's hook wrappers."""
+    return class_step(type(optimizer))
+
+
+def class_step(cls: type) -> Callable[[torch.optim.Optimizer], Any]:
+    """``cls.step`` without torch's hook wrappers (one per class that was patched: a
+    subclass's wraps its parent's), so a subclass that keeps its parent's step has the same one."""
+    step = cls.step
     while getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
         step = step.__wrapped__
     return step

@@ -41,7 +41,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.layout import pack_consecutive
 from zerofx.ir.offload_ops import default_offload_dir, new_file, paged_storages, within_file_limit
-from zerofx.runtime.local_step import ELEMENTWISE, _class_step, fused_without_dtensor, step_over_whole_tensors
+from zerofx.runtime.local_step import (
+    ELEMENTWISE,
+    _class_step,
+    class_step,
+    fused_without_dtensor,
+    step_over_whole_tensors,
+)
 from zerofx.runtime.params import optimizer_state, runtime_of
 from zerofx.runtime.whole_step import Windows, stand_in, whole_step_class
 
@@ -273,14 +279,6 @@ def place_model_state(model: torch.nn.Module, options) -> str:
     return tier
 
 
-def _class_step_of(cls: type) -> Callable:
-    """``cls.step`` without torch's hook wrappers (as ``local_step._class_step`` for an instance)."""
-    step = cls.step
-    while getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
-        step = step.__wrapped__
-    return step
-
-
 def _agreed_bytes(p: torch.Tensor) -> int:
     """The bytes of the largest shard of ``p`` over its ranks (the global shape split as DTensor
     splits it, rounded up): the same number on every rank, at least this rank's shard."""
@@ -462,7 +460,7 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         )
     whole = whole_step_class(optimizer) is not None
     # an ELEMENTWISE class, or a subclass that keeps its step (a user's AdamW with another name)
-    elementwise = any(isinstance(optimizer, c) and _class_step(optimizer) is _class_step_of(c) for c in ELEMENTWISE)
+    elementwise = any(isinstance(optimizer, c) and _class_step(optimizer) is class_step(c) for c in ELEMENTWISE)
     if not whole and not elementwise and any(_local(p).device.type != "cpu" for p in params):
         cls = type(optimizer)
         raise ZeroFXError(
