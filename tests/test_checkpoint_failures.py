@@ -219,6 +219,25 @@ def test_tied_names_must_be_tied_as_they_were_saved(tmp_path):
     assert zerofx.checkpoint._tied_keys(Wrapper(_LM(tied=True, seed=0)), ["wte.weight", "lm_head.weight"]) is None
 
 
+def _steps(model, opt, seeds, rank: int, world: int) -> None:
+    """Training steps of UnevenNet on this rank's rows of a batch made from each seed."""
+    for s in seeds:
+        g = torch.Generator().manual_seed(100 + s)
+        x, y = torch.randn(2 * world, 6, generator=g), torch.randn(2 * world, 3, generator=g)
+        model(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _error(f) -> str:
+    """``f()``'s ZeroFXError message, or "no error"."""
+    try:
+        f()
+    except ZeroFXError as e:
+        return str(e)
+    return "no error"
+
+
 def _stage2_failures(rank: int, world: int, folder: str) -> dict:
     """At stage 2 on 2 ranks: a refused load (SGD's state into AdamW), missing files, and a read
     that fails part-way, each into a fresh model and optimizer."""
@@ -236,19 +255,9 @@ def _stage2_failures(rank: int, world: int, folder: str) -> dict:
         return model, make(model)
 
     def steps(model, opt, seeds):
-        for s in seeds:
-            g = torch.Generator().manual_seed(100 + s)
-            x, y = torch.randn(2 * world, 6, generator=g), torch.randn(2 * world, 3, generator=g)
-            model(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]).backward()
-            opt.step()
-            opt.zero_grad()
+        _steps(model, opt, seeds, rank, world)
 
-    def error(f):
-        try:
-            f()
-        except ZeroFXError as e:
-            return str(e)
-        return "no error"
+    error = _error
 
     out = {}
     model, opt = build(0, _SGD)
@@ -306,3 +315,79 @@ def test_failed_loads_at_stage_2_on_two_ranks(tmp_path):
         assert r["no_metadata_forward"] == r["no_shard_forward"] == "no error"
         assert "into this model failed part-way" in r["bad_forward"], r["bad_forward"]
         assert r["forward_after_a_good_load"] == "no error" and r["resumes_like_the_saved_run"]
+
+
+def _one_rank_fails(rank: int, world: int, folder: str) -> dict:
+    """At stage 2 on 2 ranks, loads that fail on rank 1 only: its folder missing (a disk of its
+    own), a check before the read, the step after DCP's read that puts the state in place."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import zerofx
+    from tests.models import UnevenNet
+
+    mesh = init_device_mesh("cpu", (world,))
+    folder = Path(folder)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = zerofx.shard(UnevenNet(), mesh, stage=2)
+        return model, _ADAMW(model)
+
+    def step(model, opt):
+        _steps(model, opt, [0], rank, world)
+
+    error = _error
+
+    model, opt = build(0)
+    step(model, opt)
+    zerofx.checkpoint.save(folder / "good", model, opt)
+
+    out = {}
+    model, opt = build(1)
+    where = folder / ("good" if rank == 0 else "elsewhere")
+    out["missing_on_one"] = error(lambda: zerofx.checkpoint.load(where, model, opt))
+    out["missing_state"] = len(opt.state)
+
+    real_check, real_set = zerofx.checkpoint._check_optimizer_state, zerofx.checkpoint.set_state_dict
+
+    def refuse(*args):
+        raise ZeroFXError("injected refusal")
+
+    def set_and_fail(*args, **kwargs):
+        real_set(*args, **kwargs)
+        raise RuntimeError("injected failure after the read")
+
+    for name, fake in (
+        ("before_read", ("_check_optimizer_state", refuse)),
+        ("after_read", ("set_state_dict", set_and_fail)),
+    ):
+        model, opt = build(1)
+        if rank == 1:
+            setattr(zerofx.checkpoint, *fake)
+        out[name] = error(lambda: zerofx.checkpoint.load(folder / "good", model, opt))
+        zerofx.checkpoint._check_optimizer_state, zerofx.checkpoint.set_state_dict = real_check, real_set
+        out[f"{name}_state"] = len(opt.state)
+        out[f"{name}_forward"] = error(lambda: model(torch.randn(2, 6), torch.randn(2, 3)))
+    zerofx.checkpoint.load(folder / "good", model, opt)  # every rank can load again
+    step(model, opt)
+    return out
+
+
+def test_a_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
+    """A load that failed on one rank only returned normally on the others: a folder on one
+    rank's own disk left rank 0 waiting in its file check's broadcast (until gloo's timeout), a
+    failure after the read marked only the failing rank, so the next forward ran its gathers on
+    one rank and refused on the other. The ranks now agree at each stage of a load: every rank
+    raises, naming the rank that failed, and marks what the read may have overwritten."""
+    r0, r1 = run_ranks(_one_rank_fails, 2, str(tmp_path), timeout=300)
+    assert "refused on rank 1: checkpoint" in r0["missing_on_one"] and "does not exist" in r0["missing_on_one"]
+    assert "elsewhere does not exist" in r1["missing_on_one"], r1["missing_on_one"]
+    assert "failed on another rank before anything was read (rank 1: injected refusal)" in r0["before_read"]
+    assert r1["before_read"] == "injected refusal"
+    assert "rank 1: RuntimeError: injected failure after the read" in r0["after_read"], r0["after_read"]
+    assert "RuntimeError: injected failure after the read" in r1["after_read"], r1["after_read"]
+    for r in (r0, r1):
+        assert r["missing_state"] == r["before_read_state"] == 0
+        assert r["before_read_forward"] == "no error"
+        assert "partly overwritten" in r["after_read"]
+        assert "into this model failed part-way" in r["after_read_forward"], r["after_read_forward"]

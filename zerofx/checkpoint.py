@@ -57,7 +57,14 @@ DCP has overwritten some tensors in place, differently on each rank: the optimiz
 (one that held state has its state partly overwritten: its ``step`` then refuses, until a load
 succeeds), and the model is marked, so that its forward (and ``save``) refuses with an error
 saying a load into it failed, until a ``load`` of it succeeds (or ``model.load_state_dict`` of
-every tensor); the ``ZeroFXError`` raised says so, chained from DCP's.
+every tensor); the ``ZeroFXError`` raised says so, chained from DCP's. A load is a collective,
+and a failure on one rank (its own disk without the folder, a read that fails there only) must
+fail it on every rank: one rank raising while the others go on would leave them waiting in the
+load's next collective, or with a model that runs while its peer's refuses, and the next forward
+would hang. So every rank checks its files itself and the ranks agree three times, with one small
+all-reduce (and, when one failed, a broadcast of the first failing rank's error): after the file
+checks, right before DCP reads, and after the tensors are set. Every rank then raises alike,
+naming the rank that failed, and marks what the read may have overwritten.
 
 # NOTE: tied parameters in a checkpoint
 DCP stores each state_dict name, so a tied pair (``lm_head.weight`` is ``wte.weight``) is two
@@ -116,17 +123,59 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def same_on_every_rank(value: str) -> str:
-    """Rank 0's ``value`` on every rank (a collective when a process group exists)."""
-    if not (dist.is_available() and dist.is_initialized()):
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _collective_device() -> torch.device:
+    """Where the default group's small collectives put their tensors (NCCL's on its GPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def same_on_every_rank(value: str, src: int = 0) -> str:
+    """Rank ``src``'s ``value`` on every rank (a collective when a process group exists)."""
+    if not _distributed():
         return value
     # tensors, not broadcast_object_list: object collectives need NumPy, which zerofx does not
-    data = torch.tensor(list(value.encode()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    dist.broadcast(size, src=0)
-    buf = data if dist.get_rank() == 0 else torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(buf, src=0)
+    device = _collective_device()
+    data = torch.tensor(list(value.encode()), dtype=torch.uint8, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src)
+    buf = data if dist.get_rank() == src else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src)
     return bytes(buf.tolist()).decode()
+
+
+def _first_failure(problem: str) -> tuple[int, str] | None:
+    """The lowest rank whose ``problem`` is not empty, and that problem, on every rank; None
+    where no rank has one. A collective every rank calls alike (NOTE: a load that fails)."""
+    if not _distributed():
+        return (0, problem) if problem else None
+    world = dist.get_world_size()
+    first = torch.tensor([dist.get_rank() if problem else world], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    if int(first.item()) == world:
+        return None
+    return int(first.item()), same_on_every_rank(problem, src=int(first.item()))
+
+
+def _on_every_rank_or_none(check: Any) -> Any:
+    """``check()`` (this rank's own look at the files and the optimizer), then every rank raises
+    if any rank's check did: its own error, or the first failing rank's, named."""
+    failed: Exception | None = None
+    try:
+        result = check()
+    except Exception as e:
+        failed, result = e, None
+    problem = "" if failed is None else (str(failed) if isinstance(failed, ZeroFXError) else _reason(failed))
+    first = _first_failure(problem or ("failed" if failed is not None else ""))
+    if failed is not None:
+        raise failed
+    if first is not None:
+        raise ZeroFXError(f"refused on rank {first[0]}: {first[1]}")
+    return result
 
 
 def _fsync_dir(path: Path) -> None:
@@ -321,11 +370,8 @@ def load(
     model refuses to run (or be saved) until a load into it succeeds (NOTE: a load that fails).
     """
     path = Path(path)
-    info = _check_complete(path)
-    metadata = _read_metadata(path)
+    info, metadata = _on_every_rank_or_none(lambda: _files_and_optimizer(path, optimizer))
     stored = metadata.state_dict_metadata
-    if optimizer is not None:
-        _refuse_lbfgs(path, optimizer)
     if not load_model:
         return _load_optimizer_only(path, info, metadata, model, optimizer)
     model_sd = get_model_state_dict(model)
@@ -418,19 +464,17 @@ def _damage(path: Path) -> tuple[str, Any]:
     return "", metadata
 
 
-def _read_metadata(path: Path) -> Any:
-    """DCP's metadata of checkpoint ``path``, after ``_damage`` found nothing missing; rank 0
-    looks and every rank raises together, naming what is missing."""
-    problem, metadata = "", None
-    if _rank() == 0:
-        try:  # rank 0 must reach the broadcast: a raise here would leave the others waiting in it
-            problem, metadata = _damage(path)
-        except Exception as e:
-            problem = f"its files cannot be checked ({type(e).__name__}: {str(e)[:200]})"
-    problem = same_on_every_rank(problem)
+def _files_and_optimizer(path: Path, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
+    """What ``load`` checks in the files, and of the optimizer's class, before anything else (this
+    rank's look; ``_on_every_rank_or_none`` makes every rank raise together): the checkpoint's
+    marker and DCP's metadata, after ``_damage`` found nothing missing."""
+    info = _check_complete(path)
+    problem, metadata = _damage(path)
     if problem:
         raise ZeroFXError(f"checkpoint {path} is damaged: {problem} (nothing was loaded)")
-    return metadata if metadata is not None else dcp.FileSystemReader(str(path)).read_metadata()
+    if optimizer is not None:
+        _refuse_lbfgs(path, optimizer)
+    return info, metadata
 
 
 def _raise_if_damaged(path: Path) -> None:
@@ -540,23 +584,48 @@ def _keep_optimizer(optimizer: torch.optim.Optimizer) -> Any:
     return restore
 
 
+class _FailedElsewhere(ZeroFXError):
+    """Raised on the ranks that learn from an agreement that another rank's load failed."""
+
+
 @contextlib.contextmanager
 def _left_as_it_was_on_failure(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, parameters: bool):
     """Inside, any failure puts ``optimizer`` back as it was on entry. The body calls the function
     it is given right before DCP reads into the tensors: a failure from then on (the tensors
     read in place, partly) also marks the model (``parameters``) and an optimizer that held
-    state, and is raised as a ``ZeroFXError`` chained from it (NOTE: a load that fails)."""
+    state, and is raised as a ``ZeroFXError`` chained from it. The ranks agree twice, at that
+    call and at the end, so that a failure on any rank fails the load on every rank alike
+    (NOTE: a load that fails)."""
     restore = _keep_optimizer(optimizer) if optimizer is not None else None
     had_state = optimizer is not None and bool(optimizer.state)
     reading = []
+
+    def begin_reading() -> None:
+        elsewhere = _first_failure("")
+        if elsewhere is not None:
+            raise _FailedElsewhere(f"rank {elsewhere[0]}: {elsewhere[1]}")
+        reading.append(True)
+
     try:
-        yield lambda: reading.append(True)
+        yield begin_reading
+        elsewhere = _first_failure("")
+        if elsewhere is not None:
+            raise _FailedElsewhere(f"rank {elsewhere[0]}: {elsewhere[1]}")
     except BaseException as e:
+        if isinstance(e, Exception) and not isinstance(e, _FailedElsewhere):
+            # the agreement this rank's peers are in: at the read's start, or after it
+            with contextlib.suppress(Exception):
+                _first_failure(_reason(e) if reading else (str(e) if isinstance(e, ZeroFXError) else _reason(e)))
         if restore is not None:
             restore()
         if not reading:
+            if isinstance(e, _FailedElsewhere):
+                raise ZeroFXError(
+                    f"zerofx.checkpoint.load of {path} failed on another rank before anything was read ({e}); "
+                    "the model and optimizer were left as they were"
+                ) from None
             raise
-        reason = _reason(e)
+        reason = str(e) if isinstance(e, _FailedElsewhere) else _reason(e)
         told = []
         if parameters:
             _mark_failed(
@@ -1035,12 +1104,15 @@ def load_hf(path: str | os.PathLike, model: nn.Module) -> None:
     except ImportError:
         raise ZeroFXError("load_hf reads safetensors: pip install 'zerofx[hf]' (or safetensors)") from None
     path = Path(path)
-    if not path.is_dir() or not any(path.glob("*.safetensors")):
-        raise ZeroFXError(f"load_hf: {path} is not a folder with .safetensors files")
-    reader = HuggingFaceStorageReader(str(path))
-    stored = {
-        k: v for k, v in reader.read_metadata().state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
-    }
+
+    def files() -> tuple[Any, dict[str, TensorStorageMetadata]]:
+        if not path.is_dir() or not any(path.glob("*.safetensors")):
+            raise ZeroFXError(f"load_hf: {path} is not a folder with .safetensors files")
+        reader = HuggingFaceStorageReader(str(path))
+        metadata = reader.read_metadata().state_dict_metadata
+        return reader, {k: v for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+    reader, stored = _on_every_rank_or_none(files)
     # the model's own tensors (a state_dict shares their storage), loaded in place: DCP's
     # get/set_model_state_dict would add two transient copies of every shard
     state = model.state_dict()
