@@ -23,7 +23,16 @@ import triton.language as tl
 from torch import fx
 
 from zerofx.codegen.multi_tensor import jit
-from zerofx.ir.quantize import DEQUANTIZE, QUANTIZE, QuantFormat, row_numel
+from zerofx.ir.quantize import (
+    DEQUANTIZE,
+    QUANTIZE,
+    QuantFormat,
+    gather_pieces,
+    packed_row_bytes,
+    pieces,
+    row_numel,
+    spread_pieces,
+)
 
 __all__ = ["quantize_triton", "dequantize_triton", "use_quantize_kernels"]
 
@@ -100,13 +109,31 @@ def _lanes(fmt: QuantFormat) -> int:
     return triton.next_power_of_2(fmt.block if fmt.bits == 8 else fmt.block // 2)
 
 
-def quantize_triton(x: torch.Tensor, rows: int, block: int, bits: int, floating: bool = False) -> torch.Tensor:
-    """``zerofx::quantize_blockwise`` (int8, int4) as one Triton launch."""
+def _payload_at(fmt: QuantFormat, padded: int) -> int:
+    """Where the payload starts in a packed row of ``padded`` values: after its scales."""
+    return 4 * fmt.blocks(padded)
+
+
+def quantize_triton(
+    x: torch.Tensor, rows: int, block: int, bits: int, floating: bool = False, segments: list[int] | None = None
+) -> torch.Tensor:
+    """``zerofx::quantize_blockwise`` (int8, int4) as one Triton launch; a row of ``segments``
+    is spread over the block-padded row first, and each piece's payload moved to its place on
+    the wire after (zerofx/ir/quantize.py, NOTE: segments)."""
     if floating:
         raise NotImplementedError("fp8 block quantization has no Triton kernel: the node stays on ATen")
     fmt = QuantFormat(bits, block)
     x = x.contiguous()
     numel = row_numel(x, rows)  # the same error as ATen's for values that do not split into rows
+    layout = pieces(numel, segments, fmt)
+    if layout is not None:
+        padded = quantize_triton(spread_pieces(x.view(rows, numel), layout), rows, block, bits)
+        packed = torch.zeros((rows, packed_row_bytes(fmt, numel, segments)), dtype=torch.uint8, device=x.device)
+        at = _payload_at(fmt, layout.padded)
+        packed[:, :at].copy_(padded[:, :at])
+        for pad, wire, nbytes in layout.payload_moves(fmt):
+            packed[:, at + wire : at + wire + nbytes].copy_(padded[:, at + pad : at + pad + nbytes])
+        return packed
     packed = torch.zeros((rows, fmt.row_bytes(numel)), dtype=torch.uint8, device=x.device)
     nb = fmt.blocks(numel)
     if rows * nb:
@@ -117,12 +144,29 @@ def quantize_triton(x: torch.Tensor, rows: int, block: int, bits: int, floating:
 
 
 def dequantize_triton(
-    packed: torch.Tensor, numel: int, block: int, bits: int, dtype: torch.dtype, floating: bool = False
+    packed: torch.Tensor,
+    numel: int,
+    block: int,
+    bits: int,
+    dtype: torch.dtype,
+    floating: bool = False,
+    segments: list[int] | None = None,
 ) -> torch.Tensor:
-    """``zerofx::dequantize_blockwise`` (int8, int4) as one Triton launch."""
+    """``zerofx::dequantize_blockwise`` (int8, int4) as one Triton launch; rows of ``segments``
+    are first put back in the block-padded layout, and their pieces gathered after (NOTE:
+    segments)."""
     if floating:
         raise NotImplementedError("fp8 block dequantization has no Triton kernel: the node stays on ATen")
     fmt = QuantFormat(bits, block)
+    layout = pieces(numel, segments, fmt)
+    if layout is not None:
+        rows, at = packed.shape[0], _payload_at(fmt, layout.padded)
+        padded = torch.zeros((rows, fmt.row_bytes(layout.padded)), dtype=torch.uint8, device=packed.device)
+        padded[:, :at].copy_(packed[:, :at])
+        for pad, wire, nbytes in layout.payload_moves(fmt):
+            padded[:, at + pad : at + pad + nbytes].copy_(packed[:, at + wire : at + wire + nbytes])
+        values = dequantize_triton(padded, layout.padded, block, bits, dtype)
+        return gather_pieces(values, layout, values.new_empty((rows, numel)))
     packed = packed.contiguous()
     rows = packed.shape[0]
     out = torch.empty((rows, numel), dtype=dtype, device=packed.device)

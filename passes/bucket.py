@@ -77,7 +77,7 @@ from torch._inductor.fx_passes.bucketing import (
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from zerofx.ir.collectives import ALL_GATHER, ALL_GATHER_OUT, REDUCE_SCATTER, WAIT
-from zerofx.ir.meta import ROLE
+from zerofx.ir.meta import BUCKET_SEGMENTS, ROLE
 from zerofx.passes.contract import Pass, PassContext
 from zerofx.passes.cost_model import tensor_bytes
 from zerofx.passes.graph import first_user, hoist_before, insert_call, wait_of
@@ -322,6 +322,16 @@ def _merge_reduce_scatters(
     return _finish(gm, members, inputs, build, outs)
 
 
+def _segments(members: list[fx.Node], world: int) -> list[int] | None:
+    """Each member's values in one rank's row of the merged collective (its input's, over the
+    ``world`` rows a reduce-scatter cuts it into), for the quantize pass (BUCKET_SEGMENTS); None
+    where a size is symbolic."""
+    numels = [m.args[0].meta["val"].numel() for m in members]
+    if not all(isinstance(n, int) for n in numels) or not isinstance(world, int):
+        return None
+    return [n // world for n in numels]
+
+
 def resolve_bucket_bytes(ctx: PassContext) -> tuple[int, bool, int | None]:
     """(size cap, whether one block's collectives may merge past it, ceiling on any bucket)."""
     setting = ctx.options.comm.bucket_bytes
@@ -344,6 +354,7 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         # later members' inputs (views/pads of shards) must exist where the bucket is issued
         if not all(hoist_before(m.args[0], first) for m in members[1:]):
             continue
+        segments = _segments(members, 1)
         anchor = min(first_user(wait_of(m)) for m in members)  # fx nodes compare by graph order
         roles = {m.meta.get(ROLE) for m in members}
         # hpZ's inner re-gathers stay exact (passes/quantize.py skips them)
@@ -355,14 +366,19 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             )
         for node in new_nodes:
             node.meta[ROLE] = role
+            if node.target in (ALL_GATHER, ALL_GATHER_OUT) and segments:
+                node.meta[BUCKET_SEGMENTS] = segments
         merged["all_gather"] += len(members)
     for members in choose_buckets(gm, REDUCE_SCATTER, cap, by_block=by_block, ceiling=ceiling):
         last_input = max(m.args[0] for m in members)
+        segments = _segments(members, members[0].args[2])
         new_nodes = _merge_reduce_scatters(gm, members, "reduce", insert_before=last_input.next)
         if new_nodes is None:
             new_nodes, _ = merge_reduce_scatter_bucket(gm.graph, members, "default", insert_before=last_input.next)
         for node in new_nodes:
             node.meta[ROLE] = "reduce"
+            if node.target is REDUCE_SCATTER and segments:
+                node.meta[BUCKET_SEGMENTS] = segments
         merged["reduce_scatter"] += len(members)
     gm.graph.eliminate_dead_code()
     if any(merged.values()):
@@ -374,4 +390,6 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-PASS = Pass("bucket", bucket_pass, kinds=("forward", "backward", "inference"), reads=(ROLE,), writes=(ROLE,))
+PASS = Pass(
+    "bucket", bucket_pass, kinds=("forward", "backward", "inference"), reads=(ROLE,), writes=(BUCKET_SEGMENTS, ROLE)
+)

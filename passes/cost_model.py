@@ -84,7 +84,13 @@ from zerofx.ir.collectives import (
     wire_bytes,
 )
 from zerofx.ir.meta import BORROWED_INPUTS
-from zerofx.ir.quantize import DEQUANTIZE, QUANTIZE, QuantFormat, dequantize_workspace_bytes, quantize_workspace_bytes
+from zerofx.ir.quantize import (
+    DEQUANTIZE,
+    QUANTIZE,
+    QuantFormat,
+    dequantize_workspace_bytes,
+    quantize_workspace_bytes,
+)
 from zerofx.passes.graph import is_view
 
 __all__ = [
@@ -410,10 +416,11 @@ def op_workspace_bytes(node: fx.Node, symbolic: bool = False) -> Any:
 
     # sizes from the values (an argument may be a node computing a size): the quantized rows
     # are the output's, the dequantized values per row the output's columns
+    segments = args.get("segments")  # a bucket's pieces of a row (zerofx/ir/quantize.py, NOTE: segments)
     if node.target is QUANTIZE:
-        out = quantize_workspace_bytes(size(val.numel()), hint(out.shape[0]), fmt)
+        out = quantize_workspace_bytes(size(val.numel()), hint(out.shape[0]), fmt, segments)
     else:
-        out = dequantize_workspace_bytes(hint(val.shape[0]), size(out.shape[1]), fmt, args["dtype"])
+        out = dequantize_workspace_bytes(hint(val.shape[0]), size(out.shape[1]), fmt, args["dtype"], segments)
     return sympy.sympify(out) if symbolic else int(out)
 
 

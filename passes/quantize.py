@@ -15,6 +15,10 @@ qwZ (``quantize_weights="int8"``), each parameter all-gather (stage 3, forward a
     w  = wait_tensor(ag);  d = zerofx.dequantize_blockwise(view(w, [N, L]), |x|, block, 8, dtype)
     out = view(d, shape of the old gather)
 
+In a bucket, the row is every member's shard end to end, and each member's values are
+quantized in blocks of their own (``BUCKET_SEGMENTS``, zerofx/ir/quantize.py NOTE: segments);
+the same for each destination's chunk of a bucketed reduce-scatter below.
+
 The gradient does not see any of this: AOTAutograd differentiated the ``unshard`` marker before
 the passes ran, so its backward is the same reduce-scatter into the fp32 shard (a
 straight-through estimator: only the gathered values are rounded).
@@ -57,7 +61,7 @@ from zerofx.ir.collectives import (
     collective_group_size,
     wire_bytes,
 )
-from zerofx.ir.meta import COLLECTIVE, QUANTIZED, ROLE
+from zerofx.ir.meta import BUCKET_SEGMENTS, COLLECTIVE, QUANTIZED, ROLE
 from zerofx.ir.quantize import DEQUANTIZE, QUANTIZE, QuantFormat, quant_format
 from zerofx.passes.contract import Pass, PassContext
 from zerofx.passes.cost_model import tensor_bytes
@@ -94,19 +98,30 @@ def _waits(collective: fx.Node) -> list[fx.Node] | None:
     return waits if waits and len(waits) == len(collective.users) else None
 
 
-def _quantize(gm: fx.GraphModule, x: fx.Node, rows: int, fmt: QuantFormat, role: str, tally: _Tally) -> fx.Node:
-    """Insert ``quantize_blockwise(x)`` flattened to ``[rows · L]`` bytes (at the insertion point)."""
-    q = insert_call(gm, QUANTIZE, (x, rows, fmt.block, fmt.bits, fmt.floating), role=role)
+def _quantize(
+    gm: fx.GraphModule, x: fx.Node, rows: int, fmt: QuantFormat, role: str, tally: _Tally, segments=None
+) -> fx.Node:
+    """Insert ``quantize_blockwise(x)`` flattened to ``[rows · L]`` bytes (at the insertion point);
+    ``segments``: the bucket's pieces of a row, each quantized in blocks of its own."""
+    q = insert_call(gm, QUANTIZE, (x, rows, fmt.block, fmt.bits, fmt.floating, segments), role=role)
     tally.compute.append(q)
     return insert_call(gm, aten.view.default, (q, [q.meta["val"].numel()]), role=role)
 
 
 def _dequantize(
-    gm: fx.GraphModule, flat: fx.Node, rows: int, numel: int, fmt: QuantFormat, dtype, role: str, tally: _Tally
+    gm: fx.GraphModule,
+    flat: fx.Node,
+    rows: int,
+    numel: int,
+    fmt: QuantFormat,
+    dtype,
+    role: str,
+    tally: _Tally,
+    segments=None,
 ) -> fx.Node:
     """Insert the ``[rows, numel]`` values of ``rows`` packed rows held flat in ``flat``."""
     packed = insert_call(gm, aten.view.default, (flat, [rows, flat.meta["val"].numel() // rows]), role=role)
-    out = insert_call(gm, DEQUANTIZE, (packed, numel, fmt.block, fmt.bits, dtype, fmt.floating), role=role)
+    out = insert_call(gm, DEQUANTIZE, (packed, numel, fmt.block, fmt.bits, dtype, fmt.floating, segments), role=role)
     tally.compute.append(out)
     return out
 
@@ -141,14 +156,15 @@ def _gather(gm: fx.GraphModule, ag: fx.Node, fmt: QuantFormat, tally: _Tally) ->
     role = ag.meta.get(ROLE, "gather")
     numel = inp.meta["val"].numel()
     before = wire_bytes("all_gather", tensor_bytes(val), world)
+    segments = ag.meta.get(BUCKET_SEGMENTS)
     with gm.graph.inserting_before(ag):
-        q = _quantize(gm, inp, 1, fmt, role, tally)
+        q = _quantize(gm, inp, 1, fmt, role, tally, segments)
         gathered = insert_call(gm, ALL_GATHER, (q, world, group), role=role)
     _mark(gathered, fmt, val.dtype, before, tally)
     for wait in waits:
         with gm.graph.inserting_before(wait):
             landed = insert_call(gm, WAIT, (gathered,), role=role)
-            values = _dequantize(gm, landed, world, numel, fmt, val.dtype, role, tally)
+            values = _dequantize(gm, landed, world, numel, fmt, val.dtype, role, tally, segments)
             full = insert_call(gm, aten.view.default, (values, list(val.shape)), role=role)
         wait.replace_all_uses_with(full)
         gm.graph.erase_node(wait)
@@ -156,20 +172,28 @@ def _gather(gm: fx.GraphModule, ag: fx.Node, fmt: QuantFormat, tally: _Tally) ->
 
 
 def _all_to_all_reduce(
-    gm: fx.GraphModule, chunks: fx.Node, world: int, group: str, op: str, fmt: QuantFormat, tally: _Tally
+    gm: fx.GraphModule,
+    chunks: fx.Node,
+    world: int,
+    group: str,
+    op: str,
+    fmt: QuantFormat,
+    tally: _Tally,
+    segments: list[int] | None = None,
 ) -> tuple[fx.Node, Callable[[], fx.Node]]:
-    """Issue the quantized all-to-all of ``chunks`` (``world`` equal rows) at the insertion point;
-    returns it and ``finish()``, which inserts (at its own insertion point) the wait, the
-    dequantize and the fp32 rank-ordered sum of this rank's chunk, ``[numel / world]``."""
+    """Issue the quantized all-to-all of ``chunks`` (``world`` equal rows, each made of
+    ``segments``) at the insertion point; returns it and ``finish()``, which inserts (at its own
+    insertion point) the wait, the dequantize and the fp32 rank-ordered sum of this rank's
+    chunk, ``[numel / world]``."""
     numel = chunks.meta["val"].numel() // world
-    q = _quantize(gm, chunks, world, fmt, "reduce", tally)
+    q = _quantize(gm, chunks, world, fmt, "reduce", tally, segments)
     row = q.meta["val"].numel() // world
     a2a = insert_call(gm, ALL_TO_ALL, (q, [row] * world, [row] * world, group), role="reduce")
     a2a.meta[COLLECTIVE] = "reduce_scatter"
 
     def finish() -> fx.Node:
         landed = insert_call(gm, WAIT, (a2a,), role="reduce")
-        values = _dequantize(gm, landed, world, numel, fmt, torch.float32, "reduce", tally)
+        values = _dequantize(gm, landed, world, numel, fmt, torch.float32, "reduce", tally, segments)
         return rank_ordered_sum(gm, values, world, op)
 
     return a2a, finish
@@ -183,7 +207,7 @@ def _reduce_scatter(gm: fx.GraphModule, rs: fx.Node, fmt: QuantFormat, tally: _T
         return
     before = wire_bytes("reduce_scatter", tensor_bytes(val), world)
     with gm.graph.inserting_before(rs):
-        a2a, finish = _all_to_all_reduce(gm, inp, world, group, op, fmt, tally)
+        a2a, finish = _all_to_all_reduce(gm, inp, world, group, op, fmt, tally, rs.meta.get(BUCKET_SEGMENTS))
     _mark(a2a, fmt, val.dtype, before, tally)
     out = rs.meta["val"]
     for wait in waits:
@@ -273,6 +297,6 @@ PASS = Pass(
     "quantize",
     quantize_pass,
     kinds=("forward", "backward", "inference"),
-    reads=(ROLE,),
+    reads=(BUCKET_SEGMENTS, ROLE),
     writes=(COLLECTIVE, QUANTIZED, ROLE),
 )

@@ -117,6 +117,54 @@ def test_fake_implementations_match_real_shapes():
     assert back.shape == (3, 37) and back.dtype == torch.bfloat16
 
 
+SEGMENTS = [5, 30, 1, 17, 0, 9]  # pieces of a row (a bucket's members): odd, empty, under and over a block
+
+
+def _pieces(rows: int, scale_by: float = 100.0) -> torch.Tensor:
+    """Rows whose pieces differ in magnitude by ``scale_by`` from one to the next."""
+    g = torch.Generator().manual_seed(3)
+    return torch.cat(
+        [torch.randn(rows, n, generator=g) * scale_by ** (k % 3 - 1) for k, n in enumerate(SEGMENTS)], dim=1
+    )
+
+
+@pytest.mark.parametrize("floating,bits", [(False, 8), (False, 4), (True, 8)])
+def test_segments_are_quantized_in_blocks_of_their_own(floating, bits):
+    """(NOTE: segments) A row of pieces quantizes each piece as if it were a row of its own: the
+    small pieces keep their values instead of rounding to zero beside a larger neighbour."""
+    rows, block = 3, 8
+    x = _pieces(rows)
+    numel = x.shape[1]
+    packed = ops.quantize_blockwise(x.reshape(-1), rows, block, bits, floating, SEGMENTS)
+    # 11 scales (each piece's own blocks of 8: 1 + 4 + 1 + 3 + 0 + 2), then the pieces end to end:
+    # int8 62 bytes (108 with the scales, to 4); int4 pieces but the last even, 65 values, 33 bytes
+    assert packed.shape == (rows, 108 if bits == 8 else 80)
+    back = ops.dequantize_blockwise(packed, numel, block, bits, torch.float32, floating, SEGMENTS)
+    one_by_one, at = [], 0
+    for n in SEGMENTS:
+        piece = x[:, at : at + n].contiguous()
+        q = ops.quantize_blockwise(piece, rows, block, bits, floating)
+        one_by_one.append(ops.dequantize_blockwise(q, n, block, bits, torch.float32, floating))
+        at += n
+    assert torch.equal(back, torch.cat(one_by_one, dim=1))
+    across = ops.dequantize_blockwise(
+        ops.quantize_blockwise(x, rows, block, bits, floating), numel, block, bits, torch.float32, floating
+    )
+    assert not torch.equal(across, back)  # the blocks that cross pieces scale the small ones by the large
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_triton_kernels_write_the_bytes_aten_writes_for_segments(bits):
+    from zerofx.codegen.quantize_kernels import dequantize_triton, quantize_triton
+
+    rows, block, x = 2, 8, _pieces(2)
+    packed = ops.quantize_blockwise(x, rows, block, bits, False, SEGMENTS)
+    assert torch.equal(quantize_triton(x, rows, block, bits, False, SEGMENTS), packed)
+    want = ops.dequantize_blockwise(packed, x.shape[1], block, bits, torch.float32, False, SEGMENTS)
+    assert torch.equal(dequantize_triton(packed, x.shape[1], block, bits, torch.float32, False, SEGMENTS), want)
+
+
 @pytest.mark.usefixtures("triton_interpreter")
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows,numel,block", SHAPES)
@@ -215,7 +263,12 @@ def test_the_workspace_estimate_is_what_the_ops_allocate_above_their_outputs(row
     they run, as the allocator sees them, are what the cost model adds at their nodes, never more
     than ``SCALAR_TEMPS`` over (0-dim tensors torch wraps scalars in). The ATen bodies once held
     three fp32 copies of the bucket (quantizing 4 MiB of fp32 peaked at 12.6 MB for a 1 MB output)."""
-    from zerofx.ir.quantize import SCALAR_TEMPS, dequantize_workspace_bytes, quant_format, quantize_workspace_bytes
+    from zerofx.ir.quantize import (
+        SCALAR_TEMPS,
+        dequantize_workspace_bytes,
+        quant_format,
+        quantize_workspace_bytes,
+    )
     from zerofx.measure.allocations import AllocationTrace
 
     def above_output(fn):
@@ -237,6 +290,18 @@ def test_the_workspace_estimate_is_what_the_ops_allocate_above_their_outputs(row
         assert measured <= planned <= measured + SCALAR_TEMPS, (dtype, measured, planned)
     if numel > 1000:  # one fp32 buffer of the bucket (int4: and an int8 copy), not three
         assert quantize_workspace_bytes(rows * numel, rows, fmt) < (1.3 if bits == 4 else 1.1) * 4 * rows * numel
+    if numel in (37, 1000):  # a bucket's row of pieces (NOTE: segments)
+        segments = [5, 13, 0, 19] if numel == 37 else [3, 500, 1, 496]
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(rows * numel, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+            measured, packed = above_output(lambda: ops.quantize_blockwise(x, rows, block, bits, floating, segments))
+            planned = quantize_workspace_bytes(rows * numel, rows, fmt, segments)
+            assert measured <= planned <= measured + SCALAR_TEMPS, (dtype, measured, planned)
+            measured, _ = above_output(
+                lambda: ops.dequantize_blockwise(packed, numel, block, bits, dtype, floating, segments)
+            )
+            planned = dequantize_workspace_bytes(rows, numel, fmt, dtype, segments)
+            assert measured <= planned <= measured + SCALAR_TEMPS, (dtype, measured, planned)
 
 
 def test_the_workspace_of_symbolic_sizes_bounds_every_size():

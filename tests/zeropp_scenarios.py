@@ -225,3 +225,34 @@ def run(rank: int, world: int) -> dict:
         unnamed = init_device_mesh("cpu", (2, 2))
         results["hpz_mlp_unnamed"] = train(unnamed, "mlp", dict(BYTES, secondary_shard=True), 3)
     return results
+
+
+def bucketed_blocks(rank: int, world: int) -> dict:
+    """The test GPT's logits (qwZ int8) and gradients (qgZ int4) with the default buckets and
+    with one collective per parameter, and each parameter's gradient error against the
+    unquantized run (zerofx/ir/quantize.py, NOTE: segments)."""
+    from tests.models import GPT_CFG
+    from zerofx.models import GPT, random_batch
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    x, y = random_batch(GPT_CFG, PER_RANK * world, torch.Generator().manual_seed(5))
+    mine = slice(PER_RANK * rank, PER_RANK * (rank + 1))
+    runs = {}
+    for name, options in {
+        "plain": {},
+        "bucketed": dict(quantize_weights="int8", quantize_grads="int4"),
+        "per_parameter": dict(quantize_weights="int8", quantize_grads="int4", bucket_bytes=0),
+    }.items():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = zerofx.compile(GPT(GPT_CFG), mesh, **options)
+        logits = model(x[mine])
+        model(x[mine], y[mine]).backward()
+        runs[name] = (logits.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()})
+    plain, bucketed, per_param = runs["plain"][1], runs["bucketed"][1], runs["per_parameter"][1]
+    return {
+        "same_logits": torch.equal(runs["bucketed"][0], runs["per_parameter"][0]),
+        "same_grads": [n for n in plain if not torch.equal(bucketed[n], per_param[n])],
+        "error": {n: float((bucketed[n] - g).norm() / g.norm()) for n, g in plain.items()},
+    }

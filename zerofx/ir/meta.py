@@ -16,6 +16,7 @@ __all__ = [
     "OFFLOAD_TIER",
     "COLLECTIVE",
     "QUANTIZED",
+    "BUCKET_SEGMENTS",
     "PASS",
     "KERNEL",
     "ACTIVATION_PLAN",
@@ -79,6 +80,12 @@ QUANTIZED = MetaKey(
     "on a collective that moves block-quantized bytes: (wire format, dtype and wire bytes per rank "
     "of the collective it replaced); the dump's summary and the collective counter read it",
 )
+BUCKET_SEGMENTS = MetaKey(
+    "zerofx_bucket_segments",
+    "on a bucketed all-gather or reduce-scatter: the values of each member's piece in one rank's row "
+    "(a gather: its shard; a reduce-scatter: its chunk for one destination), in order; the quantize "
+    "pass gives each its own blocks (zerofx/ir/quantize.py, NOTE: segments)",
+)
 PASS = MetaKey("zerofx_pass", "provenance: the pass that created the node (the runner writes it)")
 KERNEL = MetaKey("zerofx_kernel", "codegen: the generated kernel a call node runs")
 ACTIVATION_PLAN = MetaKey(
@@ -108,6 +115,7 @@ KEYS = (
     OFFLOAD_TIER,
     COLLECTIVE,
     QUANTIZED,
+    BUCKET_SEGMENTS,
     PASS,
     KERNEL,
     ACTIVATION_PLAN,
