@@ -627,3 +627,45 @@ def grid_rank_differs(rank: int, world: int) -> tuple[str | None, str | None]:
     except Exception as e:
         two_models = str(e)
     return differs, routed, two_models
+
+
+def gathered_after_changes(rank: int, world: int) -> dict:
+    """Forwards inside ``zerofx.gathered`` after an optimizer step and after a load_state_dict
+    there, at stages 1-3: the output, or the error, against the model's own output after the
+    context exits (the values the shards hold)."""
+    from zerofx import ZeroFXError
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def inside(model, change):
+        with zerofx.gathered(model), torch.no_grad():
+            model(x)
+            change()
+            try:
+                seen = model(x)
+            except ZeroFXError as e:
+                return str(e)
+        with torch.no_grad():
+            return torch.equal(seen, model(x))
+
+    out = {}
+    for stage in (1, 2, 3):
+        torch._dynamo.reset()
+        model = zerofx.compile(build(), mesh, stage=stage)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        model(x).sum().backward()
+        out[f"step_{stage}"] = inside(model, opt.step)
+        other = build()
+        with torch.no_grad():
+            for p in other.parameters():
+                p.mul_(-3.0)
+        out[f"load_{stage}"] = inside(model, lambda: model.load_state_dict(other.state_dict()))
+        with zerofx.gathered(model), torch.no_grad():  # entered again: the new values
+            out[f"again_{stage}"] = torch.equal(model(x), other(x))
+    return out

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.api_scenarios import fail_on_rank_one, grid_rank_differs, scenarios
+from tests.api_scenarios import fail_on_rank_one, gathered_after_changes, grid_rank_differs, scenarios
 from tests.multirank import run_ranks, scenario_results
 
 WORLD = 2
@@ -276,3 +276,16 @@ def test_accumulation_windows_zero_grad_step_refusal_and_hooks(results):
                 assert h["err"] <= 1e-7, (stage, window, h)
                 assert h["calls"] == ["bias", "weight"], (stage, window, h)
         assert "weight: gradient hooks registered before zerofx sharded the model" in r["hooked_before"]
+
+
+def test_a_forward_inside_gathered_after_the_parameters_changed_refuses_at_stage_3():
+    """Stage 3's gathered copies were taken once: an optimizer step or load_state_dict inside
+    zerofx.gathered went unseen, and its forwards computed with the old weights (outputs 86 off
+    the model's after the context). Now such a forward refuses; stages 1-2 read the whole
+    copies, which follow the step and the load."""
+    for r in run_ranks(gathered_after_changes, WORLD, timeout=300):
+        for stage in (1, 2):
+            assert r[f"step_{stage}"] is True and r[f"load_{stage}"] is True, (stage, r)
+        for change in ("step", "load"):
+            assert "changed inside zerofx.gathered(model)" in str(r[f"{change}_3"]), r[f"{change}_3"]
+        assert all(r[f"again_{stage}"] for stage in (1, 2, 3)), r

@@ -354,7 +354,10 @@ def gathered(model: nn.Module) -> Iterator[Gathered]:
     the whole model for that long: ``nbytes`` says how much that adds (0 for stages 1 and 2,
     which keep whole copies anyway). Inside, the model runs eagerly (not through its compiled
     graphs: shapes change every token) and a forward that would need gradients for a trainable
-    parameter is an error: the gathered copies are detached from the shards.
+    parameter is an error: the gathered copies are detached from the shards. At stage 3 they also
+    do not follow the shards: a forward after an optimizer step or a ``load_state_dict`` inside
+    the context is an error (exit and enter again to gather the new values); stages 1 and 2 read
+    their whole copies, which steps and loads refresh.
     """
     runtime = runtime_of(model)
     if runtime is None:
@@ -383,9 +386,12 @@ def gathered(model: nn.Module) -> Iterator[Gathered]:
                 extra += value.numel() * value.element_size()
     compiled = model.__dict__.get("_compiled_call_impl")
     runtime.gathered = whole
+    # stage 3's copies do not follow the shards (stages 1-2 read the whole copies steps refresh):
+    # a read after the shard changed refuses instead of computing with the old values
+    runtime.gathered_versions = {state: state.versions() for state in whole if state.full is None}
     model._compiled_call_impl = None
     try:
         yield Gathered(len(whole), extra)
     finally:
-        runtime.gathered = None
+        runtime.gathered = runtime.gathered_versions = None
         model._compiled_call_impl = compiled

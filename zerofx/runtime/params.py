@@ -332,6 +332,13 @@ class ParamState:
                     "the whole parameters it holds are not connected to the shards' gradients. "
                     "Run the forward under torch.no_grad() / torch.inference_mode(), or outside the context to train"
                 )
+            at = (self.runtime.gathered_versions or {}).get(self)
+            if at is not None and self.versions() != at:
+                raise ZeroFXError(
+                    f"{self.qualname}: the parameter changed inside zerofx.gathered(model) (an optimizer step or a "
+                    "load_state_dict since the context gathered it), and the whole copy the forward reads there "
+                    "holds its old values: exit the context and enter it again to gather the new ones"
+                )
             return self.runtime.gathered[self]
         if param is not self.param:
             raise ZeroFXError(
@@ -463,6 +470,7 @@ class ModelRuntime:
     compiled: Any = None  # zerofx.backend.CompileState of the compiled model (its per-graph estimates)
     training: dict = field(default_factory=dict)  # a DeepSpeed config's training-loop settings (zerofx/ds_config.py)
     gathered: dict | None = None  # ParamState -> whole parameter, inside zerofx.gathered(model)
+    gathered_versions: dict | None = None  # ParamState -> its versions() when gathered (stage 3's copies)
     unloaded: set = field(default_factory=set)  # built on meta: names not loaded yet (zerofx/sharding.py)
     unloaded_hook: Any = None  # the forward pre-hook that refuses to run while ``unloaded``
     hash_checked: bool = False  # uncompiled forwards compare shard hashes (NOTE: stale whole copies)
