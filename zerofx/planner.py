@@ -431,10 +431,22 @@ class Plan:
         ):
             frees.append((r.activation_bytes, 0, "activation_budget=0 (at most)"))
         listed = ", ".join(f"{what} {_gib(a)}" for a, _, what in sorted(frees, reverse=True)) or "nothing"
-        enough = [
+        # an activation budget's saving is an upper bound: recomputing what it drops adds to the
+        # backward's peak (at stage 3 with the blocks' parameters gathered again), which can exceed
+        # what it frees, so it is never said to fit alone without a plan of it
+        at_best = [
             what for a, b, what in frees if max(graph_peak - a, r.optimizer_step_peak_bytes - b) <= self.device_memory
         ]
-        verdict = f"{' or '.join(enough)} alone would fit" if enough else "no single option is enough: combine them"
+        enough = [what for what in at_best if not what.startswith("activation_budget")]
+        if enough:
+            verdict = f"{' or '.join(enough)} alone would fit"
+        elif at_best:
+            verdict = (
+                "only activation_budget=0 might fit alone: it frees at most that much, and recomputing adds to the "
+                "backward's peak (plan it with --compare)"
+            )
+        else:
+            verdict = "no single option is enough: combine them"
         if r.optimizer_step_peak_bytes > self.device_memory:
             verdict += (
                 f"; the optimizer step alone peaks at {_gib(r.optimizer_step_peak_bytes)} "
@@ -446,7 +458,10 @@ class Plan:
         ranks = ""
         if step < self.device_memory:
             state = (r.model_state_bytes - r.grad_bytes) * self.mesh.get("shard", self.world_size)
-            ranks = f"; sharding over >= {math.ceil(state / (self.device_memory - step))} ranks would fit it"
+            ranks = (
+                f"; from {math.ceil(state / (self.device_memory - step))} ranks on the sharded state would fit beside "
+                "this step's peak (which the world size changes too: plan it)"
+            )
         return (
             f"does not fit: peak {_gib(r.peak_bytes)} per rank is {_gib(over)} over device_memory "
             f"{_gib(self.device_memory)}; options free: {listed}; {verdict}{ranks} (plan each exactly with --compare)"
@@ -469,9 +484,9 @@ class Plan:
                 f"; gradient accumulation would not help: under no_sync each rank also holds whole gradients "
                 f"({_gib(whole)})"
             )
-        n = -(-self.batch // micro)
+        n = next(n for n in range(-(-self.batch // micro), self.batch + 1) if self.batch % n == 0)
         return (
-            f"; or batch {-(-self.batch // n)} x --grad-accumulation {n}, the same sequences per step: each rank "
+            f"; or batch {self.batch // n} x --grad-accumulation {n}, the same sequences per step: each rank "
             f"then also holds whole gradients ({_gib(whole)}), room for which this plan's bytes leave (plan it to confirm)"
         )
 
