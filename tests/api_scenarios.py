@@ -81,6 +81,17 @@ def scenarios(rank: int, world: int) -> dict:
         grads_left = [n for n, p in model.named_parameters() if p.grad is not None]
         return {"report": report, "printed": buf.getvalue(), "grads_left": grads_left}
 
+    def explain_whole_copies():  # stages 1-2: the collectives outside the graphs are named
+        reports = {}
+        for stage in (1, 2):
+            torch._dynamo.reset()
+            model, _ = _fresh_gpt()
+            zerofx.shard(model, mesh, stage=stage)
+            x, y = random_batch(GPT_CFG, 2, torch.Generator().manual_seed(0))
+            with contextlib.redirect_stdout(io.StringIO()):
+                reports[stage] = zerofx.explain(model, x, y)
+        return reports
+
     def two_step_pairing():
         model, ref = _fresh_gpt()
         zerofx.shard(model, mesh)
@@ -448,6 +459,7 @@ def scenarios(rank: int, world: int) -> dict:
         }
 
     attempt("explain", explain)
+    attempt("explain_whole_copies", explain_whole_copies)
     attempt("two_step_pairing", two_step_pairing)
     attempt("eager_sharded", eager_sharded)
     for name in ("regather", "gather", "reduce"):

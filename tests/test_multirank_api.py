@@ -60,6 +60,17 @@ def test_every_pass_can_be_disabled_without_changing_numerics(results, pass_name
         assert f"  {pass_name}:" not in r["summary"]
 
 
+def test_explain_names_the_collectives_stages_1_and_2_run_outside_the_graphs(results):
+    """Stage 1's end-of-backward reduce-scatter and the all-gather refreshing whole copies after a
+    step run eagerly: explain showed no collective at all for stage 1 (its graphs have none)."""
+    for r in _get(results, "explain_whole_copies"):
+        assert "collective reduce_scatter" not in r[1] and "collective reduce_scatter" in r[2]
+        for stage in (1, 2):
+            assert "model_eager:" in r[stage] and "whole copies are all-gathered from the shards" in r[stage]
+        assert "the whole gradients are reduce-scattered" in r[1]
+        assert "the whole gradients are reduce-scattered" not in r[2]
+
+
 def test_without_the_regather_pass_gathered_parameters_are_saved(results):
     """The reason the regather pass exists, measured: without it the forward keeps full weights."""
     with_regather = _get(results, "disabled_gather")[0]["summary"]

@@ -243,6 +243,18 @@ def explain(
     if runtime is not None and runtime.checkpoint_report:
         recorder.note("model", "checkpoint", runtime.checkpoint_report)
     states = runtime.states if runtime is not None else []
+    whole = [s for s in states if s.full is not None]
+    if whole:  # stages 1-2: collectives outside the compiled graphs, which the passes never see
+        eager = [
+            f"after each optimizer step, {len(whole)} whole copies are all-gathered from the shards (in flat buckets)"
+        ]
+        if runtime.stage == 1:
+            eager.insert(0, "at the end of each backward, the whole gradients are reduce-scattered (in flat buckets)")
+        recorder.note(
+            "model",
+            "eager",
+            "; ".join(eager) + ": run eagerly (zerofx/runtime/eager_buckets.py), not in the graphs below",
+        )
     split = [s.layout for s in states if s.shard_dim]
     if split:  # zerofx/ir/layout.py, NOTE: the sharded dim
         recorder.note(
