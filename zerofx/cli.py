@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         "divergent step and tensor. FACTORY(**kwargs) returns (model, batch_fn): "
         "model(*batch) is a scalar mean loss, batch_fn(n, generator) a tuple of tensors "
         "with n samples. MODULE is imported with the current directory on the path. Exit "
-        "status: 0 bit-identical, 1 divergent, 2 not verifiable.",
+        "status: 0 bit-identical, 1 divergent, 2 not verifiable (also: a bad argument or --json path, "
+        "said before any rank starts, or a rank that failed, its error on one line).",
     )
     verify.add_argument("factory", metavar="MODULE:FACTORY")
     verify.add_argument("--world-size", "-n", type=int, default=2, help="ranks to start (default 2)")
@@ -83,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "demo":
         _check_demo_sizes(parser, args, d.heads)
+        problem = _check_demo_paths(args)
+        if problem:  # said before any rank starts: the ranks would fail deep in a compile, or after training
+            print(f"zerofx demo: {problem}", file=sys.stderr)
+            return 2
         cfg = DemoConfig(
             world_size=args.world_size,
             steps=args.steps,
@@ -223,6 +228,19 @@ def _check_demo_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace,
         )
 
 
+def _check_demo_paths(args: argparse.Namespace) -> str | None:
+    """What is wrong with the folders the demo writes (``--dump``, or ``ZEROFX_DUMP`` without it,
+    and ``--plot``), said as ``OPTION 'PATH': why``, or None."""
+    import os
+
+    dump = ("--dump", args.dump_dir) if args.dump_dir else ("ZEROFX_DUMP", os.environ.get("ZEROFX_DUMP"))
+    for flag, path in (dump, ("--plot", args.plot_dir)):
+        problem = _uncreatable(path) if path else None
+        if problem:
+            return f"{flag} {path!r}: {problem}"
+    return None
+
+
 def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import os
 
@@ -308,7 +326,10 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _unwritable(path: str) -> str | None:
-    """Why ``path`` cannot be written as a new or replaced file, or None."""
+    """Why ``path`` cannot be written as a new or replaced file, or None. Tried, not read off the
+    permission bits alone: root passes ``os.access`` where a filesystem refuses (``/proc``, a
+    read-only mount). Leaves nothing behind: a new file is removed, an existing one opened for
+    appending, unchanged."""
     import os
 
     folder = os.path.dirname(os.path.abspath(path))
@@ -318,6 +339,46 @@ def _unwritable(path: str) -> str | None:
         return f"folder {folder} does not exist"
     if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         return "not writable"
+    if os.path.lexists(path) and not os.path.exists(path):
+        return None  # a dangling link: writing creates its target, which a probe would leave behind
+    existed = os.path.exists(path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK if existed else os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        os.close(os.open(path, flags, 0o666))
+        if not existed:
+            os.remove(path)
+    except OSError as e:
+        return f"not writable ({e.strerror})"
+    return None
+
+
+def _uncreatable(path: str) -> str | None:
+    """Why ``path`` cannot be made a folder (with any missing parents) or written into, or None.
+    Tried: the missing folders are made and removed again, an existing one gets a probe folder."""
+    import contextlib
+    import os
+    import tempfile
+
+    target = os.path.abspath(path)
+    missing = []
+    existing = target
+    while not os.path.lexists(existing):
+        missing.append(existing)  # deepest first
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return "exists and is not a folder" if existing == target else f"{existing} is not a folder"
+    try:
+        if missing:
+            os.makedirs(target)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".zerofx-probe-", dir=target))
+    except OSError as e:
+        where = f"cannot write into {target}" if not missing else f"cannot create a folder in {existing}"
+        return f"{where} ({e.strerror})"
+    finally:
+        for folder in missing:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
     return None
 
 
@@ -357,9 +418,53 @@ def _convert(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ZeroFXError as e:
         print(f"zerofx convert: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # OUT's folder cannot be made or written, or a checkpoint file cannot be read
+        print(f"zerofx convert: {_os_error(e, args.out)}", file=sys.stderr)
+        return 1
     files = sorted(p.name for p in out.iterdir())
     print(f"zerofx convert: wrote {out} ({len(files)} files: {', '.join(files)})")
     return 0
+
+
+def _os_error(e: OSError, out: str) -> str:
+    """One line for an OSError of ``checkpoint.export``: the path it names, as OUT where it is
+    OUT or the temporary folder beside it that becomes OUT."""
+    import os
+
+    filename = str(e.filename) if e.filename is not None else None
+    why = e.strerror or str(e)
+    if filename is None:
+        return f"cannot write OUT {out!r}: {why}"
+    target = os.path.abspath(out)
+    name = os.path.abspath(filename)
+    if name == target or (
+        os.path.dirname(name) == os.path.dirname(target)
+        and os.path.basename(name).startswith(f".{os.path.basename(target)}.tmp-")
+    ):
+        return f"cannot write OUT {out!r}: {why} ({filename})"
+    return f"{filename}: {why}"
+
+
+def _rank_failure(e: BaseException) -> str:
+    """One line for a failure of the ranks: torch elastic's ChildFailedError says it in a table
+    that starts with a blank line; its first failure (by time) carries that rank's error."""
+    first = getattr(e, "get_first_failure", None)
+    if callable(first) and getattr(e, "failures", None):
+        rank, failure = first()
+        message = failure.message
+        if isinstance(message, dict):  # the rank's error file: {"message": "Type: text", "extraInfo": ...}
+            line = _first_line(str(message.get("message", "")))
+        elif failure.exitcode < 0 or failure.error_file_data.get("message") == message:  # a signal, or a file's
+            line = _first_line(message)
+        else:  # no error file: torch's message is a link to its docs
+            line = ""
+        return f"rank {rank}: {line or f'exit code {failure.exitcode}'}"
+    line = _first_line(str(e))
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
 def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -379,6 +484,14 @@ def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         testing.load_factory(args.factory)  # a bad spec fails here, before any rank starts
     except ValueError as e:
         parser.error(str(e))
+    for flag, path, check in (
+        ("--json", args.json_path, _unwritable),
+        ("ZEROFX_DUMP", os.environ.get("ZEROFX_DUMP"), _uncreatable),  # the ranks' dump_dir (zerofx.options)
+    ):
+        problem = check(path) if path else None
+        if problem:  # said before any rank starts, not after the whole run
+            print(f"zerofx verify: {flag} {path!r}: {problem}", file=sys.stderr)
+            return 2
     try:
         reports = testing.verify_ranks(
             args.factory,
@@ -393,17 +506,17 @@ def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             stage=args.stage,
         )
     except Exception as e:  # a rank raised: torch's launcher has its traceback in the log above
-        print(
-            f"zerofx verify: a rank failed before the comparison finished: {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}",
-            file=sys.stderr,
-        )
+        print(f"zerofx verify: a rank failed before the comparison finished: {_rank_failure(e)}", file=sys.stderr)
         return 2
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            f.write(testing.dumps(reports))
     for r in reports:
-        print(testing.format_json_report(r))
+        print(testing.format_json_report(r), flush=True)
+    if args.json_path:
+        try:
+            with open(args.json_path, "w") as f:
+                f.write(testing.dumps(reports))
+        except OSError as e:  # checked before the run; the folder changed meanwhile
+            print(f"zerofx verify: cannot write --json {args.json_path!r}: {e.strerror or e}", file=sys.stderr)
+            return 2
     if any(r["problem"] for r in reports):
         return 2
     return 0 if all(r["ok"] for r in reports) else 1
