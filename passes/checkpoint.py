@@ -141,8 +141,24 @@ def check_module_patterns(patterns: tuple[str, ...], model: torch.nn.Module) -> 
     """Refuse ``checkpoint_modules`` patterns that match no module of ``model``: ``_regions``
     matches them against the module paths in each graph, where a misspelt pattern matches
     nothing and checkpoints nothing, silently. Checked on the whole model where it is compiled
-    (a frame after a graph break holds only some modules, so no one graph can tell)."""
-    names = [name for name, _ in model.named_modules(remove_duplicate=False)]
+    (a frame after a graph break holds only some modules, so no one graph can tell). A
+    ``ModuleList`` or ``ModuleDict`` (``blocks``, HF's ``model.layers``) is never called itself,
+    only its members are, so it appears in no graph's module paths: a pattern that matches only
+    such containers would checkpoint nothing as well."""
+    modules = list(model.named_modules(remove_duplicate=False))
+    names = [name for name, _ in modules]
+    called = [name for name, m in modules if not isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))]
+    containers = [
+        pat
+        for pat in patterns
+        if not any(matches(name, (pat,)) for name in called) and any(matches(name, (pat,)) for name in names)
+    ]
+    if containers:
+        hints = ", ".join(f"{pat!r} (use {pat + '.*'!r} for its members)" for pat in containers)
+        raise ZeroFXError(
+            f"option checkpoint_modules: {hints} names only a ModuleList / ModuleDict, which is never called "
+            "itself (its members are), so it would checkpoint nothing: name the members"
+        )
     missing = [pat for pat in patterns if not any(matches(name, (pat,)) for name in names)]
     if not missing:
         return

@@ -513,6 +513,16 @@ def test_checkpoint_module_patterns_that_match_no_module_are_errors_at_compile(o
     torch._dynamo.reset()
 
 
+def test_a_pattern_naming_only_the_layer_container_is_an_error(one_rank):
+    """``checkpoint_modules=("blocks",)`` matched the ModuleList in named_modules(), passed the
+    check, and checkpointed nothing (a ModuleList is never called, so no graph's module paths
+    hold it): the peak stayed the default's. It is an error saying to name the members."""
+    model = GPT(GPT_CFG)
+    with pytest.raises(ZeroFXError, match=r"'blocks' \(use 'blocks\.\*' for its members\) names only a ModuleList"):
+        zerofx.compile(model, one_rank, checkpoint_modules=("blocks",))
+    assert runtime_of(model) is None
+
+
 def test_plan_checks_checkpoint_module_patterns_against_the_model_it_plans(tmp_path):
     """``zerofx plan --checkpoint-modules`` fails on a pattern matching no module (exit 1, the
     message); a pattern naming a block deeper than the shallow traces have passes, and the model

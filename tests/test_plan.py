@@ -301,7 +301,7 @@ def test_a_plan_whose_optimizer_step_does_not_fit_says_so():
     assert "the optimizer step alone peaks at" in advice and "smaller batch" not in advice
     # fewer saved activations leave the step's peak as it is; on a CPU target host offload moves
     # nothing, and disk's step brings its window (all of this small model) back, the embedding whole
-    assert "activation_budget=0 (at most) alone" not in advice and "or activation_budget" not in advice
+    assert "checkpoint='full' (at most) alone" not in advice and "or checkpoint" not in advice
     assert "offload_optimizer='disk'" in advice and "offload_optimizer='host'" not in advice
     assert "no single option is enough" in advice
     build = lambda: GPT(GPTConfig(**TRANSIENT_CFG))  # noqa: E731
@@ -407,18 +407,18 @@ def test_advice_suggests_accumulation_with_the_whole_gradients_it_holds():
     assert "gradient accumulation would not help" in tight.advice() or "--grad-accumulation" not in tight.advice()
 
 
-def test_advice_never_says_an_activation_budget_alone_fits_without_planning_it():
+def test_advice_never_says_checkpointing_alone_fits_without_planning_it():
     """The advice subtracted the saved activations and said activation_budget=0 "alone would
     fit", while recomputing them raised the backward's peak past the plan's own (planned with
-    it: 17.4 MiB against 12.7 without, on a small GPT at 12 MiB). Its saving is an upper bound:
-    the advice now says it might fit and to plan it."""
+    it: 17.4 MiB against 12.7 without, on a small GPT at 12 MiB). It offers checkpoint='full'
+    (block by block) now, whose saving is an upper bound too: it might fit, plan it."""
     common = dict(batch=4, seq=32, device="cpu", offload_optimizer="disk")
     free = zerofx.plan(build, (2,), **common)
     p = zerofx.plan(build, (2,), device_memory=free.per_rank.peak_bytes - 1024, **common)
     assert p.fits is False
     advice = p.advice()
     assert "alone would fit" not in advice, advice
-    assert "only activation_budget=0 might fit alone" in advice and "--compare" in advice, advice
+    assert "only checkpoint='full' might fit alone" in advice and "--compare" in advice, advice
 
 
 def test_mixed_precision_model_state_is_16_bytes_per_element_and_gathers_bf16():
@@ -490,7 +490,9 @@ def test_compare_plans_each_memory_option_and_disk_offload_leaves_the_device():
     p = zerofx.plan(build, (2,), batch=2, seq=32, device="cpu", compare=True)
     changes = {a["change"]: a for a in p.alternatives}
     # on a CPU target host memory is the device's: the option that moves state is disk
-    assert set(changes) == {"stage=1", "stage=2", "activation_budget=0", "offload_optimizer='disk'"}
+    assert set(changes) == {"stage=1", "stage=2", "checkpoint='full'", "offload_optimizer='disk'"}
+    # block by block: less than the plan without it (a budget of 0 recomputed across blocks, above it)
+    assert changes["checkpoint='full'"]["peak_bytes"] < p.per_rank.peak_bytes
     assert changes["stage=1"]["model_state_bytes"] > p.per_rank.model_state_bytes  # whole copies + whole grads
     disk = zerofx.plan(build, (2,), batch=2, seq=32, device="cpu", offload_optimizer="disk")
     assert disk.per_rank.offloaded_bytes == disk.per_rank.params_bytes + disk.per_rank.optimizer_bytes > 0
