@@ -84,6 +84,7 @@ from zerofx.ir.collectives import (
     wire_bytes,
 )
 from zerofx.ir.meta import BORROWED_INPUTS
+from zerofx.ir.offload_ops import OFFLOAD
 from zerofx.ir.quantize import (
     DEQUANTIZE,
     QUANTIZE,
@@ -324,10 +325,19 @@ def is_alias(node: fx.Node) -> bool:
 
 
 def allocated_bytes(node: fx.Node, symbolic: bool = False):
-    """Bytes newly allocated by ``node`` (0 for views, waits and in-place ops)."""
-    if is_alias(node) or node.op != "call_function":
+    """Bytes newly allocated by ``node`` on the device (0 for views, waits and in-place ops, and
+    for an activation parked off the device: on disk, or in host memory from an accelerator;
+    only the host tier on a CPU device parks in the device's own memory)."""
+    if is_alias(node) or node.op != "call_function" or _parked_off_device(node):
         return sympy.Integer(0) if symbolic else 0
     return tensor_bytes(node.meta.get("val"), symbolic)
+
+
+def _parked_off_device(node: fx.Node) -> bool:
+    if node.target is not OFFLOAD:
+        return False
+    x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    return node.args[1] == "disk" or (isinstance(x, torch.Tensor) and x.device.type != "cpu")
 
 
 def _aliased_input(node: fx.Node) -> fx.Node | None:
@@ -389,8 +399,11 @@ def collective_workspace_bytes(node: fx.Node, symbolic: bool = False) -> Any:
 # formulas are zerofx/ir/quantize.py's (NOTE: quantize workspace), derived from the ops those
 # bodies run and checked against the allocator op by op (tests/test_quantize.py) and step by
 # step (tests/test_plan.py). They price the ATen bodies, the default executor's and the
-# CPU's: the cost model has no notion of the executor, and the "triton" executor's kernels
-# (codegen/quantize_kernels.py) allocate only their outputs, so there this is an upper bound.
+# CPU's: the cost model has no notion of the executor. The "triton" executor's kernels
+# (codegen/quantize_kernels.py) allocate only their outputs for a plain row, so there this is an
+# upper bound; a bucket's row of pieces (zerofx/ir/quantize.py, NOTE: segments) they run on a
+# block-padded copy, holding also its packed bytes (about one byte per value): up to about a
+# quarter above this estimate for fp32 rows (a reviewer's probe, interpreter, 2026-12-07).
 # Symbolic sizes give a polynomial upper bound (quantize.py says how).
 
 
