@@ -166,6 +166,7 @@ def dequantize_triton(
         for pad, wire, nbytes in layout.payload_moves(fmt):
             padded[:, at + pad : at + pad + nbytes].copy_(packed[:, at + wire : at + wire + nbytes])
         values = dequantize_triton(padded, layout.padded, block, bits, dtype)
+        del padded
         return gather_pieces(values, layout, values.new_empty((rows, numel)))
     packed = packed.contiguous()
     rows = packed.shape[0]

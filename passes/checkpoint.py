@@ -147,7 +147,8 @@ def check_module_patterns(patterns: tuple[str, ...], model: torch.nn.Module) -> 
     such containers would checkpoint nothing as well."""
     modules = list(model.named_modules(remove_duplicate=False))
     names = [name for name, _ in modules]
-    called = [name for name, m in modules if not isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))]
+    # a container without a forward of its own (ModuleList, ModuleDict) is never called
+    called = [name for name, m in modules if type(m).forward is not torch.nn.Module.forward]
     containers = [
         pat
         for pat in patterns

@@ -138,6 +138,10 @@ def _staged_input(gm: fx.GraphModule, ag: fx.Node) -> fx.Node:
     dst, src = inp.args[:2]
     if not (isinstance(dst, fx.Node) and dst.args and dst.args[0] is out and len(dst.users) == 1):
         return inp
+    dtype = out.meta["val"].dtype
+    if src.meta["val"].dtype != dtype:  # torch's surgery folds a cast into the copy: keep it
+        with gm.graph.inserting_before(ag):
+            src = insert_call(gm, CONVERT, (src, dtype), role=ag.meta.get(ROLE, "gather"))
     ag.kwargs = {}
     ag.args = (src, *ag.args[1:])
     for dead in (inp, dst, out):

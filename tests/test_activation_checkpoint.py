@@ -522,6 +522,18 @@ def test_a_pattern_naming_only_the_layer_container_is_an_error(one_rank):
         zerofx.compile(model, one_rank, checkpoint_modules=("blocks",))
     assert runtime_of(model) is None
 
+    class Stack(torch.nn.ModuleList):  # a container with a forward of its own is called: allowed
+        def forward(self, x):
+            for layer in self:
+                x = layer(x)
+            return x
+
+    from zerofx.passes.checkpoint import check_module_patterns
+
+    holder = torch.nn.Module()
+    holder.blocks = Stack([torch.nn.Linear(2, 2)])
+    check_module_patterns(("blocks",), holder)
+
 
 def test_plan_checks_checkpoint_module_patterns_against_the_model_it_plans(tmp_path):
     """``zerofx plan --checkpoint-modules`` fails on a pattern matching no module (exit 1, the

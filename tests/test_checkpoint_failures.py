@@ -348,24 +348,26 @@ def _one_rank_fails(rank: int, world: int, folder: str) -> dict:
     out["missing_on_one"] = error(lambda: zerofx.checkpoint.load(where, model, opt))
     out["missing_state"] = len(opt.state)
 
-    real_check, real_set = zerofx.checkpoint._check_optimizer_state, zerofx.checkpoint.set_state_dict
+    real = {n: getattr(zerofx.checkpoint, n) for n in ("_check_optimizer_state", "set_state_dict", "_check_compatible")}
 
-    def refuse(*args):
+    def refuse(*args, **kwargs):
         raise ZeroFXError("injected refusal")
 
     def set_and_fail(*args, **kwargs):
-        real_set(*args, **kwargs)
+        real["set_state_dict"](*args, **kwargs)
         raise RuntimeError("injected failure after the read")
 
     for name, fake in (
         ("before_read", ("_check_optimizer_state", refuse)),
+        ("model_check", ("_check_compatible", refuse)),  # a check against the model, then a retry
         ("after_read", ("set_state_dict", set_and_fail)),
     ):
         model, opt = build(1)
         if rank == 1:
             setattr(zerofx.checkpoint, *fake)
         out[name] = error(lambda: zerofx.checkpoint.load(folder / "good", model, opt))
-        zerofx.checkpoint._check_optimizer_state, zerofx.checkpoint.set_state_dict = real_check, real_set
+        for n, f in real.items():
+            setattr(zerofx.checkpoint, n, f)
         out[f"{name}_state"] = len(opt.state)
         out[f"{name}_forward"] = error(lambda: model(torch.randn(2, 6), torch.randn(2, 3)))
     zerofx.checkpoint.load(folder / "good", model, opt)  # every rank can load again
@@ -383,11 +385,12 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
     assert "refused on rank 1: checkpoint" in r0["missing_on_one"] and "does not exist" in r0["missing_on_one"]
     assert "elsewhere does not exist" in r1["missing_on_one"], r1["missing_on_one"]
     assert "failed on another rank before anything was read (rank 1: injected refusal)" in r0["before_read"]
-    assert r1["before_read"] == "injected refusal"
+    assert r1["before_read"] == r1["model_check"] == "injected refusal"
+    assert r0["model_check"] == "refused on rank 1: injected refusal", r0["model_check"]
     assert "rank 1: RuntimeError: injected failure after the read" in r0["after_read"], r0["after_read"]
     assert "RuntimeError: injected failure after the read" in r1["after_read"], r1["after_read"]
     for r in (r0, r1):
-        assert r["missing_state"] == r["before_read_state"] == 0
-        assert r["before_read_forward"] == "no error"
+        assert r["missing_state"] == r["before_read_state"] == r["model_check_state"] == 0
+        assert r["before_read_forward"] == r["model_check_forward"] == "no error"
         assert "partly overwritten" in r["after_read"]
         assert "into this model failed part-way" in r["after_read_forward"], r["after_read_forward"]

@@ -249,13 +249,16 @@ def test_a_no_sync_window_says_once_that_its_reduction_is_not_quantized(runs):
         assert "the reduction closing a no_sync window runs after the backward, unquantized" in warning
 
 
-def test_each_parameter_of_a_bucket_is_quantized_in_blocks_of_its_own():
+@pytest.mark.parametrize("param_dtype", [None, "bfloat16"])
+def test_each_parameter_of_a_bucket_is_quantized_in_blocks_of_its_own(param_dtype):
     """A bucket's row is its members' pieces end to end; blocks cut across them scaled a
     LayerNorm's values with a neighbour's hundredfold larger ones: at the default buckets, int4
     gradients of ln_f were all zero (relative error 1.0) and int8 ones off by 0.5-0.7, against
     about 0.17 and 0.01 with one collective per parameter. Each piece now has blocks of its own,
-    so a bucketed run quantizes every value as the per-parameter run does, bit for bit."""
-    for rank in run_ranks(zeropp_scenarios.bucketed_blocks, 2, timeout=300):
+    so a bucketed run quantizes every value as the per-parameter run does, bit for bit. In bf16
+    too: torch's bucketing folds the cast into the bucket's copy, which the quantized gather
+    replaces; it quantized the fp32 shards until the cast was kept."""
+    for rank in run_ranks(zeropp_scenarios.bucketed_blocks, 2, param_dtype, timeout=300):
         assert rank["same_logits"]
         assert rank["same_grads"] == [], rank["same_grads"]
         worst = max(rank["error"], key=rank["error"].get)

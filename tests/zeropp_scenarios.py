@@ -227,7 +227,7 @@ def run(rank: int, world: int) -> dict:
     return results
 
 
-def bucketed_blocks(rank: int, world: int) -> dict:
+def bucketed_blocks(rank: int, world: int, param_dtype: str | None = None) -> dict:
     """The test GPT's logits (qwZ int8) and gradients (qgZ int4) with the default buckets and
     with one collective per parameter, and each parameter's gradient error against the
     unquantized run (zerofx/ir/quantize.py, NOTE: segments)."""
@@ -239,6 +239,7 @@ def bucketed_blocks(rank: int, world: int) -> dict:
     x, y = random_batch(GPT_CFG, PER_RANK * world, torch.Generator().manual_seed(5))
     mine = slice(PER_RANK * rank, PER_RANK * (rank + 1))
     runs = {}
+    extra = {"param_dtype": getattr(torch, param_dtype)} if param_dtype else {}
     for name, options in {
         "plain": {},
         "bucketed": dict(quantize_weights="int8", quantize_grads="int4"),
@@ -246,7 +247,7 @@ def bucketed_blocks(rank: int, world: int) -> dict:
     }.items():
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = zerofx.compile(GPT(GPT_CFG), mesh, **options)
+        model = zerofx.compile(GPT(GPT_CFG), mesh, **options, **extra)
         logits = model(x[mine])
         model(x[mine], y[mine]).backward()
         runs[name] = (logits.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()})

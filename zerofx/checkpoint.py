@@ -61,10 +61,13 @@ every tensor); the ``ZeroFXError`` raised says so, chained from DCP's. A load is
 and a failure on one rank (its own disk without the folder, a read that fails there only) must
 fail it on every rank: one rank raising while the others go on would leave them waiting in the
 load's next collective, or with a model that runs while its peer's refuses, and the next forward
-would hang. So every rank checks its files itself and the ranks agree three times, with one small
+would hang. So every rank checks its files itself and the ranks agree four times, with one small
 all-reduce (and, when one failed, a broadcast of the first failing rank's error): after the file
-checks, right before DCP reads, and after the tensors are set. Every rank then raises alike,
-naming the rank that failed, and marks what the read may have overwritten.
+checks, after the checks against the model and the optimizer's groups, right before DCP reads
+(after the optimizer's state is made and checked), and after the tensors are set. Every rank
+then raises alike, naming the rank that failed, and marks what the read may have overwritten. (A
+KeyboardInterrupt on one rank skips the agreements: its peers wait in theirs until the process
+group's timeout.)
 
 # NOTE: tied parameters in a checkpoint
 DCP stores each state_dict name, so a tied pair (``lm_head.weight`` is ``wte.weight``) is two
@@ -375,10 +378,7 @@ def load(
     if not load_model:
         return _load_optimizer_only(path, info, metadata, model, optimizer)
     model_sd = get_model_state_dict(model)
-    _check_compatible(f"checkpoint {path}", model, model_sd, _model_entries(path, stored), exact=True)
-    _check_ties(path, info, model, model_sd)
-    if optimizer is not None:
-        _check_optimizer_groups(path, len(optimizer.param_groups), stored)
+    _on_every_rank_or_none(lambda: _check_against(path, info, stored, model, model_sd, optimizer))
     state = {"model": model_sd}
     with _left_as_it_was_on_failure(path, model, optimizer, parameters=True) as reading:
         if optimizer is not None:
@@ -417,9 +417,7 @@ def _load_optimizer_only(
         )
     stored = metadata.state_dict_metadata
     model_sd = get_model_state_dict(model)
-    _check_compatible(f"checkpoint {path}", model, model_sd, _model_entries(path, stored), exact=True)
-    _check_ties(path, info, model, model_sd)
-    _check_optimizer_groups(path, len(optimizer.param_groups), stored)
+    _on_every_rank_or_none(lambda: _check_against(path, info, stored, model, model_sd, optimizer))
     with _left_as_it_was_on_failure(path, model, optimizer, parameters=False) as reading:
         with _grads_held_back(optimizer):
             state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
@@ -462,6 +460,23 @@ def _damage(path: Path) -> tuple[str, Any]:
     if short:
         return f"{some_names(short, 3, '; ')} (cut short)", None
     return "", metadata
+
+
+def _check_against(
+    path: Path,
+    info: dict[str, Any],
+    stored: dict[str, Any],
+    model: nn.Module,
+    model_sd: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    """What ``load`` checks against the model and the optimizer's groups before anything touches
+    the optimizer (whose fresh state takes a step, a collective at stages 1-2): this rank's look,
+    which ``_on_every_rank_or_none`` makes every rank's."""
+    _check_compatible(f"checkpoint {path}", model, model_sd, _model_entries(path, stored), exact=True)
+    _check_ties(path, info, model, model_sd)
+    if optimizer is not None:
+        _check_optimizer_groups(path, len(optimizer.param_groups), stored)
 
 
 def _files_and_optimizer(path: Path, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
@@ -1121,7 +1136,7 @@ def load_hf(path: str | os.PathLike, model: nn.Module) -> None:
         if names & stored.keys():
             for n in names - stored.keys():
                 state.pop(n, None)
-    _check_compatible(f"checkpoint {path}", model, state, stored)
+    _on_every_rank_or_none(lambda: _check_compatible(f"checkpoint {path}", model, state, stored))
     with _left_as_it_was_on_failure(path, model, None, parameters=True) as reading:
         _init_unsaved_buffers(model)
         reading()

@@ -203,7 +203,8 @@ def row_numel(x: torch.Tensor, rows: int) -> int:
 # ``dequantize_workspace_bytes``: the cost model adds it to
 # the live bytes at QUANTIZE / DEQUANTIZE nodes (passes/cost_model.py, NOTE: op workspace), and
 # tests/test_quantize.py checks it equals what the allocator sees. The Triton kernels
-# (codegen/quantize_kernels.py) allocate only their outputs; the cost model prices this path.
+# (codegen/quantize_kernels.py) allocate only their outputs on plain rows (not on a row of
+# pieces: passes/cost_model.py, NOTE: op workspace); the cost model prices this path.
 
 
 def _ceil_div(a: Any, b: int) -> Any:
