@@ -117,17 +117,17 @@ __all__ = ["save", "load", "export_full_state_dict", "export", "load_hf", "COMPL
 COMPLETE_MARKER = "ZEROFX_COMPLETE"
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _distributed() else 0
 
 
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         dist.barrier()
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _collective_device() -> torch.device:
@@ -164,6 +164,11 @@ def _first_failure(problem: str) -> tuple[int, str] | None:
     return int(first.item()), same_on_every_rank(problem, src=int(first.item()))
 
 
+def _problem(e: Exception) -> str:
+    """What a rank that failed says to the others: a ZeroFXError's message, else its reason."""
+    return (str(e) if isinstance(e, ZeroFXError) else _reason(e)) or type(e).__name__
+
+
 def _on_every_rank_or_none(check: Any) -> Any:
     """``check()`` (this rank's own look at the files and the optimizer), then every rank raises
     if any rank's check did: its own error, or the first failing rank's, named."""
@@ -172,8 +177,7 @@ def _on_every_rank_or_none(check: Any) -> Any:
         result = check()
     except Exception as e:
         failed, result = e, None
-    problem = "" if failed is None else (str(failed) if isinstance(failed, ZeroFXError) else _reason(failed))
-    first = _first_failure(problem or ("failed" if failed is not None else ""))
+    first = _first_failure("" if failed is None else _problem(failed))
     if failed is not None:
         raise failed
     if first is not None:
@@ -615,22 +619,23 @@ def _left_as_it_was_on_failure(path: Path, model: nn.Module, optimizer: torch.op
     had_state = optimizer is not None and bool(optimizer.state)
     reading = []
 
-    def begin_reading() -> None:
+    def agree() -> None:  # this rank got here: did every rank?
         elsewhere = _first_failure("")
         if elsewhere is not None:
             raise _FailedElsewhere(f"rank {elsewhere[0]}: {elsewhere[1]}")
+
+    def begin_reading() -> None:
+        agree()
         reading.append(True)
 
     try:
         yield begin_reading
-        elsewhere = _first_failure("")
-        if elsewhere is not None:
-            raise _FailedElsewhere(f"rank {elsewhere[0]}: {elsewhere[1]}")
+        agree()
     except BaseException as e:
         if isinstance(e, Exception) and not isinstance(e, _FailedElsewhere):
             # the agreement this rank's peers are in: at the read's start, or after it
             with contextlib.suppress(Exception):
-                _first_failure(_reason(e) if reading else (str(e) if isinstance(e, ZeroFXError) else _reason(e)))
+                _first_failure(_reason(e) if reading else _problem(e))
         if restore is not None:
             restore()
         if not reading:
