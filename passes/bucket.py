@@ -325,7 +325,7 @@ def _merge_reduce_scatters(
 def _segments(members: list[fx.Node], world: int) -> list[int] | None:
     """Each member's values in one rank's row of the merged collective (its input's, over the
     ``world`` rows a reduce-scatter cuts it into), for the quantize pass (BUCKET_SEGMENTS); None
-    where a size is symbolic."""
+    where a size is symbolic, and such members stay apart when that direction is quantized."""
     numels = [m.args[0].meta["val"].numel() for m in members]
     if not all(isinstance(n, int) for n in numels) or not isinstance(world, int):
         return None
@@ -355,6 +355,8 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if not all(hoist_before(m.args[0], first) for m in members[1:]):
             continue
         segments = _segments(members, 1)
+        if segments is None and ctx.options.comm.quantize_weights:
+            continue  # ZeRO++ would cut its blocks across members it cannot tell apart: one each
         anchor = min(first_user(wait_of(m)) for m in members)  # fx nodes compare by graph order
         roles = {m.meta.get(ROLE) for m in members}
         # hpZ's inner re-gathers stay exact (passes/quantize.py skips them)
@@ -372,6 +374,8 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for members in choose_buckets(gm, REDUCE_SCATTER, cap, by_block=by_block, ceiling=ceiling):
         last_input = max(m.args[0] for m in members)
         segments = _segments(members, members[0].args[2])
+        if segments is None and ctx.options.comm.quantize_grads:
+            continue
         new_nodes = _merge_reduce_scatters(gm, members, "reduce", insert_before=last_input.next)
         if new_nodes is None:
             new_nodes, _ = merge_reduce_scatter_bucket(gm.graph, members, "default", insert_before=last_input.next)

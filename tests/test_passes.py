@@ -512,6 +512,23 @@ def test_bucket_merges_one_blocks_collectives_past_the_size_cap(setting, host_ca
     assert [len(b) for b in choose_buckets(gm, ALL_GATHER, 40_000, by_block=True, ceiling=40_000)] == [2, 2]
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_bucket_leaves_apart_what_zeropp_could_not_cut_by_member(monkeypatch, quantized):
+    """ZeRO++ quantizes a bucket in blocks of each member's own (BUCKET_SEGMENTS); where the
+    members' sizes are symbolic there are no segments, and a quantized bucket would cut blocks
+    across members (a LayerNorm weight scaled by a matmul's values): such gathers stay apart."""
+    import zerofx.passes.bucket as bucket
+    from zerofx.options import Options
+
+    merged = []
+    monkeypatch.setattr(bucket, "_segments", lambda members, world: None)
+    monkeypatch.setattr(bucket, "_merge_gathers", lambda gm, members, *a, **k: merged.append(len(members)) or [])
+    gm = _four_layer_forward(("blocks.0", "blocks.0", "blocks.1", "blocks.1"))
+    options = Options(bucket_bytes=40_000, **({"quantize_weights": "int8"} if quantized else {}))
+    bucket.bucket_pass(gm, PassContext("test", "forward", options))
+    assert merged == ([] if quantized else [2, 2])
+
+
 def test_module_block_reads_forward_and_backward_module_stacks():
     from zerofx.passes.modules import block_of, module_block, module_path
 
