@@ -227,6 +227,23 @@ def test_demo_checks_zerofx_dump_and_leaves_good_folders_as_they_were(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
+def test_demo_names_the_failed_ranks_error_in_one_line(tmp_path, monkeypatch, capsys):
+    """Before: the launcher's ChildFailedError traceback and table after the rank's own traceback.
+    Other errors are not the ranks': they still raise."""
+    import zerofx.cli
+
+    def fail(cfg):
+        raise _child_failed(tmp_path, 1, "RuntimeError: gloo connection reset\nmore")
+
+    monkeypatch.setattr(zerofx.cli, "run_demo", fail)
+    assert main(["demo"]) == 1
+    prefix = "zerofx demo: a rank failed: "
+    assert _one_line(capsys.readouterr().err, prefix) == prefix + "rank 1: RuntimeError: gloo connection reset"
+    monkeypatch.setattr(zerofx.cli, "run_demo", lambda cfg: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        main(["demo"])
+
+
 @needs_proc
 def test_demo_with_an_unwritable_dump_is_one_line_from_the_command(tmp_path):
     run = _cli(tmp_path, "demo", "--steps", "1", "--dump", f"{PROC}/zerofx_dump")

@@ -104,7 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         if cfg.plot_dir:
             check_plotting()
-        run_demo(cfg)
+        try:
+            run_demo(cfg)
+        except Exception as e:
+            if not _ranks_failed(e):
+                raise
+            # the failing rank printed its own traceback; the launcher's table of it says nothing more
+            print(f"zerofx demo: a rank failed: {_rank_failure(e)}", file=sys.stderr)
+            return 1
     elif args.command == "verify":
         return _verify(parser, args)
     elif args.command == "convert":
@@ -443,6 +450,13 @@ def _os_error(e: OSError, out: str) -> str:
     ):
         return f"cannot write OUT {out!r}: {why} ({filename})"
     return f"{filename}: {why}"
+
+
+def _ranks_failed(e: BaseException) -> bool:
+    """Whether ``e`` is torch elastic's report of ranks that failed (ChildFailedError)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    return isinstance(e, ChildFailedError)
 
 
 def _rank_failure(e: BaseException) -> str:
