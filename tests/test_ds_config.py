@@ -4,16 +4,19 @@ HF-style config, "auto" resolution, keywords against the config, and bad configs
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import zerofx
 from tests.multirank import one_rank_mesh
 from zerofx import ZeroFXError
 from zerofx.ds_config import from_deepspeed, hidden_size_of, merge_with_keywords
+from zerofx.runtime.loss_scaling import HysteresisGradScaler, make_loss_scaler
 from zerofx.runtime.params import runtime_of
 
 # the shape of transformers' own ZeRO-3 example config (docs: "ZeRO-3 Example"), values as users set them
@@ -140,8 +143,10 @@ def test_precision_stage_and_communication_keys():
         "loss_scale": "dynamic",
         "initial_loss_scale": 4096.0,
         "loss_scale_window": 500,
+        "loss_scale_hysteresis": 2,
+        "min_loss_scale": 1.0,  # DeepSpeed's floor, the key being absent
     }
-    assert any("hysteresis" in w for w in fp16.warnings)
+    assert fp16.from_auto == {"min_loss_scale"} and not any("hysteresis" in w for w in fp16.warnings)
     ac = from_deepspeed(
         {
             "zero_optimization": {"stage": 3},
@@ -180,34 +185,44 @@ def test_newer_deepspeed_keys_map_or_say_they_have_no_effect():
 @pytest.mark.parametrize(
     "config, named",
     [
-        (
-            {"bf16": {"enabled": True, "check_grad_overflow": True}},
-            "bf16.check_grad_overflow=true: zerofx does not skip",
-        ),
-        (
-            {"bf16": {"enabled": "auto", "check_grad_overflow": True}},
-            "bf16.check_grad_overflow=true: zerofx does not skip",
-        ),
         ({"bf16": {"enabled": True, "immediate_grad_update": True}}, "bf16.immediate_grad_update has no effect"),
         ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "zerofx keeps fp32 master weights"),
         ({"zero_optimization": {"stage": 1, "reduce_bucket_size": 64}}, "reduce_bucket_size: at stage 1"),
     ],
-    ids=[
-        "check_grad_overflow",
-        "check_grad_overflow_auto",
-        "immediate_grad_update",
-        "fp16_master_weights",
-        "stage1_reduce_bucket",
-    ],
+    ids=["immediate_grad_update", "fp16_master_weights", "stage1_reduce_bucket"],
 )
 def test_precision_and_bucket_keys_zerofx_does_not_follow_are_named(config, named):
-    """Keys DeepSpeed acts on and zerofx does not (a bf16 step skipped on inf/NaN, fp16 masters,
-    stage 1's reduce buckets) were taken without a word: each is named in a warning now."""
+    """Keys DeepSpeed acts on and zerofx does not (fp16 masters, stage 1's reduce buckets) were
+    taken without a word: each is named in a warning now."""
     t = from_deepspeed({"zero_optimization": {"stage": 3}, **config})
     assert any(named in w for w in t.warnings), t.warnings
-    if "check_grad_overflow" in str(config):  # false is what zerofx does: nothing to say
-        off = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True, "check_grad_overflow": False}}
-        assert not any("check_grad_overflow" in w for w in from_deepspeed(off).warnings)
+
+
+@pytest.mark.parametrize(
+    "stage, bf16, named",
+    [
+        (2, {"enabled": True}, "bf16.check_grad_overflow (absent, DeepSpeed's default true): DeepSpeed skips"),
+        (1, {"enabled": "auto"}, "bf16.check_grad_overflow (absent, DeepSpeed's default true): DeepSpeed skips"),
+        (2, {"enabled": True, "check_grad_overflow": True}, "bf16.check_grad_overflow (true): DeepSpeed skips"),
+        (2, {"enabled": True, "check_grad_overflow": False}, None),
+        (2, {"enabled": True, "check_grad_overflow": 0}, None),  # DeepSpeed reads 0 as false
+        (3, {"enabled": True, "check_grad_overflow": False}, "DeepSpeed's stage 3 skips a step whose gradient norm"),
+        (3, {"enabled": True}, "DeepSpeed's stage 3 skips a step whose gradient norm"),
+    ],
+    ids=["absent", "absent_auto", "true", "false", "zero", "stage3_false", "stage3_absent"],
+)
+def test_bf16_steps_deepspeed_would_skip_are_named_unless_the_config_turns_skipping_off(stage, bf16, named):
+    """DeepSpeed 0.19.8 skips a bf16 step whose gradients hold inf or NaN: at stages 1 and 2 when
+    check_grad_overflow is true, its default (stage_1_and_2.py), at stage 3 always (its step skips
+    on a non-finite gradient norm, whatever the key). zerofx warned only for a literal true: an
+    absent key, DeepSpeed's skipping, was taken in silence. Now the warning goes unless the config
+    turns skipping off where DeepSpeed reads the key (stages 1 and 2)."""
+    t = from_deepspeed({"zero_optimization": {"stage": stage}, "bf16": bf16})
+    said = [w for w in t.warnings if "check_grad_overflow" in w]
+    if named is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and named in said[0], t.warnings
 
 
 def test_zero_plus_plus_quantization_keys_map_to_the_quantize_options():
@@ -358,6 +373,307 @@ def test_compile_takes_a_config_file(tmp_path, one_rank):
     model(torch.randn(3, 4)).sum().backward()  # it trains
     with pytest.raises(ZeroFXError, match="contradicts the DeepSpeed config"):
         zerofx.compile(nn.Linear(2, 2), one_rank, config={"zero_optimization": {"stage": 3}}, stage=1)
+
+
+# --- DeepSpeed's defaults and spellings (a reviewer's findings) --------------------------------------------
+
+
+def test_fp16_takes_deepspeeds_hysteresis_and_floor_also_when_absent():
+    """DeepSpeed's fp16 section defaults to hysteresis 2 and a floor of 1: zerofx took neither
+    (torch's scaler halves at every overflow, without a floor) and warned only when the keys were
+    written. They are options now, from DeepSpeed's defaults when absent or "auto" (which a
+    keyword may override), and DeepSpeed's "auto" for the other scale keys is its default too."""
+    t = from_deepspeed({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}})
+    assert t.options["loss_scale_hysteresis"] == 2 and t.options["min_loss_scale"] == 1.0
+    assert t.from_auto == {"loss_scale_hysteresis", "min_loss_scale"}
+    assert merge_with_keywords(t, {"loss_scale_hysteresis": 1})["loss_scale_hysteresis"] == 1
+    given = from_deepspeed(
+        {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, "hysteresis": 3.0, "min_loss_scale": 4}}
+    )
+    assert given.options["loss_scale_hysteresis"] == 3 and given.options["min_loss_scale"] == 4.0
+    with pytest.raises(ZeroFXError, match=r"option loss_scale_hysteresis=1 contradicts .* gives 3"):
+        merge_with_keywords(given, {"loss_scale_hysteresis": 1})
+    auto = {key: "auto" for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis")}
+    t = from_deepspeed({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, **auto, "min_loss_scale": "auto"}})
+    assert {k: t.options[k] for k in t.from_auto} == {
+        "initial_loss_scale": 2.0**16,
+        "loss_scale_window": 1000,
+        "loss_scale_hysteresis": 2,
+        "min_loss_scale": 1.0,
+    }
+    assert t.options["loss_scale"] == "dynamic"
+
+
+def _scales(scaler, overflows: list[bool]) -> tuple[list, list[bool]]:
+    """The scale after each step of a one-parameter SGD loop (through the scaler: unscale, the inf
+    check all-reduced over the group, step, update) whose gradients overflow where asked, and
+    whether the parameter moved; "raise" where the update raised, and no steps after it."""
+    param = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=1.0)
+    scales, moved = [], []
+    for overflow in overflows:
+        scaler.scale(torch.ones(()))  # (starts the scale on its first call)
+        param.grad = torch.full((2,), math.inf if overflow else 1.0)
+        before = param.detach().clone()
+        scaler.step(opt)
+        moved.append(not torch.equal(before, param.detach()))
+        try:
+            scaler.update()
+        except ZeroFXError as e:
+            assert "at its floor" in str(e) and "\n" not in str(e)
+            scales.append("raise")
+            break
+        scales.append(scaler.get_scale())
+    return scales, moved
+
+
+def test_a_deepspeed_config_scales_the_loss_as_deepspeed_does(one_rank):
+    """The scales DeepSpeed 0.19.8 takes, step for step, from a config's fp16 section. The expected
+    sequences were obtained from deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler (as its
+    engine builds it from the config: init_scale=2**initial_scale_power, scale_window=
+    loss_scale_window, min_scale=min_loss_scale, delayed_shift=hysteresis,
+    consecutive_hysteresis=False) by calling update_scale(overflow) once per step and reading
+    cur_scale ("raise": it raised "Current loss scale already at minimum")."""
+    T, F = True, False
+    cfg = {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}  # DeepSpeed's defaults: 2**16, 2, 1
+    scaler = make_loss_scaler(zerofx.Options.from_kwargs(**from_deepspeed(cfg).options), one_rank)
+    assert isinstance(scaler, HysteresisGradScaler)
+    # the reviewer's pattern: torch's scaler gives [32768, 32768, 16384, 8192]
+    assert _scales(scaler, [T, F, T, T]) == ([65536.0, 65536.0, 32768.0, 16384.0], [F, T, F, F])
+    # hysteresis used up and refilled at a growth, the first growth after window + 1 good steps and
+    # later ones after window, halving while none is left, the floor (4 -> 3), and the end at the floor
+    cfg["fp16"].update(initial_scale_power=3, loss_scale_window=2, min_loss_scale=3)
+    scaler = make_loss_scaler(zerofx.Options.from_kwargs(**from_deepspeed(cfg).options), one_rank)
+    pattern = [T, F, F, F, T, T, T, F, F, F, F, F, T, T, T, T, T]
+    deepspeed = [8.0, 8.0, 8.0, 16.0, 16.0, 8.0, 4.0, 4.0, 4.0, 8.0, 8.0, 16.0, 16.0, 8.0, 4.0, 3.0, "raise"]
+    scales, moved = _scales(scaler, pattern)
+    assert scales == deepspeed
+    assert moved == [not overflow for overflow in pattern]  # every overflow skips its step
+
+
+def test_plain_options_keep_torchs_scaler(one_rank):
+    """Without hysteresis or a floor the scaler is torch's own ShardedGradScaler, its schedule
+    unchanged: every overflow halves, window good steps in a row double."""
+    T, F = True, False
+    scaler = make_loss_scaler(zerofx.Options(loss_scale="dynamic", loss_scale_window=2), one_rank)
+    assert type(scaler) is ShardedGradScaler
+    assert _scales(scaler, [T, F, T, T, F, F, F])[0] == [32768.0] * 2 + [16384.0, 8192.0, 8192.0, 16384.0, 16384.0]
+
+
+def test_the_hysteresis_scalers_state_round_trips_through_a_checkpoints_json(one_rank):
+    """zerofx.checkpoint writes the scaler's state_dict into a JSON file: the hysteresis left and
+    the growth count (-1 right after an overflow) come back, so a resumed run scales as the
+    uninterrupted one; a torch scaler's state (no hysteresis in it) starts with all of it left."""
+    T, F = True, False
+    opts = zerofx.Options(loss_scale="dynamic", initial_loss_scale=8.0, loss_scale_window=2, loss_scale_hysteresis=3)
+    first = make_loss_scaler(opts, one_rank)
+    _scales(first, [T, F, T, T])
+    saved = json.loads(json.dumps(first.state_dict()))
+    assert saved["_hysteresis_left"] == 1 and saved["_growth_tracker"] == -1 and saved["hysteresis"] == 3
+    resumed = make_loss_scaler(zerofx.Options(loss_scale="dynamic", loss_scale_hysteresis=2), one_rank)
+    resumed.load_state_dict(saved)
+    rest = [T, F, F, F, T, T]
+    assert _scales(resumed, rest) == _scales(first, rest)
+    plain = make_loss_scaler(zerofx.Options(loss_scale="dynamic", initial_loss_scale=8.0), one_rank)
+    _scales(plain, [F])
+    from_torch = make_loss_scaler(opts, one_rank)
+    from_torch.load_state_dict(plain.state_dict())
+    assert from_torch.state_dict()["_hysteresis_left"] == 3
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"loss_scale_hysteresis": 0}, r"option loss_scale_hysteresis=0: give a number of overflows >= 1"),
+        ({"loss_scale_hysteresis": True}, r"option loss_scale_hysteresis=True"),
+        ({"loss_scale_hysteresis": 1.5}, r"option loss_scale_hysteresis=1.5"),
+        ({"min_loss_scale": 0}, r"option min_loss_scale=0: give a number > 0, or None"),
+        ({"min_loss_scale": "1"}, r"option min_loss_scale='1'"),
+        ({"min_loss_scale": 2.0**17}, r"option initial_loss_scale=65536.0 is below min_loss_scale"),
+    ],
+)
+def test_the_loss_scale_options_are_validated(options, message):
+    with pytest.raises(ZeroFXError, match=message):
+        zerofx.Options(loss_scale="dynamic", **options)
+
+
+@pytest.mark.parametrize(
+    "fp16, message",
+    [
+        ({"hysteresis": 0}, r"fp16.hysteresis=0: give a number of overflows >= 1"),
+        ({"hysteresis": 2.5}, r"fp16.hysteresis=2.5: give a number of overflows"),
+        ({"min_loss_scale": 0.5}, r"fp16.min_loss_scale=0.5: give an integer >= 1"),
+        ({"loss_scale_window": True}, r"fp16.loss_scale_window=true: give a number of good steps >= 1"),
+        ({"consecutive_hysteresis": True}, r"fp16.consecutive_hysteresis=true: zerofx refills the hysteresis"),
+        ({"initial_scale_power": 0, "min_loss_scale": 2}, r"fp16.initial_scale_power=0 starts the scale at 1, below"),
+    ],
+)
+def test_bad_fp16_scale_keys_are_errors_naming_the_key(fp16, message):
+    with pytest.raises(ZeroFXError, match=message):
+        from_deepspeed({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, **fp16}})
+
+
+def test_switches_are_read_as_deepspeed_reads_them():
+    """DeepSpeed's config model reads 1 / 0 and "true" / "false" as booleans: ``"enabled": 1``
+    trained in fp32 here without a word and ``"overlap_comm": 0`` kept overlapping (the code asked
+    ``is True`` / ``is False``)."""
+    z = {"zero_optimization": {"stage": 2}}
+    assert from_deepspeed({**z, "bf16": {"enabled": 1}}).options["param_dtype"] is torch.bfloat16
+    assert from_deepspeed({**z, "bf16": {"enabled": "true"}}).options["param_dtype"] is torch.bfloat16
+    assert from_deepspeed({**z, "fp16": {"enabled": 1}}).options["param_dtype"] is torch.float16
+    assert from_deepspeed({**z, "fp16": {"enabled": 0}}).options["param_dtype"] is None  # off in so many words
+    for off in (0, "false", "off"):
+        t = from_deepspeed({"zero_optimization": {"stage": 2, "overlap_comm": off}})
+        assert t.options["disable_passes"] == ("schedule",), off
+    t = from_deepspeed({"zero_optimization": {"stage": 3, "cpu_offload_param": 1}})
+    assert t.options["offload_optimizer"] == "host"
+    with pytest.raises(ZeroFXError, match=r'bf16.enabled=2: give true, false or "auto"'):
+        from_deepspeed({**z, "bf16": {"enabled": 2}})
+    with pytest.raises(ZeroFXError, match=r"zero_optimization.overlap_comm=\"sometimes\": give true or false"):
+        from_deepspeed({"zero_optimization": {"stage": 2, "overlap_comm": "sometimes"}})
+
+
+def test_keywords_spelled_differently_from_the_config_are_no_contradiction():
+    """``param_dtype="bf16"`` is what ``bf16.enabled`` says, ``reduce_dtype="fp32"`` what
+    ``communication_data_type: "fp32"`` says, ``"/x/nv/"`` the folder ``"/x/nv"``: each was
+    refused as a contradiction; a keyword that does say otherwise still is."""
+    t = from_deepspeed(
+        {
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x/nv"}},
+            "bf16": {"enabled": True},
+            "communication_data_type": "fp32",
+        }
+    )
+    for same in ({"param_dtype": "bf16"}, {"reduce_dtype": "fp32"}, {"reduce_dtype": "float32"}):
+        assert merge_with_keywords(t, same)
+    assert merge_with_keywords(t, {"offload_dir": "/x/nv/"})["offload_dir"] == "/x/nv/"
+    assert merge_with_keywords(t, {"offload_dir": "/x/../x/nv"})
+    for other in ({"param_dtype": "fp16"}, {"reduce_dtype": "bf16"}, {"offload_dir": "/x/nv2"}):
+        with pytest.raises(ZeroFXError, match="contradicts the DeepSpeed config"):
+            merge_with_keywords(t, other)
+    off = from_deepspeed({"zero_optimization": {"stage": 3}, "bf16": {"enabled": False}})
+    assert merge_with_keywords(off, {"param_dtype": torch.float32})  # fp32 compute is no param_dtype (None)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            {"fp16": {"enabled": True, "initial_scale_power": 2000}},
+            r"^DeepSpeed config: fp16.initial_scale_power=2000: give an integer from 0 to 127",
+        ),
+        ({"fp16": {"enabled": True, "initial_scale_power": "big"}}, r"^DeepSpeed config: fp16.initial_scale_power="),
+        ({"fp16": {"enabled": True, "loss_scale": "dynamic"}}, r'^DeepSpeed config: fp16.loss_scale="dynamic": give 0'),
+        ({"fp16": {"enabled": True, "loss_scale": -1}}, r"^DeepSpeed config: fp16.loss_scale=-1: give 0"),
+        ({"zero_optimization": None}, r"^DeepSpeed config: zero_optimization must be an object, got null$"),
+        ({"zero_optimization": True}, r"^DeepSpeed config: zero_optimization must be an object, got true$"),
+        ({"fp16": None}, r"^DeepSpeed config: fp16 must be an object, got null$"),
+    ],
+    ids=["power_2000", "power_text", "loss_scale_text", "loss_scale_negative", "zero_null", "zero_bool", "fp16_null"],
+)
+def test_bad_values_are_one_line_errors_naming_the_key(config, message):
+    """These raised TypeError / OverflowError from deep inside, or called "auto" a static scale."""
+    config = {"zero_optimization": {"stage": 3}, **config}
+    with pytest.raises(ZeroFXError, match=message) as caught:
+        from_deepspeed(config)
+    assert "\n" not in str(caught.value)
+
+
+def test_json_text_is_not_taken_for_a_file_name():
+    text = json.dumps({"zero_optimization": {"stage": 3}})
+    with pytest.raises(ZeroFXError, match=r"is JSON text, not a file: pass a dict \(json.loads of the text\)"):
+        from_deepspeed(text)
+    with pytest.raises(ZeroFXError, match="is JSON text"):
+        zerofx.compile(nn.Linear(2, 2), None, config=text)
+
+
+def test_the_persistence_threshold_keeps_parameters_of_exactly_that_size_whole(one_rank):
+    """DeepSpeed keeps a parameter whole when numel <= stage3_param_persistence_threshold; zerofx
+    sharded one of exactly the threshold's size (it compared with <)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 5))  # weights of 16 and 20 elements
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 16}, "bf16": {"enabled": True}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zerofx.compile(model, one_rank, config=config)  # bf16: one rank still shards
+    placements = {n: p.placements[-1] for n, p in model.named_parameters()}
+    assert placements["0.weight"].is_replicate() and placements["0.bias"].is_replicate()
+    assert placements["1.weight"].is_shard()
+
+
+@pytest.mark.parametrize(
+    "config, said",
+    [
+        ({"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 0}}, "stage3_module_granularity"),
+        ({"zero_optimization": {"stage": 3, "module_granularity_threshold": 10}}, "stage3_module_granularity"),
+        (
+            {"zero_optimization": {"stage": 3, "stage3_use_all_reduce_for_fetch_params": True}},
+            "stage3_use_all_reduce_for_fetch_params",
+        ),
+        ({"zero_optimization": {"stage": 3, "cpu_offload_use_pin_memory": True}}, "cpu_offload_use_pin_memory"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}},
+            "zero_optimization.offload_optimizer.super_offload",
+        ),
+        ({"zero_optimization": {"stage": 3}, "log_level": "info", "timers": {}}, "log_level, timers"),
+    ],
+)
+def test_deepspeed_keys_that_only_tune_deepspeed_are_named_not_taken_for_typos(config, said):
+    """Keys DeepSpeed 0.19.8 documents were "unknown" with a wrong "did you mean" (the module
+    granularity threshold as stage3_model_persistence_threshold)."""
+    lines = [w for w in from_deepspeed(config).warnings if "DeepSpeed keys zerofx does not follow" in w]
+    assert len(lines) == 1 and said in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "zerofx keeps fp32 master weights"),
+        ({"bf16": {"enabled": True, "bf16_optimizer_states": "true"}}, "keeps optimizer state in the master"),
+        ({"zero_optimization": {"stage": 3, "zenflow": {"topk_ratio": 0.1}}}, "ZenFlow applies the updates"),
+        ({"gradient_allreduce_op": "sum"}, "'sum' would step on their sum"),
+        ({"tensor_parallel": {"autotp_size": 2}}, "AutoTP"),
+        ({"expert_parallel": {"enabled": True}}, "AutoEP"),
+        ({"data_types": {"buffer_dtype": "bf16"}}, "never casts buffers"),
+    ],
+)
+def test_deepspeed_keys_that_would_change_the_arithmetic_are_refused(config, message):
+    config = {"zero_optimization": {"stage": 3}, **config}
+    with pytest.raises(ZeroFXError, match=f"a DeepSpeed key zerofx does not follow: .*{message}"):
+        from_deepspeed(config)
+
+
+def test_deepspeed_keys_at_the_value_zerofx_computes_are_accepted():
+    t = from_deepspeed(
+        {
+            "zero_optimization": {"stage": 3, "zenflow": None},
+            "bf16": {"enabled": True, "bf16_master_weights_and_grads": False},
+            "gradient_allreduce_op": "MEAN",
+            "tensor_parallel": {"autotp_size": 1},
+            "data_types": {"param_dtype": "bf16"},
+        }
+    )
+    assert t.options == {"stage": 3, "param_dtype": torch.bfloat16}
+    with pytest.raises(ZeroFXError, match=r"data_types.param_dtype='fp16' but the enabled precision"):
+        from_deepspeed(
+            {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "data_types": {"param_dtype": "fp16"}}
+        )
+
+
+def test_inconsistent_batch_sizes_are_refused_where_the_world_size_is_known(one_rank):
+    """DeepSpeed asserts train_batch_size = micro batch x accumulation steps x data-parallel size;
+    zerofx.compile took 64 = 4 x 3 x N on any N."""
+    sizes = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}
+    z = {"zero_optimization": {"stage": 3}}
+    assert from_deepspeed({**z, **sizes, "train_batch_size": 24}, data_parallel_size=2).training["train_batch_size"]
+    with pytest.raises(ZeroFXError, match=r"train_batch_size=64 is not .* x the data-parallel size \(2\)"):
+        from_deepspeed({**z, **sizes, "train_batch_size": 64}, data_parallel_size=2)
+    assert from_deepspeed({**z, **sizes, "train_batch_size": "auto"}, data_parallel_size=2)
+    with pytest.raises(ZeroFXError, match=r"train_batch_size=24 is not .* \(the world size 1, or a divisor"):
+        zerofx.compile(nn.Linear(2, 2), one_rank, config={**z, **sizes, "train_batch_size": 24})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = zerofx.compile(nn.Linear(2, 2), one_rank, config={**z, **sizes, "train_batch_size": 12})
+    assert runtime_of(model).training["train_batch_size"] == 12
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ def _accounting(ref: torch.nn.Module, shard_size: int, threshold: int) -> dict:
     """Ψ of the unsharded model in bytes (tied parameters once), split into the parameters kept
     whole (by the persistence threshold, or 0-dim) and the sharded ones (also padded to ``shard_size``)."""
     acc = numel_accounting(ref, shard_size)
-    whole = [p for p in ref.parameters() if p.numel() < threshold or p.dim() == 0]
+    whole = [p for p in ref.parameters() if p.numel() <= threshold or p.dim() == 0]
     acc["psi_whole"] = sum(p.numel() * p.element_size() for p in whole)
     return acc
 

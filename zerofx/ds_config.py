@@ -10,53 +10,68 @@ contradiction, a feature zerofx does not have). Nothing is dropped silently.
     DeepSpeed                                           zerofx
     zero_optimization.stage 1 | 2 | 3                   stage
     zero_optimization.offload_optimizer.device          offload_optimizer: cpu -> "host", nvme -> "disk"
-      (and offload_param.device, stage 3)                 (one tier holds master shards and optimizer state)
+      (and offload_param.device, stage 3;                 (one tier holds master shards and optimizer state)
+      the old cpu_offload / cpu_offload_param)
     ...offload_*.nvme_path                              offload_dir
-    zero_optimization.stage3_param_persistence_threshold persistence_threshold (elements)
+    zero_optimization.stage3_param_persistence_threshold persistence_threshold (elements; at most it: whole)
     zero_optimization.reduce_bucket_size (elements)     bucket_bytes (elements x the reduce dtype's size;
                                                           stage 1's end-of-backward reduce: 32 MiB buckets, warned)
     zero_optimization.stage3_prefetch_bucket_size       prefetch_bytes (elements x the compute dtype's size)
     zero_optimization.overlap_comm = false              disable_passes += ("schedule",)
     bf16.enabled                                        param_dtype=torch.bfloat16
     fp16.enabled (+ initial_scale_power, loss_scale_window)  param_dtype=torch.float16, loss_scale="dynamic"
+    fp16.hysteresis, fp16.min_loss_scale                loss_scale_hysteresis, min_loss_scale (DeepSpeed's
+                                                          2 and 1 when absent: its scale schedule, step for step)
     communication_data_type                             reduce_dtype
     data_types.grad_accum_dtype                         reduce_dtype (zerofx accumulates and reduces in one dtype)
     activation_checkpointing (+ cpu_checkpointing)      checkpoint="full" (+ offload_activations="host")
 
 DeepSpeed's field names for its ``stage3_*`` keys (``prefetch_bucket_size``,
 ``param_persistence_threshold``, ``max_live_parameters``, ...), which its config model takes as
-well, read as those keys; both spellings of one key is an error.
+well, read as those keys; both spellings of one key is an error. Switches are read as DeepSpeed's
+config model reads them: ``1`` / ``0`` and ``"true"`` / ``"false"`` (``"yes"``, ``"on"``, ...) are
+true and false.
 
 ``"auto"`` values are resolved as the HF transformers integration resolves them: bucket sizes
 and the persistence threshold from the model's hidden size (``hidden_size**2``,
 ``0.9 * hidden_size**2``, ``10 * hidden_size``), or zerofx's own ``"auto"`` when the hidden size
 is unknown; ``bf16`` / ``fp16`` ``"auto"`` is resolved from ``--bf16`` / ``--fp16`` by
 ``zerofx.hf.ZeroFXTrainer`` (as HF's integration resolves it) and is off elsewhere unless a
-keyword argument of ``zerofx.compile`` says otherwise. Options that
-came from ``"auto"`` yield to keyword arguments; an explicit config value that a keyword argument
-contradicts is an error naming both, an explicit "off" too (``bf16.enabled: false`` and no fp16,
-an offload ``device: "none"``). A partial offload (``ratio`` below 1) offloads all of it, with a
-warning.
+keyword argument of ``zerofx.compile`` says otherwise; the fp16 loss-scale keys' ``"auto"`` is
+DeepSpeed's default, as DeepSpeed reads it. Options that came from ``"auto"`` (or from DeepSpeed's
+default for an absent fp16 key) yield to keyword arguments; an explicit config value that a
+keyword argument contradicts is an error naming both, an explicit "off" too (``bf16.enabled:
+false`` and no fp16, an offload ``device: "none"``). A partial offload (``ratio`` below 1)
+offloads all of it, with a warning. ``train_batch_size`` must be ``train_micro_batch_size_per_gpu
+x gradient_accumulation_steps x`` the data-parallel size when all three are numbers (DeepSpeed
+asserts it).
 
 Not in zerofx, so an error when switched on: ``torch_autocast`` (zerofx does not wrap the
 forward: run it under ``torch.autocast`` yourself, or use ``bf16``), ``sparse_gradients``.
 DeepSpeed's ``compile`` section has no effect (zerofx always compiles, with its own passes).
 Precision keys zerofx does not follow are warned about: ``bf16.check_grad_overflow`` (zerofx does
-not skip a bf16 step on inf/NaN gradients), ``bf16.immediate_grad_update`` (gradients accumulate in
-the reduce dtype anyway), ``fp16.fp16_master_weights_and_grads`` (masters stay fp32).
+not skip a bf16 step on inf/NaN gradients; DeepSpeed does at stages 1 and 2 unless the key is
+false, and always at stage 3), ``bf16.immediate_grad_update`` (gradients accumulate in the reduce
+dtype anyway), ``fp16.fp16_master_weights_and_grads`` (masters stay fp32).
+Other keys DeepSpeed documents and zerofx does not follow (the ``_NOT_FOLLOWED`` tables) are named
+in a warning when they only tune how DeepSpeed runs, and are an error when they would change
+what is computed (``bf16.bf16_master_weights_and_grads``, ``zero_optimization.zenflow``, ...);
+only a key DeepSpeed does not know gets a "did you mean".
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from zerofx.errors import ZeroFXError
-from zerofx.options import closest
+from zerofx.options import _dtype, closest
 
 __all__ = ["DeepSpeedTranslation", "from_deepspeed", "hidden_size_of", "merge_with_keywords"]
 
@@ -83,6 +98,7 @@ _NO_EFFECT = (
     "tensorboard",
     "wandb",
     "csv_monitor",
+    "comet",
     "comms_logger",
     "aio",  # the NVMe tier's async-I/O tuning: zerofx's disk tier maps files instead
     "zero_allow_untested_optimizer",
@@ -93,6 +109,68 @@ _NO_EFFECT = (
     "elasticity",
     "compile",  # DeepSpeed's own compile switches (deepcompile): zerofx always compiles, its own way
 )
+
+# NOTE: DeepSpeed keys zerofx does not follow. Keys DeepSpeed 0.19.8's config documents that zerofx
+# has no counterpart for. _TUNING: the key only tunes how DeepSpeed runs (its fetching, logging,
+# engines zerofx does not have): named in one warning. Otherwise the entry is (keeps, why): the
+# value (or a test of it) that leaves DeepSpeed's arithmetic what zerofx computes, and why any other
+# value would not; another value is an error. A key missing from every table is unknown, and only
+# an unknown key gets a "did you mean".
+_TUNING = None
+_NOT_FOLLOWED: dict[str, Any] = {
+    "disable_python_gc": _TUNING,
+    "log_level": _TUNING,
+    "timers": _TUNING,
+    "autotuning": _TUNING,
+    "datastates_ckpt": _TUNING,
+    "dataloader_drop_last": _TUNING,  # DeepSpeed's data loader: the loop builds its own
+    "use_data_before_expert_parallelism": _TUNING,
+    "disable_allgather": _TUNING,  # read, and used nowhere, by DeepSpeed 0.19.8
+    "hybrid_engine": _TUNING,  # DeepSpeed's RLHF generation engine
+    "managed_gradient_accumulation": _TUNING,  # the loop owns the accumulation boundary (zerofx.no_sync)
+    "seq_parallel_communication_data_type": _TUNING,  # DeepSpeed's sequence-parallel groups
+    "pipeline": _TUNING,  # DeepSpeed's pipeline engine (a PipelineModule)
+    "gradient_allreduce_op": (
+        lambda v: isinstance(v, str) and v.lower() == "mean",
+        "zerofx averages gradients over the ranks ('mean', DeepSpeed's default); 'sum' would step on their sum",
+    ),
+    "weight_quantization": (None, "DeepSpeed's quantized weights change what the forward computes"),
+    "tensor_parallel": (
+        lambda v: v is None or isinstance(v, dict) and v.get("autotp_size", 0) in (0, 1),
+        "DeepSpeed's AutoTP (autotp_size > 1) is not zerofx's tensor parallelism: parallelize the model "
+        "on a (dp, tp) mesh and pass tp_dim",
+    ),
+    "expert_parallel": (
+        lambda v: v is None or isinstance(v, dict) and not _flag(v.get("enabled", False), "expert_parallel.enabled"),
+        "DeepSpeed's AutoEP swaps the model's expert layers for its own",
+    ),
+}
+_ZERO_NOT_FOLLOWED: dict[str, Any] = {
+    "stage3_module_granularity_threshold": _TUNING,  # zerofx buckets gathers by transformer block
+    "stage3_use_all_reduce_for_fetch_params": _TUNING,
+    "stage3_allgather_sequential": _TUNING,
+    "compute_grad_norm": _TUNING,  # zerofx computes no norm in the engine: clip_grad_norm_ is the loop's
+    "parameter_alignment": _TUNING,
+    "pipeline_loading_checkpoint": _TUNING,
+    "override_module_apply": _TUNING,
+    "enable_sanity_checks": _TUNING,
+    "save_muon_momentum_buffer_in_memory": _TUNING,
+    "leaf_module": _TUNING,
+    "cpu_offload_use_pin_memory": _TUNING,
+    "zenflow": (
+        None,
+        "ZenFlow applies the updates of the less important gradients asynchronously, steps late, "
+        "where zerofx steps every parameter on its own gradient",
+    ),
+}
+_BF16_NOT_FOLLOWED: dict[str, Any] = {
+    "bf16_master_weights_and_grads": (False, "zerofx keeps fp32 master weights and gradient shards"),
+    "bf16_optimizer_states": (False, "zerofx keeps optimizer state in the master weights' dtype (fp32)"),
+}
+_OFFLOAD_NOT_FOLLOWED: dict[str, Any] = {
+    "super_offload": _TUNING,  # SuperOffload's speculative CPU step, rolled back on overflow: same updates
+    "cpuadam_cores_perc": _TUNING,
+}
 _TOP = {
     "zero_optimization",
     "bf16",
@@ -107,6 +185,7 @@ _TOP = {
     "sparse_gradients",
     *_TRAINING,
     *_NO_EFFECT,
+    *_NOT_FOLLOWED,
 }
 
 _ZERO_MAPPED = {
@@ -121,6 +200,7 @@ _ZERO_MAPPED = {
     "allgather_bucket_size",
     "overlap_comm",
     "cpu_offload",
+    "cpu_offload_param",
 }
 # zero_optimization keys zerofx honours by construction (its collectives already behave so)
 _ZERO_BUILT_IN = {"contiguous_gradients": True, "reduce_scatter": True, "allgather_partitions": True}
@@ -154,6 +234,9 @@ _STAGE3_FIELDS = {
     "max_live_parameters": "stage3_max_live_parameters",
     "max_reuse_distance": "stage3_max_reuse_distance",
     "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential": "stage3_allgather_sequential",
 }
 
 
@@ -168,7 +251,14 @@ def _stage3_spellings(zero: dict) -> dict:
     return out
 
 
-_ZERO = _ZERO_MAPPED | set(_ZERO_BUILT_IN) | _ZERO_NO_EFFECT | set(_ZERO_UNSUPPORTED) | {"zero_hpz_partition_size"}
+_ZERO = (
+    _ZERO_MAPPED
+    | set(_ZERO_BUILT_IN)
+    | _ZERO_NO_EFFECT
+    | set(_ZERO_UNSUPPORTED)
+    | set(_ZERO_NOT_FOLLOWED)
+    | {"zero_hpz_partition_size"}
+)
 _OFFLOAD_KEYS = {
     "device",
     "nvme_path",
@@ -181,7 +271,9 @@ _OFFLOAD_KEYS = {
     "pipeline",
     "pipeline_read",
     "pipeline_write",
+    *_OFFLOAD_NOT_FOLLOWED,
 }
+_BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow", *_BF16_NOT_FOLLOWED}
 _FP16_KEYS = {
     "enabled",
     "loss_scale",
@@ -201,6 +293,9 @@ _AC_KEYS = {
     "synchronize_checkpoint_boundary",
     "profile",
 }
+_DATA_TYPES_KEYS = {"grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"}
+# DeepSpeed's fp16 loss-scale defaults (its DeepSpeedFP16Config), what "auto" or an absent key means there
+_FP16_DEFAULTS = {"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
 
 
 @dataclass
@@ -208,7 +303,8 @@ class DeepSpeedTranslation:
     """What a DeepSpeed config means for zerofx (see the module docstring)."""
 
     options: dict[str, Any] = field(default_factory=dict)  # zerofx.compile keywords
-    from_auto: set[str] = field(default_factory=set)  # options resolved from "auto": keywords override them
+    # options resolved from "auto" (or DeepSpeed's default for an absent key): keywords override them
+    from_auto: set[str] = field(default_factory=set)
     training: dict[str, Any] = field(default_factory=dict)  # for the training loop (clipping, accumulation, ...)
     warnings: list[str] = field(default_factory=list)  # one line per key with no effect, for warnings.warn
 
@@ -225,6 +321,12 @@ def hidden_size_of(model: torch.nn.Module) -> int | None:
 
 
 def _load(config: Any) -> dict:
+    if isinstance(config, str) and config.lstrip().startswith("{") and not os.path.exists(config):
+        # DeepSpeed takes a dict, a file or base64 text; JSON text read as a path would say "no such file"
+        raise ZeroFXError(
+            f"config={config[:40]!r}... is JSON text, not a file: pass a dict (json.loads of the text) or the "
+            "path of a JSON file"
+        )
     if isinstance(config, (str, os.PathLike)):
         try:
             with open(config) as f:
@@ -240,9 +342,17 @@ def _load(config: Any) -> dict:
     return config
 
 
+def _shown(value: Any) -> str:
+    """``value`` as the JSON file spells it (null, true), for messages."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _check_keys(section: dict, valid: set[str], where: str) -> None:
     if not isinstance(section, dict):
-        raise ZeroFXError(f"DeepSpeed config: {where} must be an object, got {section!r}")
+        raise ZeroFXError(f"DeepSpeed config: {where} must be an object, got {_shown(section)}")
     for key in section:
         if key not in valid:
             raise ZeroFXError(
@@ -252,11 +362,61 @@ def _check_keys(section: dict, valid: set[str], where: str) -> None:
             )
 
 
+def _not_followed(section: dict, table: dict[str, Any], where: str, notes: list[str]) -> None:
+    """Name ``section``'s keys from ``table`` that only tune DeepSpeed in one warning, and refuse
+    those set to change what is computed (NOTE: DeepSpeed keys zerofx does not follow)."""
+    tuning = []
+    for key, entry in table.items():
+        if key not in section:
+            continue
+        if entry is _TUNING:
+            tuning.append(f"{where}{key}")
+            continue
+        keeps, why = entry
+        value = section[key]
+        if callable(keeps):
+            same = keeps(value)
+        elif isinstance(keeps, bool):
+            same = _flag(value, f"{where}{key}") is keeps
+        else:
+            same = value == keeps
+        if not same:
+            raise ZeroFXError(
+                f"DeepSpeed config: {where}{key}={_shown(value)} is a DeepSpeed key zerofx does not follow: {why}; "
+                "remove it"
+            )
+    if tuning:
+        notes.append(
+            f"{', '.join(tuning)}: DeepSpeed keys zerofx does not follow; they tune how DeepSpeed runs, not what "
+            "it computes: no effect here"
+        )
+
+
+_TRUE = {"true", "t", "yes", "y", "on", "1"}
+_FALSE = {"false", "f", "no", "n", "off", "0"}
+
+
+def _flag(value: Any, where: str) -> bool:
+    """A DeepSpeed switch as its config model (pydantic's bool) reads it: true / false, 1 / 0, and
+    the strings true / false, yes / no, on / off, 1 / 0 in any case. A switch read with ``is True``
+    would take DeepSpeed's ``1`` for off."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise ZeroFXError(f"DeepSpeed config: {where}={_shown(value)}: give true or false")
+
+
 def _enabled(section: dict, where: str) -> bool | str:
     value = section.get("enabled", False)
-    if value not in (True, False, "auto"):
-        raise ZeroFXError(f'DeepSpeed config: {where}.enabled={value!r}: give true, false or "auto"')
-    return value
+    if value == "auto":
+        return value
+    try:
+        return _flag(value, f"{where}.enabled")
+    except ZeroFXError:
+        raise ZeroFXError(f'DeepSpeed config: {where}.enabled={_shown(value)}: give true, false or "auto"') from None
 
 
 def _elements(value: Any, where: str) -> int | str:
@@ -267,22 +427,113 @@ def _elements(value: Any, where: str) -> int | str:
     return int(value)
 
 
-def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedTranslation:
-    """Translate a DeepSpeed config (a dict or a JSON file's path); raises on what it cannot honour."""
+def _fp16_integer(fp16: dict, key: str, low: int, high: float, what: str) -> tuple[int, bool]:
+    """``fp16.<key>`` as DeepSpeed reads it (an integer; 16.0 is 16), and whether it is DeepSpeed's
+    default because the key is absent or ``"auto"`` (which DeepSpeed's config model drops)."""
+    value = fp16.get(key, "auto")
+    if value == "auto":
+        return _FP16_DEFAULTS[key], True
+    whole = (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and value == int(value)
+        and low <= value <= high
+    )
+    if not whole:
+        raise ZeroFXError(f"DeepSpeed config: fp16.{key}={_shown(value)}: give {what}")
+    return int(value), False
+
+
+def _fp16_scaling(fp16: dict, opts: dict, from_auto: set[str]) -> None:
+    """fp16's dynamic loss scaling, DeepSpeed's schedule included: its hysteresis (2) and floor (1)
+    apply when the keys are absent, so they become options either way (NOTE: DeepSpeed's scale
+    schedule, zerofx/runtime/loss_scaling.py)."""
+    scale = fp16.get("loss_scale", 0)
+    if scale != "auto":
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale >= 0:
+            raise ZeroFXError(f'DeepSpeed config: fp16.loss_scale={_shown(scale)}: give 0 (dynamic scaling) or "auto"')
+        if scale != 0:
+            raise ZeroFXError(
+                f"DeepSpeed config: fp16.loss_scale={scale!r} is a static loss scale; zerofx scales "
+                "dynamically: set loss_scale to 0"
+            )
+    opts["loss_scale"] = "dynamic"
+    power, auto = _fp16_integer(
+        fp16, "initial_scale_power", 0, 127, "an integer from 0 to 127 (the first scale is 2**initial_scale_power)"
+    )
+    if "initial_scale_power" in fp16:
+        opts["initial_loss_scale"] = 2.0**power
+        if auto:
+            from_auto.add("initial_loss_scale")
+    window, auto = _fp16_integer(fp16, "loss_scale_window", 1, math.inf, "a number of good steps >= 1")
+    if "loss_scale_window" in fp16:
+        opts["loss_scale_window"] = window
+        if auto:
+            from_auto.add("loss_scale_window")
+    hysteresis, auto = _fp16_integer(
+        fp16, "hysteresis", 1, math.inf, "a number of overflows >= 1 (with 0 DeepSpeed never lowers the scale)"
+    )
+    opts["loss_scale_hysteresis"] = hysteresis
+    if auto:
+        from_auto.add("loss_scale_hysteresis")
+    floor, auto = _fp16_integer(fp16, "min_loss_scale", 1, math.inf, "an integer >= 1 (DeepSpeed's floor is whole)")
+    opts["min_loss_scale"] = float(floor)
+    if auto:
+        from_auto.add("min_loss_scale")
+    if 2.0**power < floor:
+        raise ZeroFXError(
+            f"DeepSpeed config: fp16.initial_scale_power={power} starts the scale at {2.0**power:g}, below "
+            f"fp16.min_loss_scale={floor}: start at or above the floor"
+        )
+    consecutive = fp16.get("consecutive_hysteresis", False)
+    if consecutive != "auto" and _flag(consecutive, "fp16.consecutive_hysteresis"):
+        raise ZeroFXError(
+            "DeepSpeed config: fp16.consecutive_hysteresis=true: zerofx refills the hysteresis when the scale grows "
+            "(DeepSpeed's default, false), not after every good step; remove the key or set it false"
+        )
+
+
+def from_deepspeed(
+    config: Any, *, hidden_size: int | None = None, data_parallel_size: int | None = None
+) -> DeepSpeedTranslation:
+    """Translate a DeepSpeed config (a dict or a JSON file's path); raises on what it cannot honour.
+    ``data_parallel_size`` (the ranks a batch is split over) checks the batch sizes as DeepSpeed
+    does; without it they are checked against the process group's world size (``_check_batch_sizes``)."""
     cfg = _load(config)
     _check_keys(cfg, _TOP, "")
     out = DeepSpeedTranslation()
     opts, notes = out.options, out.warnings
+    _not_followed(cfg, _NOT_FOLLOWED, "", notes)
+
+    # -- the stage first: what DeepSpeed does with some precision keys depends on it -------------------
+    zero = cfg.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ZeroFXError(f"DeepSpeed config: zero_optimization must be an object, got {_shown(zero)}")
+    zero = _stage3_spellings(zero)
+    _check_keys(zero, _ZERO, "zero_optimization")
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ZeroFXError(f"DeepSpeed config: zero_optimization.stage={stage!r}: choose 1, 2 or 3")
+    stage = int(stage)  # (3.0 from a JSON writer that prints floats)
+    if stage == 0:
+        raise ZeroFXError(
+            "DeepSpeed config: zero_optimization.stage is 0 (or missing): that is plain data "
+            "parallelism (use torch DDP); zerofx runs ZeRO stages 1, 2 and 3"
+        )
 
     # -- precision ---------------------------------------------------------------------------------
     bf16 = cfg.get("bf16", cfg.get("bfloat16", {}))
     if "bf16" in cfg and "bfloat16" in cfg:
         raise ZeroFXError("DeepSpeed config: both bf16 and bfloat16 are given; keep one")
-    _check_keys(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"}, "bf16")
+    _check_keys(bf16, _BF16_KEYS, "bf16")
     fp16 = cfg.get("fp16", {})
     _check_keys(fp16, _FP16_KEYS, "fp16")
-    if "amp" in cfg and _enabled(cfg["amp"], "amp") is True:
-        raise ZeroFXError("DeepSpeed config: amp (NVIDIA apex) is not supported; use bf16 or fp16")
+    if "amp" in cfg:
+        if not isinstance(cfg["amp"], dict):
+            raise ZeroFXError(f"DeepSpeed config: amp must be an object, got {_shown(cfg['amp'])}")
+        if _enabled(cfg["amp"], "amp") is True:
+            raise ZeroFXError("DeepSpeed config: amp (NVIDIA apex) is not supported; use bf16 or fp16")
     b, f = _enabled(bf16, "bf16"), _enabled(fp16, "fp16")
     if b is True and f is True:
         raise ZeroFXError("DeepSpeed config: bf16.enabled and fp16.enabled are both true; choose one")
@@ -297,12 +548,9 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
     if b is True:
         opts["param_dtype"] = torch.bfloat16
     # keys zerofx does not follow, also under "auto" (the HF Trainer's configs, precision from --bf16)
-    if b in (True, "auto") and bf16.get("check_grad_overflow") is True:
-        notes.append(
-            "bf16.check_grad_overflow=true: zerofx does not skip a bf16 step whose gradients hold inf or "
-            "NaN; to skip such steps, check torch.isfinite(torch.nn.utils.clip_grad_norm_(...)) before "
-            "optimizer.step()"
-        )
+    if b in (True, "auto"):
+        _not_followed(bf16, _BF16_NOT_FOLLOWED, "bf16.", notes)
+        _bf16_overflow_note(bf16, stage, notes)
     if b in (True, "auto") and "immediate_grad_update" in bf16:
         notes.append(
             "bf16.immediate_grad_update has no effect: zerofx accumulates gradients in the reduce dtype "
@@ -310,26 +558,11 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
         )
     if f is True:
         opts["param_dtype"] = torch.float16
-        scale = fp16.get("loss_scale", 0)
-        if scale not in (0, 0.0):
-            raise ZeroFXError(
-                f"DeepSpeed config: fp16.loss_scale={scale!r} is a static loss scale; zerofx scales "
-                "dynamically: set loss_scale to 0"
-            )
-        opts["loss_scale"] = "dynamic"
-        if "initial_scale_power" in fp16:
-            opts["initial_loss_scale"] = 2.0 ** fp16["initial_scale_power"]
-        if "loss_scale_window" in fp16:
-            opts["loss_scale_window"] = fp16["loss_scale_window"]
-        if fp16.get("auto_cast") is False:
+        _fp16_scaling(fp16, opts, out.from_auto)
+        if fp16.get("auto_cast", "auto") != "auto" and not _flag(fp16["auto_cast"], "fp16.auto_cast"):
             notes.append("fp16.auto_cast=false has no effect: zerofx casts floating inputs to param_dtype")
-        ignored = sorted(set(fp16) & {"hysteresis", "consecutive_hysteresis", "min_loss_scale"})
-        if ignored:
-            notes.append(
-                f"fp16.{', fp16.'.join(ignored)}: zerofx's dynamic scaling (torch's ShardedGradScaler) backs "
-                "off at every overflow, with no hysteresis or floor"
-            )
-    if f in (True, "auto") and fp16.get("fp16_master_weights_and_grads") is True:
+    master = fp16.get("fp16_master_weights_and_grads", False)
+    if f in (True, "auto") and master != "auto" and _flag(master, "fp16.fp16_master_weights_and_grads"):
         notes.append(
             "fp16.fp16_master_weights_and_grads=true: zerofx keeps fp32 master weights and gradient "
             "shards (param_dtype is the compute dtype only)"
@@ -340,7 +573,7 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
             raise ZeroFXError(f"DeepSpeed config: communication_data_type={name!r}: choose one of {sorted(_DTYPES)}")
         opts["reduce_dtype"] = _DTYPES[name]
     data_types = cfg.get("data_types", {})
-    _check_keys(data_types, {"grad_accum_dtype"}, "data_types")
+    _check_keys(data_types, _DATA_TYPES_KEYS, "data_types")
     if data_types.get("grad_accum_dtype") is not None:
         name = data_types["grad_accum_dtype"]
         if name not in _DTYPES:
@@ -354,6 +587,7 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
                 "them in (reduce_dtype); give one dtype"
             )
         opts["reduce_dtype"] = _DTYPES[name]
+    _data_types(data_types, b, f, notes)
     autocast = cfg.get("torch_autocast", {})
     _check_keys(autocast, {"enabled", "dtype", "lower_precision_safe_modules"}, "torch_autocast")
     if _enabled(autocast, "torch_autocast") is not False:
@@ -375,18 +609,8 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
         )
 
     # -- ZeRO --------------------------------------------------------------------------------------
-    zero = _stage3_spellings(cfg.get("zero_optimization", {}))
-    _check_keys(zero, _ZERO, "zero_optimization")
-    stage = zero.get("stage", 0)
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ZeroFXError(f"DeepSpeed config: zero_optimization.stage={stage!r}: choose 1, 2 or 3")
-    stage = int(stage)  # (3.0 from a JSON writer that prints floats)
-    if stage == 0:
-        raise ZeroFXError(
-            "DeepSpeed config: zero_optimization.stage is 0 (or missing): that is plain data "
-            "parallelism (use torch DDP); zerofx runs ZeRO stages 1, 2 and 3"
-        )
     opts["stage"] = stage
+    _not_followed(zero, _ZERO_NOT_FOLLOWED, "zero_optimization.", notes)
     hpz = zero.get("zero_hpz_partition_size", 1)
     if hpz not in (0, 1):  # hpZ's group is the mesh's inner dimension, which a config cannot give
         raise ZeroFXError(
@@ -395,24 +619,25 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
             "remove the key"
         )
     for key, what in _ZERO_UNSUPPORTED.items():
-        if zero.get(key):
+        if bool(zero.get(key)) if key == "mics_shard_size" else _switch(zero, key, False):
             raise ZeroFXError(f"DeepSpeed config: zero_optimization.{key}={zero[key]!r}: {what} is not in zerofx yet")
-    if zero.get("zero_quantized_weights"):  # ZeRO++ qwZ: int8 blocks, as DeepSpeed's default
+    if _switch(zero, "zero_quantized_weights", False):  # ZeRO++ qwZ: int8 blocks, as DeepSpeed's default
         opts["quantize_weights"] = "int8"
-    if zero.get("zero_quantized_gradients") and stage == 1:
+    quantized_grads = _switch(zero, "zero_quantized_gradients", False)
+    if quantized_grads and stage == 1:
         raise ZeroFXError(
             "DeepSpeed config: zero_optimization.zero_quantized_gradients at stage 1: zerofx quantizes the "
             "gradient reduce-scatters of stages 2 and 3 (stage 1 reduces once, after the backward); use stage 2 "
             "or 3, or drop the key"
         )
-    if zero.get("zero_quantized_gradients"):  # ZeRO++ qgZ
+    if quantized_grads:  # ZeRO++ qgZ
         opts["quantize_grads"] = "int8"
         notes.append(
             "zero_quantized_gradients: zerofx sends int8 gradient blocks on every hop "
             "(quantize_grads='int8'); pass quantize_grads='int4' for half the bytes"
         )
     for key, default in _ZERO_BUILT_IN.items():
-        if zero.get(key, default) != default:
+        if _switch(zero, key, default) != default:
             notes.append(
                 f"zero_optimization.{key}={zero[key]!r} has no effect: zerofx's collectives always behave "
                 f"as {key}={str(default).lower()}"
@@ -420,7 +645,7 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
     no_effect = sorted(set(zero) & _ZERO_NO_EFFECT)
     if no_effect:
         notes.append(f"zero_optimization.{', zero_optimization.'.join(no_effect)}: no effect in zerofx")
-    if zero.get("overlap_comm", True) is False:
+    if _switch(zero, "overlap_comm", True) is False:
         opts["disable_passes"] = ("schedule",)
     _offload(zero, stage, opts, notes)
 
@@ -469,7 +694,7 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
         ac = cfg["activation_checkpointing"]
         _check_keys(ac, _AC_KEYS, "activation_checkpointing")
         opts["checkpoint"] = "full"
-        if ac.get("cpu_checkpointing"):
+        if _switch(ac, "cpu_checkpointing", False, where="activation_checkpointing"):
             opts["offload_activations"] = "host"
         ignored = sorted(k for k in set(ac) - {"cpu_checkpointing"} if ac[k])
         if ignored:
@@ -480,6 +705,7 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
 
     # -- the training loop's and nobody's ---------------------------------------------------------
     out.training = {k: cfg[k] for k in _TRAINING if k in cfg}
+    _check_batch_sizes(out.training, data_parallel_size)
     if out.training:
         listed = ", ".join(
             f"{k}={v!r}" if not isinstance(v, dict) else f"{k}={v.get('type', '?')}" for k, v in out.training.items()
@@ -495,12 +721,98 @@ def from_deepspeed(config: Any, *, hidden_size: int | None = None) -> DeepSpeedT
     return out
 
 
+def _switch(section: dict, key: str, default: bool, where: str = "zero_optimization") -> bool:
+    """``section[key]`` read as DeepSpeed reads a switch (``_flag``), ``default`` when absent."""
+    return _flag(section[key], f"{where}.{key}") if key in section else default
+
+
+def _bf16_overflow_note(bf16: dict, stage: int, notes: list[str]) -> None:
+    """DeepSpeed skips an optimizer step whose gradients hold inf or NaN in bf16 too: at stages 1
+    and 2 unless ``check_grad_overflow`` is false (its default is true), at stage 3 always (its
+    stage 3 skips a step whose gradient norm is not finite, whatever the key says). zerofx steps
+    on: say so unless the config asks DeepSpeed for what zerofx does."""
+    check = _switch(bf16, "check_grad_overflow", True, where="bf16")
+    skip = "check torch.isfinite(torch.nn.utils.clip_grad_norm_(...)) before optimizer.step() to skip such steps"
+    if stage == 3:
+        notes.append(
+            "bf16: DeepSpeed's stage 3 skips a step whose gradient norm is inf or NaN (whatever "
+            f"bf16.check_grad_overflow says); zerofx does not skip a bf16 step: {skip}"
+        )
+    elif check:
+        given = "true" if "check_grad_overflow" in bf16 else "absent, DeepSpeed's default true"
+        notes.append(
+            f"bf16.check_grad_overflow ({given}): DeepSpeed skips a bf16 step whose gradients hold inf or NaN, "
+            f"zerofx does not skip it: {skip}; or set check_grad_overflow false"
+        )
+
+
+def _data_types(data_types: dict, b: bool | str, f: bool | str, notes: list[str]) -> None:
+    """``data_types``' keys besides ``grad_accum_dtype``: ``param_dtype`` must name the precision
+    bf16 / fp16 turn on (DeepSpeed asserts it); zerofx never casts buffers, so ``buffer_dtype`` is
+    an error and ``keep_in_fp32_modules`` has nothing to keep."""
+    name = data_types.get("param_dtype")
+    if name is not None:
+        dtype = _DTYPES.get(name)
+        if dtype is None:
+            raise ZeroFXError(f"DeepSpeed config: data_types.param_dtype={name!r}: choose one of {sorted(_DTYPES)}")
+        mode = torch.float16 if f is True else torch.bfloat16 if b is True else torch.float32
+        if "auto" not in (b, f) and dtype is not mode:
+            raise ZeroFXError(
+                f"DeepSpeed config: data_types.param_dtype={name!r} but the enabled precision is {mode} "
+                "(bf16.enabled / fp16.enabled): set the matching enabled flag or drop data_types.param_dtype"
+            )
+    if data_types.get("buffer_dtype") is not None:
+        raise ZeroFXError(
+            f"DeepSpeed config: data_types.buffer_dtype={data_types['buffer_dtype']!r} is a DeepSpeed key zerofx "
+            "does not follow: zerofx never casts buffers (BatchNorm's running stats stay fp32); remove it"
+        )
+    if data_types.get("keep_in_fp32_modules", "auto") != "auto":
+        notes.append("data_types.keep_in_fp32_modules: no effect in zerofx, which never casts buffers")
+
+
+def _check_batch_sizes(training: dict, data_parallel_size: int | None) -> None:
+    """DeepSpeed asserts train_batch_size = train_micro_batch_size_per_gpu x
+    gradient_accumulation_steps x the data-parallel size; a loop reading two of them would train
+    another batch than the third says. Checked when all three are numbers: against
+    ``data_parallel_size`` when the caller knows it, else against the process group's world size,
+    which the data-parallel size divides (tensor parallelism takes the rest): then an error only
+    when no divisor fits. Nothing to check without a process group."""
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    values = [training.get(k) for k in keys]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return
+    for key, value in zip(keys, values):
+        if not value > 0:
+            raise ZeroFXError(f'DeepSpeed config: {key}={value!r}: give a number > 0 (or "auto")')
+    batch, micro, steps = values
+    said = (
+        f"train_batch_size={batch!r} is not train_micro_batch_size_per_gpu={micro!r} x "
+        f"gradient_accumulation_steps={steps!r} x the data-parallel size"
+    )
+    if data_parallel_size is not None:
+        if batch != micro * steps * data_parallel_size:
+            raise ZeroFXError(
+                f"DeepSpeed config: {said} ({data_parallel_size}), as DeepSpeed requires; fix one of them or set one "
+                'to "auto"'
+            )
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    if not any(world % size == 0 and batch == micro * steps * size for size in range(1, world + 1)):
+        raise ZeroFXError(
+            f"DeepSpeed config: {said} (the world size {world}, or a divisor of it with tensor parallelism), as "
+            'DeepSpeed requires; fix one of them or set one to "auto"'
+        )
+
+
 def _offload(zero: dict, stage: int, opts: dict, notes: list[str]) -> None:
     sections = {}
     switched_off = False
     for key in ("offload_optimizer", "offload_param"):
-        if key in zero:
+        if zero.get(key) is not None:  # null: DeepSpeed's own "no offload"
             _check_keys(zero[key], _OFFLOAD_KEYS, f"zero_optimization.{key}")
+            _not_followed(zero[key], _OFFLOAD_NOT_FOLLOWED, f"zero_optimization.{key}.", notes)
             device = zero[key].get("device", "none")
             if device not in _TIERS:
                 raise ZeroFXError(
@@ -520,8 +832,10 @@ def _offload(zero: dict, stage: int, opts: dict, notes: list[str]) -> None:
                     f"zero_optimization.{key}.ratio={ratio!r} (partial offload): zerofx offloads all of it "
                     "(less device memory than asked, more host traffic)"
                 )
-    if zero.get("cpu_offload"):  # DeepSpeed's old spelling of offload_optimizer.device=cpu
-        sections.setdefault("offload_optimizer", {"device": "cpu"})
+    # DeepSpeed's old spellings of offload_optimizer.device=cpu and offload_param.device=cpu
+    for old, key in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if _switch(zero, old, False):
+            sections.setdefault(key, {"device": "cpu"})
     if "offload_param" in sections and stage != 3:
         raise ZeroFXError(
             f"DeepSpeed config: zero_optimization.offload_param is for stage 3 (parameters are whole "
@@ -547,6 +861,19 @@ def _offload(zero: dict, stage: int, opts: dict, notes: list[str]) -> None:
         opts["offload_dir"] = paths.pop()
 
 
+def _same(name: str, a: Any, b: Any) -> bool:
+    """Whether a keyword and the config's option say the same thing, however spelled: dtypes as
+    Options reads them ("bf16" is torch.bfloat16; a float32 param_dtype is None), folders as one
+    path ("/x/nv/" is "/x/nv")."""
+    if name in ("param_dtype", "reduce_dtype"):
+        a, b = _dtype(name, a), _dtype(name, b)
+        if name == "param_dtype":
+            a, b = (None if d is torch.float32 else d for d in (a, b))
+    elif name == "offload_dir" and isinstance(a, (str, os.PathLike)) and isinstance(b, (str, os.PathLike)):
+        a, b = (os.path.normpath(os.path.abspath(os.fspath(p))) for p in (a, b))
+    return a == b
+
+
 def merge_with_keywords(translation: DeepSpeedTranslation, keywords: dict[str, Any]) -> dict[str, Any]:
     """The config's options overridden by ``zerofx.compile``'s keyword arguments where the config
     said "auto" (or nothing); a keyword that contradicts an explicit config value raises."""
@@ -555,7 +882,7 @@ def merge_with_keywords(translation: DeepSpeedTranslation, keywords: dict[str, A
         if name == "disable_passes" and name in merged:  # passes turned off: both lists' (overlap_comm=false adds one)
             merged[name] = tuple(dict.fromkeys((*merged[name], *((value,) if isinstance(value, str) else value))))
             continue
-        if name in merged and name not in translation.from_auto and merged[name] != value:
+        if name in merged and name not in translation.from_auto and not _same(name, merged[name], value):
             raise ZeroFXError(
                 f"option {name}={value!r} contradicts the DeepSpeed config, which gives "
                 f"{merged[name]!r}; change one of them"

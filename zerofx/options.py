@@ -96,6 +96,8 @@ class LayoutPolicy:
     loss_scale: str | None = None
     initial_loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
+    loss_scale_hysteresis: int = 1
+    min_loss_scale: float | None = None
     local_optimizer_step: bool = True
     plain_graph_inputs: bool = True
     secondary_shard: bool = False
@@ -150,6 +152,20 @@ class LayoutPolicy:
             or self.loss_scale_window < 1
         ):
             raise ZeroFXError(f"option loss_scale_window={self.loss_scale_window!r}: give a number of steps >= 1")
+        hysteresis = self.loss_scale_hysteresis
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
+            raise ZeroFXError(
+                f"option loss_scale_hysteresis={hysteresis!r}: give a number of overflows >= 1 (1: every overflow "
+                "halves the scale)"
+            )
+        floor = self.min_loss_scale
+        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float)) or not floor > 0):
+            raise ZeroFXError(f"option min_loss_scale={floor!r}: give a number > 0, or None for no floor")
+        if floor is not None and isinstance(self.initial_loss_scale, (int, float)) and self.initial_loss_scale < floor:
+            raise ZeroFXError(
+                f"option initial_loss_scale={self.initial_loss_scale!r} is below min_loss_scale={floor!r}: start "
+                "at or above the floor"
+            )
 
 
 # Options that decide how parameters are laid out: they take effect where the model is sharded
@@ -340,7 +356,7 @@ class Options:
             backward. 2: every rank keeps whole parameters (refreshed by one all-gather after
             each optimizer step); gradients and optimizer state are 1/N. 1: whole parameters and
             a whole gradient buffer, reduced once per accumulation boundary; optimizer state 1/N.
-        persistence_threshold: stage 3 only: parameters with fewer elements than this stay
+        persistence_threshold: stage 3 only: parameters with at most this many elements stay
             whole on every rank (gradients all-reduced), trading a little memory for fewer,
             larger collectives (DeepSpeed's ``stage3_param_persistence_threshold``). 0: none.
         param_dtype: compute dtype (``torch.bfloat16`` / ``torch.float16``, or "bf16"/"fp16").
@@ -359,6 +375,16 @@ class Options:
             get it with ``zerofx.loss_scaler(model)``. Required with fp16 (param or reduce dtype).
         initial_loss_scale: the first loss scale (2**16, as DeepSpeed and torch.amp).
         loss_scale_window: good steps before the scale doubles.
+        loss_scale_hysteresis: overflows it takes to halve the scale (DeepSpeed's fp16
+            ``hysteresis``): an overflow with more than one left skips the step and uses one up,
+            keeping the scale; they are all back when the scale next grows. 1 (default): every
+            overflow halves it, as torch's GradScaler. Above 1, or with ``min_loss_scale``, the
+            scale follows DeepSpeed's DynamicLossScaler step for step, its first growth included
+            (after ``loss_scale_window`` + 1 good steps, then every ``loss_scale_window``;
+            zerofx/runtime/loss_scaling.py, NOTE: DeepSpeed's scale schedule).
+        min_loss_scale: the scale's floor (DeepSpeed's fp16 ``min_loss_scale``): halving stops
+            there, and an overflow with the scale at the floor raises (as DeepSpeed ends the run).
+            None (default): no floor.
         local_optimizer_step: let elementwise ``torch.optim`` optimizers (SGD, Adam, AdamW, ...)
             built over the model step each rank's local shards directly instead of going through
             DTensor's dispatch op by op, from their second step on (zerofx/runtime/local_step.py). Same

@@ -3,8 +3,8 @@
 After ``shard(model, mesh, **options)``:
 
 * every parameter is a ``DTensor``: ``Shard(0)`` over the mesh (torch.chunk rows, see
-  ``zerofx.ir.layout`` NOTE: shard layout), or ``Replicate()`` for parameters below the persistence
-  threshold. So ``model.parameters()`` are what the optimizer steps in every ZeRO stage: any
+  ``zerofx.ir.layout`` NOTE: shard layout), or ``Replicate()`` for parameters at or below the
+  persistence threshold. So ``model.parameters()`` are what the optimizer steps in every ZeRO stage: any
   ``torch.optim`` optimizer keeps 1/N of the state, ``clip_grad_norm_`` computes the global
   norm, and ``state_dict()`` is ready for ``torch.distributed.checkpoint``;
 * on a 2-D mesh ``(replicate, shard)`` (hybrid sharding) placements are
@@ -569,7 +569,9 @@ def _make_state(
     # largest share, so that all of them keep a parameter whole or all shard it (the
     # whole-tensor step's TP exchange pairs them up: zerofx/runtime/whole_step.py)
     size = param.numel() if tp is None else _largest_share(tp)
-    whole = param.dim() == 0 or (opts.stage == 3 and size < opts.persistence_threshold)
+    # at most the threshold stays whole, as DeepSpeed's numel <= stage3_param_persistence_threshold; 0 keeps none
+    threshold = opts.persistence_threshold
+    whole = param.dim() == 0 or (opts.stage == 3 and threshold > 0 and size <= threshold)
     dim = 0 if whole else _shard_dim(qualname, param, shard_group.size, opts, tp is not None or tp_mesh is not None)
     placements = [Replicate() if whole else Shard(dim)]
     if hybrid:

@@ -15,19 +15,119 @@ own. Use it as any GradScaler::
     scaler.step(optimizer)      # skipped when a gradient is inf/nan anywhere
     scaler.update()             # back off or grow the scale
 
-Its state (the scale and the good-step count) is saved by ``zerofx.checkpoint``.
+With ``loss_scale_hysteresis`` above 1 or a ``min_loss_scale`` (what a DeepSpeed config's fp16
+section gives by default: hysteresis 2, floor 1), the scaler is ``HysteresisGradScaler``: the
+same scaler with DeepSpeed's rule for changing the scale (NOTE: DeepSpeed's scale schedule).
+
+Its state (the scale and the good-step count, and the hysteresis left) is saved by
+``zerofx.checkpoint``.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from zerofx.errors import ZeroFXError
 from zerofx.options import Options
 from zerofx.runtime.params import runtime_of
 
-__all__ = ["make_loss_scaler", "loss_scaler"]
+__all__ = ["HysteresisGradScaler", "make_loss_scaler", "loss_scaler"]
+
+
+# NOTE: DeepSpeed's scale schedule. DeepSpeed's DynamicLossScaler (deepspeed/runtime/fp16/
+# loss_scaler.py, 0.19.8) differs from torch's GradScaler in three ways, all kept here so that a
+# DeepSpeed config trains with DeepSpeed's scales step for step:
+# - hysteresis: an overflow first uses up one of ``hysteresis`` tolerated overflows (the step is
+#   still skipped, the scale kept); only an overflow with one left halves the scale. What is used
+#   up is refilled when the scale grows, not by good steps in between, and not when it halves: once
+#   down to one, every overflow halves until the next growth.
+# - a floor: the scale never goes below ``min_scale``; an overflow that would take it lower when
+#   it is already there ends the run (DeepSpeed raises too): no smaller scale can help.
+# - growth counting: DeepSpeed counts good steps from the step after the last overflow (or the
+#   first step), so its first growth comes after window + 1 good steps, later ones after window.
+#   Here that is torch's growth tracker started at -1 (at the start and after every overflow)
+#   instead of 0; at 0 after a growth, as torch's.
+# With hysteresis 1 and no floor, torch's own scaler runs (make_loss_scaler), so the plain options
+# keep torch's schedule bit for bit.
+
+
+class HysteresisGradScaler(ShardedGradScaler):
+    """torch's ``ShardedGradScaler`` changing its scale by DeepSpeed's rule: ``hysteresis``
+    overflows before the scale halves, a floor ``min_scale`` (None: none), growth counted as
+    DeepSpeed counts it (NOTE: DeepSpeed's scale schedule). Everything else (scaling, the
+    all-reduced inf check, skipping the step) is torch's. ``update`` reads the inf flag on the
+    host: one device sync per optimizer step, as DeepSpeed's own check."""
+
+    def __init__(self, *, hysteresis: int, min_scale: float | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._hysteresis = hysteresis
+        self._hysteresis_left = hysteresis
+        self._min_scale = _float32(min_scale)
+        self._init_growth_tracker = -1  # DeepSpeed's first growth comes one good step later
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if new_scale is not None or not self._enabled:
+            super().update(new_scale)  # a scale set by hand leaves the counters alone, as torch's
+            return
+        scale, tracker = self._check_scale_growth_tracker("update")
+        found = [f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
+        if not found:
+            super().update()  # torch's error: no inf check was recorded since the last update
+            return
+        overflow = sum(float(f.sum()) for f in found) > 0
+        current = float(scale)
+        good = int(tracker)
+        if overflow:
+            good = -1
+            if self._hysteresis_left > 1:
+                self._hysteresis_left -= 1
+            elif self._min_scale is not None and current <= self._min_scale:
+                raise ZeroFXError(
+                    f"option min_loss_scale: the fp16 loss scale is at its floor ({current:g}) and the gradients "
+                    "still overflow (the step was skipped); DeepSpeed ends the run here too: look for inf/NaN in "
+                    "the loss or the data, or lower the learning rate"
+                )
+            else:
+                current *= self._backoff_factor
+                if self._min_scale is not None:
+                    current = max(current, self._min_scale)
+        else:
+            good += 1
+            if good >= self._growth_interval:
+                current *= self._growth_factor
+                good = 0
+                self._hysteresis_left = self._hysteresis
+        tracker.fill_(good)
+        super().update(current)  # sets the scale and clears the step's inf checks
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's entries (the growth tracker may be -1: see NOTE: DeepSpeed's scale schedule)
+        and ``hysteresis``, ``min_scale`` and ``_hysteresis_left``; plain numbers, for the JSON
+        file ``zerofx.checkpoint`` writes."""
+        state = super().state_dict()
+        if state:
+            state.update(hysteresis=self._hysteresis, min_scale=self._min_scale, _hysteresis_left=self._hysteresis_left)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, whose saved growth interval replaces the constructor's: the saved hysteresis
+        and floor do too. A plain GradScaler's state (no hysteresis) starts with all of it left."""
+        super().load_state_dict(state_dict)
+        if self._enabled:
+            self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
+            self._min_scale = _float32(state_dict.get("min_scale", self._min_scale))
+            self._hysteresis_left = int(state_dict.get("_hysteresis_left", self._hysteresis))
+
+
+def _float32(value: float | None) -> float | None:
+    """``value`` as the float32 scale tensor holds it, so that a scale floored there compares
+    equal to the floor (0.1 is not a float32)."""
+    return None if value is None else torch.tensor(float(value), dtype=torch.float32).item()
 
 
 def make_loss_scaler(opts: Options, mesh: DeviceMesh):
@@ -35,11 +135,14 @@ def make_loss_scaler(opts: Options, mesh: DeviceMesh):
     process group, which spans every rank of the mesh (1-D or 2-D)."""
     if opts.loss_scale != "dynamic":
         return None
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    return ShardedGradScaler(
-        device=mesh.device_type, init_scale=opts.initial_loss_scale, growth_interval=opts.loss_scale_window
-    )
+    kwargs = {
+        "device": mesh.device_type,
+        "init_scale": opts.initial_loss_scale,
+        "growth_interval": opts.loss_scale_window,
+    }
+    if opts.loss_scale_hysteresis == 1 and opts.min_loss_scale is None:
+        return ShardedGradScaler(**kwargs)
+    return HysteresisGradScaler(hysteresis=opts.loss_scale_hysteresis, min_scale=opts.min_loss_scale, **kwargs)
 
 
 def loss_scaler(model: nn.Module):
