@@ -557,6 +557,48 @@ def test_hf_trainer_refuses_a_deepspeed_config_that_contradicts_training_argumen
             )
 
 
+def test_hf_trainer_refuses_optimizer_and_scheduler_sections_that_train_otherwise(tmp_path):
+    """HF's DeepSpeed integration trains with the config's optimizer and scheduler and refuses
+    explicit values TrainingArguments contradict; the Trainer here builds both from the
+    arguments, so such a section used to be a warning and a run with another learning rate,
+    betas, weight decay and schedule (zerofx/hf.py, NOTE: the config's optimizer and scheduler)."""
+    from tests.multirank import one_rank_mesh
+    from zerofx.hf import ZeroFXTrainer
+
+    optimizer = {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
+    scheduler = {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 3e-4, "warmup_num_steps": 10}}
+    with one_rank_mesh(str(tmp_path / "pg")) as mesh:
+
+        def trainer(config, **arguments):
+            args = hs.trainer_args(str(tmp_path / "run"), 1, **arguments)
+            config = {"zero_optimization": {"stage": 3}, **config}
+            return ZeroFXTrainer(
+                model=hs.tiny_llama(), args=args, train_dataset=hs.TokenDataset(), mesh=mesh, zerofx_config=config
+            )
+
+        with pytest.raises(ZeroFXError) as refused:
+            trainer({"optimizer": optimizer, "scheduler": scheduler})
+        said = str(refused.value)
+        for part in ("optimizer.params.lr=0.0003", "betas=[0.9, 0.95]", "weight_decay=0.1", "warmup_max_lr=0.0003"):
+            assert part in said, said
+        with pytest.raises(ZeroFXError, match=r"scheduler.type='WarmupLR' but .* lr_scheduler_type='constant'"):
+            trainer({"scheduler": {"type": "WarmupLR", "params": {}}})
+        with pytest.raises(ZeroFXError, match=r"optimizer.type='Lamb'"):
+            trainer({"optimizer": {"type": "Lamb", "params": {}}})
+        # what the arguments give (or "auto") is what HF would fill in: accepted, with one warning
+        with pytest.warns(UserWarning, match="sections are not used"):
+            trainer(
+                {"optimizer": optimizer, "scheduler": scheduler},
+                learning_rate=3e-4,
+                adam_beta2=0.95,
+                weight_decay=0.1,
+                warmup_steps=10,
+                lr_scheduler_type="linear",
+            )
+        with pytest.warns(UserWarning, match="sections are not used"):
+            trainer({"optimizer": {"type": "Adam", "params": dict.fromkeys(optimizer["params"], "auto")}})
+
+
 def test_hf_trainer_fills_deepspeed_precision_auto_from_its_flags(tmp_path):
     """bf16.enabled="auto" under --bf16 is bf16 training (bf16 parameters, fp32 master weights),
     as HF's DeepSpeed integration resolves it; without the flag it is fp32; an explicit value the

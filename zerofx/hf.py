@@ -165,15 +165,92 @@ def _check_loop_settings(training: dict[str, Any], args: TrainingArguments) -> N
         for key in wanted
         if key in training and training[key] != "auto" and training[key] != wanted[key]
     ]
+    clashes += _optimizer_clashes(training.get("optimizer"), args) + _scheduler_clashes(training.get("scheduler"), args)
     if clashes:
         raise ZeroFXError("ZeroFXTrainer: the DeepSpeed config contradicts TrainingArguments: " + "; ".join(clashes))
     ignored = [k for k in ("optimizer", "scheduler") if k in training]
     if ignored:
         warnings.warn(
             f"zerofx: DeepSpeed config: {' and '.join(ignored)} sections are not used: the Trainer builds them "
-            "from TrainingArguments (optim, learning_rate, lr_scheduler_type, ...)",
+            "from TrainingArguments (optim, learning_rate, lr_scheduler_type, ...), which agree with what they give",
             stacklevel=3,
         )
+
+
+# NOTE: the config's optimizer and scheduler under the Trainer
+# With HF's DeepSpeed integration the config's optimizer and scheduler sections are what trains
+# (DeepSpeed builds them), their "auto" values filled from TrainingArguments and an explicit value
+# that contradicts them an error (transformers' HfTrainerDeepSpeedConfig.fill_match). Under
+# ZeroFXTrainer the Trainer builds both from TrainingArguments; a section that says something else
+# (another learning rate, betas, schedule) would train otherwise than the user's DeepSpeed run did,
+# silently. So what the sections give must be what the arguments give: an Adam/AdamW section with
+# an adamw optimizer, WarmupLR with constant_with_warmup, WarmupDecayLR with linear (the pairs HF
+# documents), and every explicit parameter equal to its argument; values only known once the
+# data is (warmup as a ratio, total steps) are left to the Trainer.
+_OPTIMIZER_ARGS = {
+    "lr": lambda a: a.learning_rate,
+    "betas": lambda a: [a.adam_beta1, a.adam_beta2],
+    "eps": lambda a: a.adam_epsilon,
+    "weight_decay": lambda a: a.weight_decay,
+}
+_SCHEDULERS = {"warmuplr": "constant_with_warmup", "warmupdecaylr": "linear"}
+
+
+def _section(section: Any) -> tuple[str, dict]:
+    if not isinstance(section, dict):
+        return "", {}
+    params = section.get("params")
+    return str(section.get("type", "")), params if isinstance(params, dict) else {}
+
+
+def _differs(given: Any, wanted: Any) -> bool:
+    if isinstance(given, str) and given == "auto":
+        return False
+    if isinstance(wanted, list):
+        return not isinstance(given, (list, tuple)) or [float(g) for g in given] != [float(w) for w in wanted]
+    try:
+        return float(given) != float(wanted)
+    except (TypeError, ValueError):
+        return True
+
+
+def _optimizer_clashes(section: Any, args: TrainingArguments) -> list[str]:
+    """What the config's optimizer section gives that TrainingArguments do not (NOTE: the
+    config's optimizer and scheduler under the Trainer)."""
+    kind, params = _section(section)
+    if not kind:
+        return []
+    optim = str(getattr(args.optim, "value", args.optim))
+    out = []
+    if kind.lower() not in ("adam", "adamw") or not optim.startswith("adamw"):
+        out.append(f"optimizer.type={kind!r} but TrainingArguments give optim={optim!r}")
+    for key, value in params.items():
+        if key in _OPTIMIZER_ARGS and _differs(value, _OPTIMIZER_ARGS[key](args)):
+            out.append(f"optimizer.params.{key}={value!r} but TrainingArguments give {_OPTIMIZER_ARGS[key](args)!r}")
+    return out
+
+
+def _scheduler_clashes(section: Any, args: TrainingArguments) -> list[str]:
+    """The same for the scheduler section: its type's schedule and the values the arguments fix."""
+    kind, params = _section(section)
+    if not kind:
+        return []
+    schedule = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+    out = []
+    if _SCHEDULERS.get(kind.lower()) != schedule:
+        pair = ", ".join(
+            f"{k} with {v}" for k, v in (("WarmupLR", "constant_with_warmup"), ("WarmupDecayLR", "linear"))
+        )
+        out.append(
+            f"scheduler.type={kind!r} but TrainingArguments give lr_scheduler_type={schedule!r} (the Trainer pairs {pair})"
+        )
+    wanted = {"warmup_max_lr": args.learning_rate, "warmup_min_lr": 0}
+    if args.warmup_steps and isinstance(args.warmup_steps, int) and args.warmup_steps >= 1:
+        wanted["warmup_num_steps"] = args.warmup_steps
+    for key, value in params.items():
+        if key in wanted and _differs(value, wanted[key]):
+            out.append(f"scheduler.params.{key}={value!r} but TrainingArguments give {wanted[key]!r}")
+    return out
 
 
 def _with_trainer_precision(config: Any, args: TrainingArguments) -> Any:
