@@ -25,7 +25,13 @@ A repetition's outcome per scenario: ``crash`` (a rank died or raised outside it
 ``timeout`` (no result within ``--timeout``), ``mismatch`` (a rank's scenario returned an
 ``error`` or a non-empty ``failures`` list, or its losses / parameter errors differ bitwise from
 the first repetition's: the sleeps move only host code against gloo's threads, never the
-arithmetic), else ``ok``. The summary counts each; the exit status is 1 unless all are ok.
+arithmetic), else ``ok``. The stages' results are also judged by tests/test_zero_stages.py's own
+assertions (``stages_checks``: the file run by pytest on the repetition's recorded results, its
+checkpoint folder included: resumed and resharded trajectories, loss scaling, pickled state
+dicts, memory per stage), which needs ``--stage-steps`` at the file's ``STEPS``. The memory and
+parity scenarios are judged by their ranks' ``failures`` and by drift only: tests/test_memory.py's
+bounds run at world sizes a stress run does not. The summary counts each; the exit status is 1
+unless all are ok.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,9 +48,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tests.multirank import run_ranks
+from tests.multirank import REPLAY, run_ranks
 
 MALLOC_DEBUG_LIB = "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGE_STEPS = 3  # tests/test_zero_stages.py's STEPS: its assertions judge the stages at that length
 FINGERPRINT_KEYS = ("losses", "ref_losses", "param_error", "grad_rel_err", "norms")
 
 
@@ -141,8 +151,14 @@ class RankEnv:
                 os.environ[k] = v
 
 
+# a spinner stops when the driver is gone, however it went (killed with SIGKILL, too)
+# (the driver's pid is passed: a spinner reading its parent at start-up could find the driver gone already)
+SPIN = "import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent: pass"
+
+
 class Contention:
-    """``n`` busy-looping processes for the duration of the block, always killed (by pid)."""
+    """``n`` busy-looping processes for the duration of the block, killed (by pid) at its end;
+    each also stops by itself when its parent (this driver) is gone."""
 
     def __init__(self, n: int):
         self.n = n
@@ -150,7 +166,9 @@ class Contention:
 
     def __enter__(self) -> Contention:
         for _ in range(self.n):
-            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            # no pipe of the driver's held open: whoever reads its output sees it end with the driver
+            quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+            self.procs.append(subprocess.Popen([sys.executable, "-c", SPIN, str(os.getpid())], **quiet))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -189,9 +207,38 @@ def run_one(
             seconds = time.monotonic() - start
             text = str(e)
             status = "timeout" if "sent no result" in text and seconds >= timeout else "crash"
-            return Outcome(name, repetition, status, seconds, [text[-4000:]]), None
+            return Outcome(name, repetition, status, seconds, [text[-4000:]]), None, None
     problems, prints = judge(per_rank, baseline)
-    return Outcome(name, repetition, "mismatch" if problems else "ok", time.monotonic() - start, problems), prints
+    outcome = Outcome(name, repetition, "mismatch" if problems else "ok", time.monotonic() - start, problems)
+    return outcome, prints, per_rank
+
+
+def check_with_tests(
+    test_file: str, name: str, recorded: Any, repetition: int, timeout: float, pytest_args: tuple = ()
+) -> Outcome:
+    """``test_file``'s tests on ``recorded`` (what its fixture hands them in place of running the
+    ranks: tests/multirank.py ``replayed``), in a pytest process of their own, bounded by
+    ``timeout``: ``ok``, or ``mismatch`` naming the failed tests."""
+    start = time.monotonic()
+    with tempfile.NamedTemporaryFile("wb", suffix=".pkl", delete=False) as f:
+        pickle.dump({name: recorded}, f)
+    try:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args, test_file]
+        run = subprocess.run(
+            cmd, cwd=ROOT, env={**os.environ, REPLAY: f.name}, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return Outcome(f"{name}_checks", repetition, "timeout", time.monotonic() - start)
+    finally:
+        os.unlink(f.name)
+    seconds = time.monotonic() - start
+    if run.returncode == 0:
+        return Outcome(f"{name}_checks", repetition, "ok", seconds)
+    lines = run.stdout.splitlines()
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))] or lines[-5:] + run.stderr.splitlines()[
+        -5:
+    ]
+    return Outcome(f"{name}_checks", repetition, "mismatch", seconds, failed)
 
 
 def scenarios(args: argparse.Namespace, folder: str) -> dict[str, tuple[Callable, int, tuple]]:
@@ -211,18 +258,28 @@ def scenarios(args: argparse.Namespace, folder: str) -> dict[str, tuple[Callable
 def stress(args: argparse.Namespace, log: Callable[[str], None] = print) -> list[Outcome]:
     outcomes: list[Outcome] = []
     baselines: dict[str, dict] = {}
+
+    def logged(outcome: Outcome, rep: int) -> None:
+        outcomes.append(outcome)
+        log(
+            f"[{rep + 1}/{args.repeat}] {outcome.scenario}: {outcome.status} ({outcome.seconds:.0f} s)"
+            + "".join(f"\n    {d}" for d in outcome.details[:10])
+        )
+
     with Contention(args.busy), tempfile.TemporaryDirectory(prefix="zerofx-stress-") as tmp:
         for rep in range(args.repeat):
             env = rank_env(args.seed + rep, args.delay_ms, args.perturb, args.malloc_debug)
-            for name, (fn, world, fargs) in scenarios(args, os.path.join(tmp, f"rep{rep}")).items():
-                outcome, prints = run_one(name, fn, fargs, world, args.timeout, env, rep, baselines.get(name))
+            folder = os.path.join(tmp, f"rep{rep}")
+            stages = {"folder": os.path.join(folder, "stages")}
+            for name, (fn, world, fargs) in scenarios(args, folder).items():
+                outcome, prints, per_rank = run_one(name, fn, fargs, world, args.timeout, env, rep, baselines.get(name))
                 if prints is not None and name not in baselines:
                     baselines[name] = prints
-                outcomes.append(outcome)
-                log(
-                    f"[{rep + 1}/{args.repeat}] {name}: {outcome.status} ({outcome.seconds:.0f} s)"
-                    + "".join(f"\n    {d}" for d in outcome.details[:10])
-                )
+                if name.startswith("stages_") and per_rank is not None:
+                    stages[world] = per_rank
+                logged(outcome, rep)
+            if 2 in stages and 4 in stages and args.stage_steps == STAGE_STEPS:
+                logged(check_with_tests("tests/test_zero_stages.py", "stages", stages, rep, args.timeout), rep)
     return outcomes
 
 
@@ -255,13 +312,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-policies", nargs="+", help="memory: only these policies")
     p.add_argument("--parity-cases", nargs="+", help="parity: only these models")
     p.add_argument("--parity-steps", type=int, default=10)
-    p.add_argument("--stage-steps", type=int, default=5)
+    p.add_argument(
+        "--stage-steps",
+        type=int,
+        default=STAGE_STEPS,
+        help=f"stages: steps per scenario (default {STAGE_STEPS}, the test file's: other lengths skip stages_checks)",
+    )
     p.add_argument("--json", help="write every outcome to this file")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    # a plain kill (a CI cancel, a parent's terminate()) unwinds like Ctrl-C: the spinners and the
+    # temporary folders go with the driver
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     outcomes = stress(args, log=lambda line: print(line, flush=True))
     counts = summary(outcomes)
     for name, c in counts.items():

@@ -10,11 +10,17 @@ no error or failure reported by a rank, and results bit-identical across repetit
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from tests import stress as driver
+from tests.multirank import run_ranks
 from zerofx import stress
 
 
@@ -97,3 +103,64 @@ def test_ci_slice_under_delays_contention_and_poisoning():
     lines: list[str] = []
     outcomes = driver.stress(args, log=lines.append)
     assert [o.status for o in outcomes] == ["ok"] * 4, "\n".join(lines)
+
+
+def test_stage_steps_are_the_stage_tests_own():
+    """stages_checks judges the stages with tests/test_zero_stages.py's assertions, which hold at its length."""
+    from tests import test_zero_stages
+
+    assert driver.STAGE_STEPS == test_zero_stages.STEPS == driver.parser().parse_args([]).stage_steps
+
+
+def test_recorded_results_are_judged_by_the_test_files_own_assertions(tmp_path):
+    """Before, a stages scenario with no ``failures`` key and no losses (a resumed checkpoint's
+    trajectory, a loss scale) was ``ok`` whatever it returned."""
+    test_file = tmp_path / "test_recorded.py"
+    test_file.write_text(
+        "from tests.multirank import replayed\n\n\n"
+        "def test_resumed_is_uninterrupted():\n"
+        '    r = replayed("case")\n'
+        '    assert r["resumed"] == r["uninterrupted"]\n'
+    )
+    good = driver.check_with_tests(str(test_file), "case", {"resumed": [1.0, 0.9], "uninterrupted": [1.0, 0.9]}, 0, 120)
+    bad = driver.check_with_tests(str(test_file), "case", {"resumed": [5.0, 5.0], "uninterrupted": [1.0, 0.9]}, 0, 120)
+    assert (good.scenario, good.status) == ("case_checks", "ok"), good.details
+    assert bad.status == "mismatch" and any("test_resumed_is_uninterrupted" in d for d in bad.details), bad.details
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_busy_processes_stop_when_the_driver_is_gone():
+    """Before, a driver killed without unwinding (SIGKILL, or SIGTERM before it had a handler)
+    left its spinners at 100% CPU for good."""
+    script = "import os\nfrom tests.stress import Contention\nc = Contention(1).__enter__()\nprint(c.procs[0].pid, flush=True)\nos._exit(0)\n"
+    run = subprocess.run([sys.executable, "-c", script], cwd=driver.ROOT, capture_output=True, text=True, timeout=120)
+    pid = int(run.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while not _exited(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stopped = _exited(pid)
+    if not stopped:
+        os.kill(pid, signal.SIGKILL)
+    assert stopped, f"spinner {pid} still running after its driver exited"
+
+
+def test_a_rank_that_exits_without_a_result_fails_the_run_at_once():
+    """Before, a rank that left with status 0 and no result was waited for until the timeout."""
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"ranks \[1\] sent no result"):
+        run_ranks(_leave_quietly_on_rank_1, 2, timeout=120)
+    assert time.monotonic() - start < 60
+
+
+def _leave_quietly_on_rank_1(rank: int, world: int) -> int:
+    if rank == 1:
+        os._exit(0)
+    return rank
