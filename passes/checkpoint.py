@@ -35,11 +35,14 @@ Every rank compiles its own graphs, and a plan decides which parameters the back
 (a recomputed matmul needs its weight again): two ranks with different plans would issue
 different all-gathers and hang. So the planner is deterministic (it iterates in graph order,
 never over sets of nodes), and on more than one rank the checkpoint pass also compares plans:
-every rank sends a hash of its graph's structure and its decision (names of the recomputed and
-offloaded nodes) with an all-gather of the pickled plans over the parameters' process group, and adopts rank
+every rank sends a hash of its graph's structure and its decision (positions of the recomputed
+and offloaded nodes) with an all-gather of the pickled plans over the parameters' process group, and adopts rank
 0's decision when they differ (they can, legitimately: uneven shards make slightly different
 byte counts). Graphs that differ in structure across ranks are an error, as the collectives
-would not match either. torch's partitioner does the same (``_sync_decision_cross_ranks``).
+would not match either. Structure is ops in graph order, not node names, and leaves out size
+inputs nothing reads: a rank whose batch is a view at an offset (its rows of a global batch)
+traces that offset as a symbol of its own, which renumbers its nodes. torch's partitioner does
+the same (``_sync_decision_cross_ranks``).
 
 # NOTE: blocks
 A "block" is the outermost module whose qualified name ends in an index (``blocks.0``,
@@ -67,7 +70,7 @@ import torch
 from torch import fx
 from torch._functorch import config as functorch_config
 from torch._functorch.compile_utils import fx_graph_cse
-from torch._functorch.partitioners import NodeInfo, classify_nodes
+from torch._functorch.partitioners import NodeInfo, classify_nodes, is_sym_node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerofx.errors import ZeroFXError, some_names
@@ -325,12 +328,18 @@ def _agree_across_ranks(
         return plan
     if ctx.before_agreement is not None:  # every rank compiling, or every rank raising (zerofx/backend.py)
         ctx.before_agreement()
-    structure = hashlib.sha256("/".join(f"{n.name}:{n.op}:{n.target}" for n in gm.graph.nodes).encode()).hexdigest()
-    order = problem.order
+    # nodes by position, less unused size inputs: a rank whose input is a view at an offset (its
+    # rows of one global batch) traces its storage offset as a symbol that nothing reads, which
+    # renumbers every later symbol's nodes; the computation, and so the plan, is the same
+    nodes = [n for n in gm.graph.nodes if not (n.op == "placeholder" and not n.users and is_sym_node(n))]
+    index = {n: i for i, n in enumerate(nodes)}
+    structure = hashlib.sha256(
+        "/".join(f"{n.op}:{'' if n.op == 'placeholder' else n.target}" for n in nodes).encode()
+    ).hexdigest()
     mine = (
         structure,
-        [n.name for n in sorted(plan.backward_side, key=order.__getitem__)],
-        [n.name for n in plan.offloaded],
+        sorted(index[n] for n in plan.backward_side if n in index),
+        [index[n] for n in plan.offloaded],
     )
     # compile runs with torch's Python dispatcher on, which would route this blocking collective
     # through Python while holding the GIL; gloo's worker thread needs the GIL to release the
@@ -360,8 +369,7 @@ def _agree_across_ranks(
     first = decisions[0]
     if first[1:] == mine[1:]:
         return plan
-    by_name = {n.name: n for n in gm.graph.nodes}
-    return problem._account({by_name[x] for x in first[1]}, plan.price, {by_name[x] for x in first[2]})
+    return problem._account({nodes[i] for i in first[1]}, plan.price, {nodes[i] for i in first[2]})
 
 
 def checkpoint_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

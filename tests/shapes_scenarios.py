@@ -34,8 +34,12 @@ GATHER_OPS = {
 }
 
 
-def train_lengths(rank: int, world: int, lengths: list[int], options: dict, profile_last: bool = False) -> dict:
-    """One step per entry of ``lengths`` (this rank's sequence length at that step)."""
+def train_lengths(
+    rank: int, world: int, lengths: list[int], options: dict, profile_last: bool = False, rows: bool = False
+) -> dict:
+    """One step per entry of ``lengths`` (this rank's sequence length at that step); with
+    ``rows``, each rank's batch is its rows of one global batch (a view at an offset: rank 1's
+    storage offset becomes a size symbol of its own graphs only)."""
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -47,8 +51,13 @@ def train_lengths(rank: int, world: int, lengths: list[int], options: dict, prof
     ref = ShardedReference(replica, model, lambda ps: torch.optim.AdamW(ps, lr=3e-3))
     failures: list[str] = []
     for step, length in enumerate(lengths):
-        gen = torch.Generator().manual_seed(1000 * step + rank)  # this rank's own data
-        data = torch.randint(0, CFG.vocab_size, (PER_RANK, length + 1), generator=gen)
+        if rows:
+            gen = torch.Generator().manual_seed(1000 * step)  # one global batch, this rank's rows of it
+            data = torch.randint(0, CFG.vocab_size, (PER_RANK * world, length + 1), generator=gen)
+            data = data[rank * PER_RANK : (rank + 1) * PER_RANK]
+        else:
+            gen = torch.Generator().manual_seed(1000 * step + rank)  # this rank's own data
+            data = torch.randint(0, CFG.vocab_size, (PER_RANK, length + 1), generator=gen)
         x, y = data[:, :-1], data[:, 1:]
         last = profile_last and step == len(lengths) - 1  # the symbolic graph: which all-gathers run?
         with profile(activities=[ProfilerActivity.CPU]) if last else contextlib.nullcontext() as prof:
@@ -94,6 +103,11 @@ def scenarios(rank: int, world: int) -> dict:
         out,
         "budget_dynamic_late",
         lambda: train_lengths(rank, world, late, {"dynamic": True, "activation_budget": 0.5}),
+    )
+    attempt(
+        out,
+        "checkpoint_full_rows",
+        lambda: train_lengths(rank, world, [16, 12, 8], {"checkpoint": "full"}, rows=True),
     )
     attempt(out, "one_rank_recompiles", lambda: one_rank_recompiles(rank, world))
     attempt(out, "one_rank_recompiles_stage2", lambda: one_rank_recompiles(rank, world, stage=2))

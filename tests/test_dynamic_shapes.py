@@ -47,6 +47,15 @@ def test_dynamic_true_compiles_once_with_a_plan_agreed_across_ranks(runs):
         assert len(next(iter(r["size_symbols"].values()))) >= 1, r
 
 
+def test_a_plan_agrees_when_a_ranks_batch_is_a_view_at_an_offset(runs):
+    """Each rank's batch its rows of one global batch: rank 1's storage offset is a size symbol
+    nothing reads, which only its graphs have. The plan agreement compared graphs by node names,
+    which that symbol renumbers, and refused a second length as "structurally different" graphs."""
+    for rank, r in enumerate(scenario_results(runs, "checkpoint_full_rows")):
+        assert not r["failures"], f"rank {rank}: " + "\n".join(r["failures"][:10])
+        assert r["unique_graphs"] <= 2, r
+
+
 def test_a_rank_recompiling_alone_under_a_plan_is_an_error_on_every_rank_not_a_hang(runs):
     """Rank 0 recompiles (a batch of one sequence, a size torch specializes) while rank 1 runs
     its graph: the compile joins rank 1's lockstep check, and both ranks raise, naming what each
