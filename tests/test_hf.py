@@ -339,6 +339,26 @@ def test_layer_checkpointing_is_taken_over_only_where_zerofx_can_do_it():
     assert _layer_flags(selective) == flagged and "model.layers.0" in flagged
 
 
+def test_a_taken_over_model_builds_no_kv_cache_in_training(tmp_path):
+    """transformers skips the KV cache in a training forward of a checkpointed model (its decoder
+    stack's flag says so); taking the layers over turned every flag off, and a training forward
+    then returned every layer's keys and values, alive through the backward (about 20% of a
+    4-layer Llama's peak). Without gradients (evaluation, generation) the cache is built as before."""
+    from tests.multirank import one_rank_mesh
+
+    model = hs.tiny_llama()
+    model.activation_checkpointing_enable()
+    with one_rank_mesh(str(tmp_path)) as mesh:
+        zerofx.compile(model, mesh)
+        tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        model.train()
+        out = model(input_ids=tokens, labels=tokens)
+        out.loss.backward()
+        assert out.past_key_values is None
+        with torch.no_grad():
+            assert model(input_ids=tokens).past_key_values is not None
+
+
 def _saved_after_compile(mesh, enable: str) -> int:
     """Bytes the forward of a small Llama (2 layers, width 128, 48 tokens) leaves saved for its
     backward under zerofx, with transformers' activation checkpointing set ``enable``: "never",

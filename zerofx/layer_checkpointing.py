@@ -68,6 +68,26 @@ def _is_layer(module: nn.Module) -> bool:
     return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
 
 
+def _no_cache_in_training(model: nn.Module) -> None:
+    """A checkpointed transformers model builds no KV cache in a forward with gradients in
+    training mode (its decoder stack reads its own flag and forces ``use_cache=False``); with the
+    flags off that forward built one, every layer's keys and values kept alive through the
+    backward while its output is. A forward pre-hook asks the same of the model (once per model;
+    ``use_cache`` is an argument of every transformers model that caches). Without gradients, or
+    in eval mode, the call is left as it is (generation caches as before)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is None or getattr(model, "_zerofx_no_training_cache", False):
+        return
+
+    def no_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if module.training and torch.is_grad_enabled():
+            return args, {**kwargs, "use_cache": False}
+        return None
+
+    model.register_forward_pre_hook(no_cache, with_kwargs=True)
+    model._zerofx_no_training_cache = True
+
+
 def take_over(model: nn.Module, options: Any) -> tuple[Any, str | None]:
     """Turn off the layer checkpointing ``model`` asks for itself and return ``options`` with
     zerofx recomputing those layers instead, and the line saying so (None: nothing to take
@@ -104,6 +124,7 @@ def take_over(model: nn.Module, options: Any) -> tuple[Any, str | None]:
     taken = {path: m._zerofx_checkpointed for path, m in modules.items() if getattr(m, "_zerofx_checkpointed", None)}
     if not taken:
         return options, None
+    _no_cache_in_training(model)
     new = tuple(path for path in taken if path not in options.checkpoint_modules)
     changes: dict[str, Any] = {"checkpoint_modules": (*options.checkpoint_modules, *new)}
     if "offload" in taken.values() and options.offload_activations == "none":
