@@ -11,8 +11,11 @@ from torch import fx
 def module_path(stack_entry: str) -> str:
     """``"L['fn'].__self__.blocks.0.attn"`` (dynamo's spelling) -> ``"blocks.0.attn"``; a
     graph input's source (``L['self']._modules['fc']._parameters['weight']``) -> ``"fc.weight"``;
-    a guard's name (``fn.__self__._modules['fc']...``, dynamo's local without ``L[...]``) too."""
+    a guard's name (``fn.__self__._modules['fc']...``, dynamo's local without ``L[...]``) too;
+    a model reached through a closure (``L['fn'].__closure__[0].cell_contents.blocks.0``: a
+    function calling the model was compiled) the same."""
     s = re.sub(r"^(?:L\['[^']*'\]|\w+(?=\.__self__))", "", stack_entry)
+    s = re.sub(r"\.__closure__\[\d+\]\.cell_contents", "", s)
     s = s.replace(".__self__", "")
     s = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", s)
     s = re.sub(r"\[(\d+)\]", r".\1", s)

@@ -263,11 +263,9 @@ def explain(
             f"split along another dim than 0 (fewer rows than ranks, or shard_placement_fn): {some_names(split, shown=8)}",
         )
 
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return model(*args, **kwargs)
-
     cost = runtime.compiled.cost if compiled_with is not None else None  # (calibrated, where it was)
-    compiled = torch.compile(_enter(run), backend=make_backend(opts, recorder, cost=cost))
+    # the model's own call, as zerofx.compile compiles it: its module paths are the model's
+    compiled = torch.compile(_enter(model._call_impl), backend=make_backend(opts, recorder, cost=cost))
     if backward and runtime is not None and (runtime.pending or not runtime.sync):
         raise ZeroFXError(
             "zerofx.explain(backward=True) inside an accumulation window (zerofx.no_sync) would reduce the "
