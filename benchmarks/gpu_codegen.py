@@ -17,6 +17,15 @@ Three sections, each printed as a table of times and ratios and written to JSON
 Ratios are "x faster than zerofx's Triton" style: ``eager_ms / triton_ms`` (>1 means the
 generated kernels win). A global time budget (``--budget-s``, default 270) skips what is left,
 saying so, rather than running over. Nothing is downloaded: shapes and models are synthetic.
+
+The JSON is rewritten after every row, so a run killed at its caller's limit (gpu_check.py's)
+keeps what it finished (``"complete": false`` until the end). A Triton kernel that fails to
+compile or launch runs its ATen ops instead, by design, which would make a "triton" row time
+ATen: each row records its kernel launches and ATen fallbacks (zerofx.codegen.triton_runtime's
+counters), and every fallback, result out of tolerance or row that raised is listed under
+``"problems"`` (gpu_check.py then calls the section degraded). On a GPU an inherited
+``TRITON_INTERPRET`` is removed before Triton is imported (it would send every kernel to the CPU
+interpreter, which refuses CUDA tensors: all fallbacks).
 """
 
 from __future__ import annotations
@@ -46,8 +55,11 @@ def _parse() -> argparse.Namespace:
 
 
 ARGS = _parse()
+REMOVED_INTERPRET = None
 if ARGS.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (see codegen/triton_runtime.py)
+else:
+    REMOVED_INTERPRET = os.environ.pop("TRITON_INTERPRET", None)  # see the module docstring
 
 
 sys.path.insert(0, str(ROOT))
@@ -62,11 +74,27 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 import zerofx  # noqa: E402
 from zerofx.codegen.fused_adamw import FusedAdamW  # noqa: E402
 from zerofx.codegen.triton_codegen import compile_triton  # noqa: E402
-from zerofx.codegen.triton_runtime import FusedKernel  # noqa: E402
+from zerofx.codegen.triton_runtime import FusedKernel, cache_info, interpreting  # noqa: E402
 
 DEVICE = torch.device("cpu" if ARGS.cpu_smoke else "cuda")
 START = time.perf_counter()
 aten = torch.ops.aten
+RESULTS: dict[str, Any] = {"complete": False, "problems": []}
+
+
+def checkpoint() -> None:
+    """Rewrite the JSON with everything so far (write, then rename: a kill mid-write leaves the
+    previous version, never half a file)."""
+    RESULTS["seconds"] = time.perf_counter() - START
+    out = Path(ARGS.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(RESULTS, indent=2, default=str))
+    os.replace(tmp, out)
+
+
+def problem(text: str) -> None:
+    RESULTS["problems"].append(text)
 
 
 def over_budget(reserve_s: float = 0.0) -> bool:
@@ -168,12 +196,14 @@ def _outputs(o: Any) -> list[torch.Tensor]:
 
 
 def run_regions() -> list[dict]:
-    rows = []
+    rows = RESULTS.setdefault("regions", [])
     for name, fn, inputs, tol in _regions(ARGS.cpu_smoke):
         if over_budget():
             rows.append({"region": name, "note": "skipped: time budget"})
+            checkpoint()
             continue
         row: dict = {"region": name}
+        rows.append(row)
         try:
             gm = make_fx(fn, tracing_mode="fake")(*inputs)
             fused = compile_triton(gm)
@@ -182,11 +212,27 @@ def run_regions() -> list[dict]:
             ref = _outputs(fn(*inputs))
             got = _outputs(fused(*inputs))
             row["max_err"] = max(float((g.float() - r.float()).abs().max()) for g, r in zip(got, ref))
-            failed = [k.kernel.name for k in kernels if k.error]
-            if failed or row["max_err"] > tol * (1 + max(float(r.float().abs().max()) for r in ref)):
-                row["note"] = f"MISMATCH or fallback {failed}"
+            bound = tol * (1 + max(float(r.float().abs().max()) for r in ref))
+            if row["max_err"] > bound:
+                row["mismatch"] = f"max error {row['max_err']:.3g} > {bound:.3g}"
+                problem(f"regions/{name}: {row['mismatch']}")
             row["eager_ms"] = bench_ms(lambda: fn(*inputs))
             row["triton_ms"] = bench_ms(lambda: fused(*inputs))
+            # every call of every kernel counted: any fallback means triton_ms timed some ATen
+            row["launches"] = sum(k.launches for k in kernels)
+            row["fallbacks"] = sum(k.fallbacks for k in kernels)
+            errors = sorted({f"{k.kernel.name}: {k.error}" for k in kernels if k.error})
+            if errors:
+                row["kernel_errors"] = errors
+            if not kernels:
+                problem(f"regions/{name}: no Triton kernel was generated (the region runs as ATen)")
+            elif row["fallbacks"] or errors:
+                why = f" ({errors[0]})" if errors else " (inputs in a layout it was not specialised for)"
+                problem(f"regions/{name}: {row['fallbacks']} ATen fallback(s), {row['launches']} launch(es){why}")
+            notes = [row.get("mismatch"), f"{row['fallbacks']} fallbacks" if row["fallbacks"] else None]
+            notes.append(None if kernels else "no kernel")
+            if any(notes):
+                row["note"] = "; ".join(n for n in notes if n)
             if not ARGS.skip_inductor and not over_budget(reserve_s=0 if ARGS.cpu_smoke else 20):
                 compiled = torch.compile(fn, fullgraph=True, dynamic=False)
                 compiled(*inputs)
@@ -198,8 +244,9 @@ def run_regions() -> list[dict]:
             row["triton_GB/s"] = nbytes / row["triton_ms"] / 1e6
         except Exception as e:  # one region failing must not lose the others
             row["note"] = f"error: {type(e).__name__}: {e}"
+            problem(f"regions/{name}: {row['note'].splitlines()[0]}")
             traceback.print_exc()
-        rows.append(row)
+        checkpoint()
         torch._dynamo.reset()
     table(
         "fused regions: zerofx Triton vs ATen eager vs Inductor (ms, ratios >1: Triton faster)",
@@ -207,6 +254,8 @@ def run_regions() -> list[dict]:
         [
             "region",
             "kernels",
+            "launches",
+            "fallbacks",
             "eager_ms",
             "triton_ms",
             "inductor_ms",
@@ -234,7 +283,7 @@ def _gpt2_shapes(small: bool) -> list[tuple[int, ...]]:
 def run_adamw() -> list[dict]:
     shapes = _gpt2_shapes(ARGS.cpu_smoke)
     numel = sum(math.prod(s) for s in shapes)
-    rows = []
+    rows = RESULTS.setdefault("adamw", [])
     variants: list[tuple[str, Callable[[list], torch.optim.Optimizer]]] = [
         ("zerofx FusedAdamW", lambda ps: FusedAdamW(ps, lr=1e-3, weight_decay=0.1)),
         ("torch AdamW foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=True)),
@@ -245,26 +294,37 @@ def run_adamw() -> list[dict]:
     for name, make in variants:
         if over_budget():
             rows.append({"optimizer": name, "note": "skipped: time budget"})
+            checkpoint()
             continue
-        gen = torch.Generator(device=DEVICE).manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s, device=DEVICE, generator=gen)) for s in shapes]
-        for p in params:
-            p.grad = torch.randn(p.shape, device=DEVICE, generator=gen)
-        opt = make(params)
-        opt.step()
-        sync()
-        first = params[2].detach().clone()
-        ms = bench_ms(opt.step, reps=20)
-        row = {"optimizer": name, "params_M": numel / 1e6, "step_ms": ms, "tensors": len(shapes)}
-        if reference is None:
-            reference = first
-        else:
-            row["max_diff_after_1_step"] = float((first - reference).abs().max())
+        row: dict = {"optimizer": name, "params_M": numel / 1e6, "tensors": len(shapes)}
         rows.append(row)
+        try:
+            gen = torch.Generator(device=DEVICE).manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(s, device=DEVICE, generator=gen)) for s in shapes]
+            for p in params:
+                p.grad = torch.randn(p.shape, device=DEVICE, generator=gen)
+            opt = make(params)
+            opt.step()
+            sync()
+            first = params[2].detach().clone()
+            row["step_ms"] = bench_ms(opt.step, reps=20)
+            if reference is None:
+                reference = first
+            else:  # one fp32 step from N(0, 1) values: a few ulp apart at most
+                row["max_diff_after_1_step"] = float((first - reference).abs().max())
+                if row["max_diff_after_1_step"] > 1e-5:
+                    row["note"] = "mismatch"
+                    problem(f"adamw/{name}: {row['max_diff_after_1_step']:.3g} from FusedAdamW after one step")
+        except Exception as e:
+            row["note"] = f"error: {type(e).__name__}: {e}"
+            problem(f"adamw/{name}: {row['note'].splitlines()[0]}")
+            traceback.print_exc()
+        checkpoint()
     base = next((r["step_ms"] for r in rows if r["optimizer"] == "zerofx FusedAdamW" and "step_ms" in r), None)
     for r in rows:
         if base and "step_ms" in r:
             r["vs zerofx"] = r["step_ms"] / base
+    checkpoint()
     table(
         "AdamW step over GPT-2-small shapes (ms; 'vs zerofx' >1: FusedAdamW faster)",
         rows,
@@ -294,12 +354,15 @@ def run_gpt() -> list[dict]:
     )
     batch = 2 if ARGS.cpu_smoke else 8
     executors = ["aten", "triton"] + ([] if ARGS.skip_inductor else ["inductor"])
-    rows = []
+    rows = RESULTS.setdefault("gpt", [])
     for executor in executors:
         if over_budget(reserve_s=0 if ARGS.cpu_smoke else 45):  # a GPT compile takes tens of seconds
             rows.append({"executor": executor, "note": "skipped: time budget"})
+            checkpoint()
             continue
         row: dict = {"executor": executor}
+        rows.append(row)
+        counted = cache_info()
         try:
             torch.manual_seed(0)
             model = GPT(cfg).to(DEVICE)
@@ -323,17 +386,44 @@ def run_gpt() -> list[dict]:
             row["loss_step1"], row["loss_step2"] = losses
         except Exception as e:
             row["note"] = f"error: {type(e).__name__}: {e}"
+            problem(f"gpt/{executor}: {row['note'].splitlines()[0]}")
             traceback.print_exc()
-        rows.append(row)
+        # zerofx's generated kernels over the row's compile, warm-up and timed steps
+        now = cache_info()
+        row["triton_launches"] = now["launches"] - counted["launches"]
+        row["triton_fallbacks"] = now["fallbacks"] - counted["fallbacks"]
+        if executor == "triton" and "step_ms" in row:
+            if row["triton_fallbacks"] or not row["triton_launches"]:
+                row["note"] = f"{row['triton_fallbacks']} ATen fallbacks, {row['triton_launches']} launches"
+                problem(f"gpt/triton: {row['note']} (the row times ATen where it fell back)")
+        aten = next((r for r in rows if r["executor"] == "aten" and "loss_step1" in r), None)
+        if aten and executor != "aten" and "loss_step1" in row:
+            for key in ("loss_step1", "loss_step2"):
+                if abs(row[key] - aten[key]) > 1e-3 * abs(aten[key]):
+                    row["note"] = f"{key} {row[key]:.6g} vs aten {aten[key]:.6g}"
+                    problem(f"gpt/{executor}: {row['note']}")
+                    break
+        checkpoint()
         torch._dynamo.reset()
     base = next((r["step_ms"] for r in rows if r["executor"] == "triton" and "step_ms" in r), None)
     for r in rows:
         if base and "step_ms" in r:
             r["vs triton"] = r["step_ms"] / base
+    checkpoint()
     table(
         f"GPT training step, 1-rank mesh ({cfg}, batch {batch}; 'vs triton' >1: triton faster)",
         rows,
-        ["executor", "compile_s", "step_ms", "vs triton", "loss_step1", "loss_step2", "note"],
+        [
+            "executor",
+            "compile_s",
+            "step_ms",
+            "vs triton",
+            "triton_launches",
+            "triton_fallbacks",
+            "loss_step1",
+            "loss_step2",
+            "note",
+        ],
     )
     return rows
 
@@ -341,24 +431,35 @@ def run_gpt() -> list[dict]:
 def main() -> None:
     import triton
 
-    if DEVICE.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("no CUDA device: run on a GPU machine, or pass --cpu-smoke to check the script on CPU")
     info = {
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (Triton interpreter)",
+        "device": "cpu (Triton interpreter)" if ARGS.cpu_smoke else "cuda",
         "cpu_smoke": ARGS.cpu_smoke,
+        "triton_interpreter": interpreting(),
+        "removed_TRITON_INTERPRET": REMOVED_INTERPRET,
     }
-    print(json.dumps(info))
-    results: dict = {"info": info}
+    RESULTS["info"] = info
+    if DEVICE.type == "cuda" and torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+    print(json.dumps(info), flush=True)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run on a GPU machine, or pass --cpu-smoke to check the script on CPU")
+    checkpoint()
     sections = {"regions": run_regions, "adamw": run_adamw, "gpt": run_gpt}
     for name in ARGS.sections.split(","):
-        results[name] = sections[name]()
-    results["seconds"] = time.perf_counter() - START
-    out = Path(ARGS.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=str))
-    print(f"\nwrote {out} ({results['seconds']:.0f} s)")
+        try:
+            sections[name]()
+        except Exception as e:  # a section that fails outside its rows must not lose the others
+            RESULTS.setdefault(name, [])
+            problem(f"{name}: error: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            traceback.print_exc()
+        checkpoint()
+    RESULTS["complete"] = True
+    checkpoint()
+    if RESULTS["problems"]:
+        print("\nproblems:\n  " + "\n  ".join(RESULTS["problems"]))
+    print(f"\nwrote {ARGS.out} ({RESULTS['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

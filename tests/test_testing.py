@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import shutil
@@ -183,3 +184,47 @@ def test_verify_refuses_options_that_change_the_arithmetic(options):
     name = next(iter(options))
     with pytest.raises(ValueError, match=f"{name}=.*changes the arithmetic"):
         verify(lambda: None, None, **options)
+
+
+_drift = iter(range(1_000_000))
+
+
+def _drifting_on_cpu():
+    """A factory that builds other weights on each call, on the CPU explicitly (whatever the
+    default device): verify's verdict collectives run, then it stops before compiling."""
+    model = torch.nn.Linear(2, 2, device="cpu")
+    with torch.no_grad():
+        model.bias.add_(next(_drift))
+    return model, lambda n, gen: (torch.zeros(n, 2),)
+
+
+def _bookkeeping_devices(rank: int, world: int) -> dict:
+    """verify's and reduce_gradients' own small tensors, made while the default device is not
+    the mesh's (meta stands in for the CPU that an NCCL group has no backend for)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import zerofx
+    from zerofx.testing import ShardedReference, verify
+
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        problem = verify(_drifting_on_cpu, mesh, steps=1).problem
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    replica = copy.deepcopy(model)
+    zerofx.compile(model, mesh)
+    ref = ShardedReference(replica, model, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    ref.backward(lambda m: m(x).sum())
+    with torch.device("meta"):
+        ref.reduce_gradients()
+    return {"problem": problem, "divergences": len(ref.check_gradients(model, 0))}
+
+
+def test_bookkeeping_collectives_use_the_mesh_device_not_the_default_one():
+    """On a GPU an NCCL group has no backend for CPU tensors ("No backend type associated with
+    device type cpu"): the oracle's own verdict and has-a-gradient collectives must travel on the
+    mesh's (the parameters') device, not wherever the default device puts a new tensor."""
+    for r in run_ranks(_bookkeeping_devices, 2, timeout=240):
+        assert "not deterministic" in r["problem"] and r["divergences"] == 0, r

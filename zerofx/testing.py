@@ -309,7 +309,9 @@ class ShardedReference:
             if not p.requires_grad:
                 continue
             lay = self.layouts[name]
-            has = torch.tensor([p.grad is not None], dtype=torch.int32)
+            # on the parameter's device: a collective needs a backend for its tensors' device
+            # (an NCCL group has none for CPU tensors)
+            has = torch.tensor([p.grad is not None], dtype=torch.int32, device=p.device)
             dist.all_reduce(has)
             if int(has) == 0:
                 continue
@@ -417,11 +419,12 @@ class ShardedReference:
                 for name, g in self.reduced.items()
                 if isinstance(self.params[name], DTensor) and any(pl.is_shard() for pl in self.params[name].placements)
             ]
-            sharded = torch.tensor(
+            mesh = next(p.device_mesh for p in self.params.values() if isinstance(p, DTensor))
+            sharded = torch.tensor(  # on the mesh's device: NCCL has no backend for CPU tensors
                 [sum(float(g.double().pow(2).sum()) for g in tp_sharded), sum(g.numel() for g in tp_sharded)],
                 dtype=torch.float64,
+                device=torch.device(mesh.device_type),
             )
-            mesh = next(p.device_mesh for p in self.params.values() if isinstance(p, DTensor))
             everyone = sharded.clone()
             dist.all_reduce(everyone, group=mesh.get_group())
             squares += float(everyone[0] - sharded[0])
@@ -631,13 +634,17 @@ def verify(
     torch.manual_seed(seed)
     again, _ = _build(factory, kwargs)
     problem = _first_difference(model, again)
-    # every rank must reach the same verdict (or the ranks that go on would wait for the others)
-    sums = torch.tensor([float(p.detach().double().sum()) for p in model.parameters()], dtype=torch.float64)
+    # every rank must reach the same verdict (or the ranks that go on would wait for the others);
+    # the verdicts travel on the mesh's device, which the group has a backend for (NCCL: cuda only)
+    on_mesh = torch.device(mesh.device_type)
+    sums = torch.tensor(
+        [float(p.detach().double().sum()) for p in model.parameters()], dtype=torch.float64, device=on_mesh
+    )
     everyone = [torch.empty_like(sums) for _ in range(world)]
     dist.all_gather(everyone, sums)
     if problem is None and any(not torch.equal(everyone[0], other) for other in everyone[1:]):
         problem = "ranks built different initial parameters (the factory depends on the rank)"
-    flags = torch.tensor([problem is not None], dtype=torch.int32)
+    flags = torch.tensor([problem is not None], dtype=torch.int32, device=on_mesh)
     dist.all_reduce(flags)
     if int(flags) and problem is None:
         problem = "another rank's two builds differed (see that rank's report)"
