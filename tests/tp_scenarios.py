@@ -18,6 +18,7 @@ run (tests/tp_torchrun.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import traceback
@@ -189,11 +190,13 @@ def parity(
     clip: float | None = None,
     layout: str = "2x2",
     seqs: tuple[int, ...] | None = None,
+    micro: int = 1,
     **options: Any,
 ) -> dict:
     """Train zerofx, the oracle and the single process ``steps`` steps; what the tests read.
     ``layout``: "2x2" (dp, tp), or hybrid sharding next to TP, "2x2x2" (replicate, shard, tp).
-    ``seqs``: one sequence length per step instead (a recompile with the length as a symbol)."""
+    ``seqs``: one sequence length per step instead (a recompile with the length as a symbol).
+    ``micro``: micro-batches per step, all but the last under ``zerofx.no_sync``."""
     factory, plan, loss_fn = MODELS[model]
     mesh, dp_mesh, dp_size, dp_rank = _data_parallel(layout)
     base = factory()
@@ -210,11 +213,18 @@ def parity(
     data = batches(steps, dp_size) if seqs is None else [batches(1, dp_size, seq=n)[0] for n in seqs]
     for step, (x, y) in enumerate(data):
         xm, ym = _mine(x, dp_rank), _mine(y, dp_rank)
-        loss = loss_fn(ours, xm, ym)
-        loss.backward()
+        pieces = list(zip(xm.chunk(micro), ym.chunk(micro)))
+        loss, equal = torch.zeros(()), True
+        for i, (xi, yi) in enumerate(pieces):
+            with zerofx.no_sync(ours) if i < len(pieces) - 1 else contextlib.nullcontext():
+                part = loss_fn(ours, xi, yi) / micro
+                part.backward()
+            if oracle is not None:
+                ref_loss = oracle.backward(lambda m: loss_fn(m, xi, yi) / micro)  # called at once
+                equal &= bool(torch.equal(part.detach().float(), ref_loss.float()))
+            loss = part.detach() if micro == 1 else loss + part.detach()
         if oracle is not None:
-            ref_loss = oracle.backward(lambda m: loss_fn(m, xm, ym))
-            out["oracle_equal"].append(bool(torch.equal(loss.detach().float(), ref_loss.float())))
+            out["oracle_equal"].append(equal)
             oracle.reduce_gradients()
             out["divergences"] += [str(d) for d in oracle.check_gradients(ours, step)]
         single_loss = loss_fn(single, x, y)

@@ -288,9 +288,24 @@ class ShardedReference:
 
     def backward(self, loss_fn: Callable[[nn.Module], torch.Tensor]) -> torch.Tensor:
         """Run ``loss_fn(replica)`` and its backward; gradients accumulate like zerofx's
-        (``zerofx.no_sync`` micro-batches: call once per micro-batch). Returns the loss."""
+        (``zerofx.no_sync`` micro-batches: call once per micro-batch). Returns the loss.
+
+        A TP replica's gradient that is ``Partial`` over the TP group is summed there after each
+        micro-batch, as zerofx's rebuilt DTensor sums it in each backward, and only then added to
+        what earlier micro-batches left: ``(a1 + b1) + (a2 + b2)``, not ``(a1 + a2) + (b1 + b2)``
+        (another fp32 rounding, reported as a divergence where zerofx is right)."""
+        held = {}
+        for name, p in self.params.items():
+            if isinstance(p, DTensor) and p.grad is not None:
+                held[name], p.grad = p.grad, None
         loss = loss_fn(self.replica)
         loss.backward()
+        with torch.no_grad():
+            for name, p in self.params.items():
+                if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+                    p.grad = p.grad.redistribute(placements=p.placements)
+                if name in held:
+                    p.grad = held[name] if p.grad is None else held[name] + p.grad
         return loss.detach()
 
     def _exact_order(self, lay: _Layout, dim: int) -> bool:
