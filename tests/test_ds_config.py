@@ -668,7 +668,7 @@ def test_inconsistent_batch_sizes_are_refused_where_the_world_size_is_known(one_
     with pytest.raises(ZeroFXError, match=r"train_batch_size=64 is not .* x the data-parallel size \(2\)"):
         from_deepspeed({**z, **sizes, "train_batch_size": 64}, data_parallel_size=2)
     assert from_deepspeed({**z, **sizes, "train_batch_size": "auto"}, data_parallel_size=2)
-    with pytest.raises(ZeroFXError, match=r"train_batch_size=24 is not .* \(the world size 1, or a divisor"):
+    with pytest.raises(ZeroFXError, match=r"train_batch_size=24 is not .* x the data-parallel size \(1\)"):
         zerofx.compile(nn.Linear(2, 2), one_rank, config={**z, **sizes, "train_batch_size": 24})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -680,3 +680,29 @@ def test_inconsistent_batch_sizes_are_refused_where_the_world_size_is_known(one_
 def one_rank(tmp_path):
     with one_rank_mesh(str(tmp_path)) as mesh:
         yield mesh
+
+
+def test_compile_checks_batch_sizes_against_the_meshs_data_parallel_size():
+    """zerofx.compile knows the mesh: 16 = 4 x 2 x 2 fits a divisor of 4 ranks, but over a 4-rank
+    data-parallel mesh DeepSpeed asserts 16 == 4 x 2 x 4 (refused); on the whole (dp, tp) mesh with
+    ``tp_dim`` the data-parallel size is 2 (accepted, then the fake group stops the compile)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    config = {
+        "zero_optimization": {"stage": 3},
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "train_batch_size": 16,
+    }
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        with pytest.raises(ZeroFXError, match=r"x the data-parallel size \(4\)"):
+            zerofx.compile(nn.Linear(2, 2), init_device_mesh("cpu", (4,)), config=config)
+        whole = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with pytest.raises(Exception) as later:  # past the batch check: a plain model has no TP plan
+            zerofx.compile(nn.Linear(2, 2), whole, config=config, tp_dim="tp")
+        assert "data-parallel size" not in str(later.value)
+    finally:
+        dist.destroy_process_group()

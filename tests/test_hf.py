@@ -357,6 +357,25 @@ def test_a_taken_over_model_builds_no_kv_cache_in_training(tmp_path):
         assert out.past_key_values is None
         with torch.no_grad():
             assert model(input_ids=tokens).past_key_values is not None
+        # use_cache given positionally (input_ids, attention_mask, position_ids, past_key_values,
+        # inputs_embeds, labels, use_cache): replaced where it is, not given twice
+        assert model(tokens, None, None, None, None, tokens, True).past_key_values is None
+
+    class Wrapper(nn.Module):  # a user's module around the transformers model
+        def __init__(self):
+            super().__init__()
+            self.lm = hs.tiny_llama()
+
+        def forward(self, tokens):
+            return self.lm(input_ids=tokens, labels=tokens)
+
+    wrapped = Wrapper()
+    wrapped.lm.activation_checkpointing_enable()
+    with one_rank_mesh(str(tmp_path / "wrapped")) as mesh:
+        zerofx.compile(wrapped, mesh)
+        out = wrapped.train()(tokens)
+        out.loss.backward()
+        assert out.past_key_values is None
 
 
 def _saved_after_compile(mesh, enable: str) -> int:
@@ -586,7 +605,10 @@ def test_hf_trainer_refuses_optimizer_and_scheduler_sections_that_train_otherwis
     from zerofx.hf import ZeroFXTrainer
 
     optimizer = {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
-    scheduler = {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 3e-4, "warmup_num_steps": 10}}
+    scheduler = {
+        "type": "WarmupDecayLR",
+        "params": {"warmup_max_lr": 3e-4, "warmup_num_steps": 10, "warmup_type": "linear"},
+    }
     with one_rank_mesh(str(tmp_path / "pg")) as mesh:
 
         def trainer(config, **arguments):
@@ -605,6 +627,24 @@ def test_hf_trainer_refuses_optimizer_and_scheduler_sections_that_train_otherwis
             trainer({"scheduler": {"type": "WarmupLR", "params": {}}})
         with pytest.raises(ZeroFXError, match=r"optimizer.type='Lamb'"):
             trainer({"optimizer": {"type": "Lamb", "params": {}}})
+        with pytest.raises(ZeroFXError, match=r"adam_w_mode=false"):
+            trainer(
+                {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}}, weight_decay=0.1
+            )
+        linear = {"type": "WarmupLR", "params": {"warmup_type": "linear"}}
+        with pytest.raises(ZeroFXError, match=r"warmup_type='log' \(DeepSpeed's default: log\)"):
+            trainer(
+                {"scheduler": {"type": "WarmupLR", "params": {}}},
+                lr_scheduler_type="constant_with_warmup",
+                warmup_steps=5,
+            )
+        with pytest.raises(ZeroFXError, match=r"warmup_num_steps=100 but TrainingArguments give 1"):
+            trainer(
+                {"scheduler": {**linear, "params": {"warmup_num_steps": 100}}}, lr_scheduler_type="constant_with_warmup"
+            )
+        decay = {"type": "WarmupDecayLR", "params": {"total_num_steps": 1000, "warmup_type": "linear"}}
+        with pytest.raises(ZeroFXError, match=r"total_num_steps=1000 but TrainingArguments give"):
+            trainer({"scheduler": decay}, lr_scheduler_type="linear")
         # what the arguments give (or "auto") is what HF would fill in: accepted, with one warning
         with pytest.warns(UserWarning, match="sections are not used"):
             trainer(

@@ -27,6 +27,19 @@ from zerofx.sharding import is_sharded, mesh_of, shard
 __all__ = ["compile", "explain", "gathered", "Gathered"]
 
 
+def _dp_size(mesh: Any, options: dict[str, Any]) -> int | None:
+    """The ranks a batch is split over: the mesh's, less its tensor-parallel dimension
+    (``tp_dim``); None without a mesh (or with a ``tp_dim`` it does not have: the options'
+    own check says so)."""
+    if mesh is None:
+        return None
+    tp_dim = options.get("tp_dim")
+    try:
+        return mesh.size() // (mesh[tp_dim].size() if tp_dim else 1)
+    except (KeyError, RuntimeError, ValueError):
+        return None
+
+
 def _enter(fn):
     """A frame outside torch/ around ``fn``: dynamo does not start tracing in torch.nn's own
     frames, so compiling ``Module._call_impl`` directly would skip torch containers such as
@@ -86,7 +99,9 @@ def _compile(
     if config is not None:
         from zerofx.ds_config import from_deepspeed, hidden_size_of, merge_with_keywords
 
-        translation = from_deepspeed(config, hidden_size=hidden_size_of(model))
+        translation = from_deepspeed(
+            config, hidden_size=hidden_size_of(model), data_parallel_size=_dp_size(mesh, options)
+        )
         for line in translation.warnings:
             warnings.warn(f"zerofx: DeepSpeed config: {line}", stacklevel=3)
         options = merge_with_keywords(translation, options)

@@ -184,9 +184,11 @@ def _check_loop_settings(training: dict[str, Any], args: TrainingArguments) -> N
 # ZeroFXTrainer the Trainer builds both from TrainingArguments; a section that says something else
 # (another learning rate, betas, schedule) would train otherwise than the user's DeepSpeed run did,
 # silently. So what the sections give must be what the arguments give: an Adam/AdamW section with
-# an adamw optimizer, WarmupLR with constant_with_warmup, WarmupDecayLR with linear (the pairs HF
-# documents), and every explicit parameter equal to its argument; values only known once the
-# data is (warmup as a ratio, total steps) are left to the Trainer.
+# an adamw optimizer (not DeepSpeed's Adam with ``adam_w_mode`` false: L2 decay), WarmupLR with
+# constant_with_warmup, WarmupDecayLR with linear (the pairs HF documents) and a linear warmup
+# (DeepSpeed's default ``warmup_type`` is log), and every explicit parameter equal to what HF
+# would fill in (total and warmup steps from ``max_steps``); with epochs instead of ``max_steps``
+# the total is only known once the data is, and is left to the Trainer.
 _OPTIMIZER_ARGS = {
     "lr": lambda a: a.learning_rate,
     "betas": lambda a: [a.adam_beta1, a.adam_beta2],
@@ -227,6 +229,13 @@ def _optimizer_clashes(section: Any, args: TrainingArguments) -> list[str]:
     for key, value in params.items():
         if key in _OPTIMIZER_ARGS and _differs(value, _OPTIMIZER_ARGS[key](args)):
             out.append(f"optimizer.params.{key}={value!r} but TrainingArguments give {_OPTIMIZER_ARGS[key](args)!r}")
+    decay = params.get("weight_decay", args.weight_decay)
+    decay = args.weight_decay if decay == "auto" else decay
+    if params.get("adam_w_mode") is False and kind.lower() == "adam" and _differs(decay, 0):
+        out.append(
+            "optimizer.params.adam_w_mode=false (DeepSpeed's Adam with L2 weight decay) but the Trainer's "
+            f"optim={optim!r} decays the weights decoupled (AdamW)"
+        )
     return out
 
 
@@ -244,12 +253,23 @@ def _scheduler_clashes(section: Any, args: TrainingArguments) -> list[str]:
         out.append(
             f"scheduler.type={kind!r} but TrainingArguments give lr_scheduler_type={schedule!r} (the Trainer pairs {pair})"
         )
-    wanted = {"warmup_max_lr": args.learning_rate, "warmup_min_lr": 0}
-    if args.warmup_steps and isinstance(args.warmup_steps, int) and args.warmup_steps >= 1:
-        wanted["warmup_num_steps"] = args.warmup_steps
+    wanted: dict[str, Any] = {"warmup_max_lr": args.learning_rate, "warmup_min_lr": 0}
+    if args.max_steps > 0:  # what HF fills in (trainer_config_finalize); with epochs, only the data knows
+        wanted["total_num_steps"] = args.max_steps
+        wanted["warmup_num_steps"] = max(1, args.get_warmup_steps(args.max_steps))
+    elif args.warmup_steps >= 1:
+        wanted["warmup_num_steps"] = int(args.warmup_steps)
     for key, value in params.items():
         if key in wanted and _differs(value, wanted[key]):
             out.append(f"scheduler.params.{key}={value!r} but TrainingArguments give {wanted[key]!r}")
+    # DeepSpeed warms up on a log curve unless told otherwise; the Trainer's schedules warm up linearly
+    warmup = params.get("warmup_num_steps", "auto")
+    steps = wanted.get("warmup_num_steps", 1) if warmup == "auto" else warmup
+    if params.get("warmup_type", "log") != "linear" and _differs(steps, 1) and _differs(steps, 0):
+        out.append(
+            f"scheduler.params.warmup_type={params.get('warmup_type', 'log')!r} (DeepSpeed's default: log) but the "
+            "Trainer's warmup is linear: set warmup_type to 'linear'"
+        )
     return out
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import torch
@@ -68,24 +69,53 @@ def _is_layer(module: nn.Module) -> bool:
     return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
 
 
-def _no_cache_in_training(model: nn.Module) -> None:
+def _no_cache_in_training(model: nn.Module, taken: list[str]) -> None:
     """A checkpointed transformers model builds no KV cache in a forward with gradients in
     training mode (its decoder stack reads its own flag and forces ``use_cache=False``); with the
     flags off that forward built one, every layer's keys and values kept alive through the
-    backward while its output is. A forward pre-hook asks the same of the model (once per model;
-    ``use_cache`` is an argument of every transformers model that caches). Without gradients, or
-    in eval mode, the call is left as it is (generation caches as before)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", None) is None or getattr(model, "_zerofx_no_training_cache", False):
-        return
+    backward while its output is. A forward pre-hook asks the same of each outermost module with
+    a ``config.use_cache`` around the layers ``taken`` over (the model, or the transformers
+    model inside a user's wrapper), once per module. Without gradients, or in eval mode, the
+    call is left as it is (generation caches as before)."""
+    modules = dict(model.named_modules())
+    around = lambda outer, inner: outer == "" or inner.startswith(outer + ".")  # noqa: E731
+    hosts = [
+        path
+        for path, m in modules.items()
+        if getattr(getattr(m, "config", None), "use_cache", None) is not None
+        and any(around(path, layer) for layer in taken)
+    ]
+    for path in hosts:
+        module = modules[path]
+        if any(other != path and around(other, path) for other in hosts) or getattr(
+            module, "_zerofx_no_training_cache", False
+        ):
+            continue
+        position = _argument_position(module, "use_cache")
+        if position is None:
+            continue  # no use_cache argument to give (nor **kwargs to take it)
+        module.register_forward_pre_hook(functools.partial(_no_cache, position), with_kwargs=True)
+        module._zerofx_no_training_cache = True
 
-    def no_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if module.training and torch.is_grad_enabled():
-            return args, {**kwargs, "use_cache": False}
+
+def _argument_position(module: nn.Module, name: str) -> int | float | None:
+    """The position of ``module.forward``'s argument ``name`` (inf: keyword only, or taken by
+    ``**kwargs``), or None when the forward takes no such argument."""
+    import inspect
+
+    params = list(inspect.signature(module.forward).parameters.values())
+    for i, p in enumerate(params):
+        if p.name == name:
+            return i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else math.inf
+    return math.inf if any(p.kind is p.VAR_KEYWORD for p in params) else None
+
+
+def _no_cache(position: int | float, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    if not (module.training and torch.is_grad_enabled()):
         return None
-
-    model.register_forward_pre_hook(no_cache, with_kwargs=True)
-    model._zerofx_no_training_cache = True
+    if position < len(args):  # given positionally: replaced where it is
+        return (*args[:position], False, *args[position + 1 :]), kwargs
+    return args, {**kwargs, "use_cache": False}
 
 
 def take_over(model: nn.Module, options: Any) -> tuple[Any, str | None]:
@@ -124,7 +154,7 @@ def take_over(model: nn.Module, options: Any) -> tuple[Any, str | None]:
     taken = {path: m._zerofx_checkpointed for path, m in modules.items() if getattr(m, "_zerofx_checkpointed", None)}
     if not taken:
         return options, None
-    _no_cache_in_training(model)
+    _no_cache_in_training(model, list(taken))
     new = tuple(path for path in taken if path not in options.checkpoint_modules)
     changes: dict[str, Any] = {"checkpoint_modules": (*options.checkpoint_modules, *new)}
     if "offload" in taken.values() and options.offload_activations == "none":
