@@ -690,12 +690,14 @@ def test_hf_trainer_fills_deepspeed_precision_auto_from_its_flags(tmp_path):
             zerofx_options={"param_dtype": torch.bfloat16},
         )
         assert runtime_of(trainer.model).options.param_dtype is torch.bfloat16
-        explicit = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
         args = hs.trainer_args(str(tmp_path / "clash"), 2)
-        with pytest.raises(ZeroFXError, match=r"bf16\.enabled=True but TrainingArguments give bf16=False"):
-            ZeroFXTrainer(
-                model=hs.tiny_llama(), args=args, train_dataset=hs.TokenDataset(), mesh=mesh, zerofx_config=explicit
-            )
+        # DeepSpeed reads "true" as on: that clashes with no --bf16 as True does
+        for enabled in (True, "true"):
+            explicit = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": enabled}}
+            with pytest.raises(ZeroFXError, match=rf"bf16\.enabled={enabled!r} but TrainingArguments give bf16=False"):
+                ZeroFXTrainer(
+                    model=hs.tiny_llama(), args=args, train_dataset=hs.TokenDataset(), mesh=mesh, zerofx_config=explicit
+                )
 
 
 def test_a_model_built_on_meta_is_never_whole_on_any_rank(trained):

@@ -281,7 +281,7 @@ def _with_trainer_precision(config: Any, args: TrainingArguments) -> Any:
     that the flag contradicts is an error naming both, as it is there. ``None`` stays ``None``."""
     if config is None:
         return None
-    from zerofx.ds_config import _load
+    from zerofx.ds_config import _enabled, _load
 
     config = dict(_load(config))
     flags = {"bf16": bool(args.bf16 or args.bf16_full_eval), "fp16": bool(args.fp16 or args.fp16_full_eval)}
@@ -290,10 +290,11 @@ def _with_trainer_precision(config: Any, args: TrainingArguments) -> Any:
         section = config.get(key)
         if not isinstance(section, dict) or "enabled" not in section:
             continue
-        if section["enabled"] == "auto":
+        enabled = _enabled(section, key)  # read as DeepSpeed reads it: 1, "true", "on" are on
+        if enabled == "auto":
             if flags[spelled]:  # off, "auto" stays: zerofx_options may still ask for the dtype
                 config[key] = {**section, "enabled": True}
-        elif section["enabled"] in (True, False) and section["enabled"] != flags[spelled]:
+        elif enabled != flags[spelled]:
             clashes.append(
                 f"{key}.enabled={section['enabled']!r} but TrainingArguments give {spelled}={flags[spelled]}"
             )
