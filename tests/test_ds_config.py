@@ -218,7 +218,7 @@ def test_bf16_steps_deepspeed_would_skip_are_named_unless_the_config_turns_skipp
     absent key, DeepSpeed's skipping, was taken in silence. Now the warning goes unless the config
     turns skipping off where DeepSpeed reads the key (stages 1 and 2)."""
     t = from_deepspeed({"zero_optimization": {"stage": stage}, "bf16": bf16})
-    said = [w for w in t.warnings if "check_grad_overflow" in w]
+    said = [w for w in t.warnings + t.bf16_warnings if "check_grad_overflow" in w]
     if named is None:
         assert said == []
     else:
@@ -585,6 +585,20 @@ def test_json_text_is_not_taken_for_a_file_name():
         from_deepspeed(text)
     with pytest.raises(ZeroFXError, match="is JSON text"):
         zerofx.compile(nn.Linear(2, 2), None, config=text)
+
+
+def test_bf16_notes_under_auto_are_said_only_when_the_run_trains_in_bf16(one_rank):
+    """bf16.enabled="auto" is off unless a keyword (or the HF Trainer's --bf16) turns it on: what
+    DeepSpeed does differently in bf16 (skipping non-finite steps, keys zerofx does not follow) was
+    warned about in an fp32 run too. It is said when param_dtype makes the run bf16, not otherwise."""
+    config = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto", "immediate_grad_update": True}}
+    for keywords, said in (({}, False), ({"param_dtype": torch.bfloat16}, True)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            zerofx.compile(nn.Linear(2, 2), one_rank, config=config, **keywords)
+        lines = [str(w.message) for w in caught]
+        for name in ("DeepSpeed's stage 3 skips a step", "bf16.immediate_grad_update has no effect"):
+            assert any(name in line for line in lines) is said, (keywords, lines)
 
 
 def test_the_persistence_threshold_keeps_parameters_of_exactly_that_size_whole(one_rank):

@@ -107,6 +107,9 @@ def _compile(
         options = merge_with_keywords(translation, options)
         training = translation.training
     opts = Options.from_kwargs(**options)
+    if config is not None and opts.param_dtype is torch.bfloat16:  # bf16.enabled="auto", turned on
+        for line in translation.bf16_warnings:
+            warnings.warn(f"zerofx: DeepSpeed config: {line}", stacklevel=3)
     opts = resolve_offload_dir(opts)  # before sharding: a bad folder fails with the model untouched
     if not isinstance(model, nn.Module):
         raise ZeroFXError(f"zerofx.compile takes an nn.Module, got {type(model).__name__}")

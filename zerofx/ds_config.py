@@ -307,6 +307,9 @@ class DeepSpeedTranslation:
     from_auto: set[str] = field(default_factory=set)
     training: dict[str, Any] = field(default_factory=dict)  # for the training loop (clipping, accumulation, ...)
     warnings: list[str] = field(default_factory=list)  # one line per key with no effect, for warnings.warn
+    # lines that hold only if the run trains in bf16: from bf16.enabled="auto", which a keyword
+    # (param_dtype=torch.bfloat16) or the HF Trainer's --bf16 turns on; zerofx.compile warns them then
+    bf16_warnings: list[str] = field(default_factory=list)
 
 
 def hidden_size_of(model: torch.nn.Module) -> int | None:
@@ -547,12 +550,14 @@ def from_deepspeed(
         opts["param_dtype"] = None  # switched off in so many words: a keyword turning it on contradicts
     if b is True:
         opts["param_dtype"] = torch.bfloat16
-    # keys zerofx does not follow, also under "auto" (the HF Trainer's configs, precision from --bf16)
+    # keys zerofx does not follow, also under "auto" (the HF Trainer's configs, precision from --bf16),
+    # where they are said only if the run does train in bf16
     if b in (True, "auto"):
-        _not_followed(bf16, _BF16_NOT_FOLLOWED, "bf16.", notes)
-        _bf16_overflow_note(bf16, stage, notes)
+        bf16_notes = notes if b is True else out.bf16_warnings
+        _not_followed(bf16, _BF16_NOT_FOLLOWED, "bf16.", bf16_notes)
+        _bf16_overflow_note(bf16, stage, bf16_notes)
     if b in (True, "auto") and "immediate_grad_update" in bf16:
-        notes.append(
+        bf16_notes.append(
             "bf16.immediate_grad_update has no effect: zerofx accumulates gradients in the reduce dtype "
             "(fp32 unless reduce_dtype / communication_data_type says otherwise)"
         )
