@@ -16,7 +16,7 @@ import zerofx
 from tests.multirank import one_rank_mesh
 from zerofx import ZeroFXError
 from zerofx.ds_config import from_deepspeed, hidden_size_of, merge_with_keywords
-from zerofx.runtime.loss_scaling import HysteresisGradScaler, make_loss_scaler
+from zerofx.runtime.loss_scaling import HysteresisGradScaler, ZeroFXGradScaler, make_loss_scaler
 from zerofx.runtime.params import runtime_of
 
 # the shape of transformers' own ZeRO-3 example config (docs: "ZeRO-3 Example"), values as users set them
@@ -452,12 +452,48 @@ def test_a_deepspeed_config_scales_the_loss_as_deepspeed_does(one_rank):
 
 
 def test_plain_options_keep_torchs_scaler(one_rank):
-    """Without hysteresis or a floor the scaler is torch's own ShardedGradScaler, its schedule
-    unchanged: every overflow halves, window good steps in a row double."""
+    """Without hysteresis or a floor the scaler is torch's own ShardedGradScaler (the subclass only
+    reshapes its inf flags), its schedule unchanged: every overflow halves, window good steps in a
+    row double."""
     T, F = True, False
     scaler = make_loss_scaler(zerofx.Options(loss_scale="dynamic", loss_scale_window=2), one_rank)
-    assert type(scaler) is ShardedGradScaler
+    assert type(scaler) is ZeroFXGradScaler and isinstance(scaler, ShardedGradScaler)
     assert _scales(scaler, [T, F, T, T, F, F, F])[0] == [32768.0] * 2 + [16384.0, 8192.0, 8192.0, 16384.0, 16384.0]
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2], ids=["torch_schedule", "deepspeed_schedule"])
+def test_a_fused_adam_steps_after_unscale(one_rank, hysteresis):
+    """scaler.unscale_ (before clipping), then scaler.step on AdamW(fused=True), the HF Trainer's
+    default: torch's ShardedGradScaler left 1-element inf flags that the fused step cannot subtract
+    from its 0-d step count (a RuntimeError). The step is taken, equal to the unfused one; an
+    overflowing step is skipped by both, the fused optimizer's step not called (it was, changing
+    nothing, and accelerate took that for a step taken)."""
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = zerofx.compile(
+            nn.Linear(4, 8),
+            one_rank,
+            param_dtype=torch.float16,
+            loss_scale="dynamic",
+            loss_scale_hysteresis=hysteresis,
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        steps = []
+        opt.register_step_pre_hook(lambda *_: steps.append(1))
+        scaler = zerofx.loss_scaler(model)
+        x = torch.ones(2, 4)
+        for factor in (1e-3, 1e6):  # the second overflows fp16 at the scale 2^16
+            scaler.scale(model(x).float().sum() * factor).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert scaler.get_scale() == 2.0**16 / (2 if hysteresis == 1 else 1)  # the overflow was seen
+        assert len(steps) == 1, fused  # not called on the overflow: the HF Trainer sees the skip
+        results.append([p.full_tensor().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_the_hysteresis_scalers_state_round_trips_through_a_checkpoints_json(one_rank):

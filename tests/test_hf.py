@@ -7,6 +7,7 @@ safetensors, load + generate at stages 1, 2 and 3. The rest runs in this process
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -698,6 +699,42 @@ def test_hf_trainer_fills_deepspeed_precision_auto_from_its_flags(tmp_path):
                 ZeroFXTrainer(
                     model=hs.tiny_llama(), args=args, train_dataset=hs.TokenDataset(), mesh=mesh, zerofx_config=explicit
                 )
+
+
+def test_hf_trainer_scales_an_fp16_loss_and_skips_overflowing_steps(tmp_path):
+    """--fp16 with a DeepSpeed fp16 config: the Trainer backpropagates the loss scaled by zerofx's
+    scaler, unscales before it clips, and skips a step whose gradients overflow (parameters and the
+    schedule untouched, the scale lowered), as DeepSpeed does. Nothing used the scaler before: an
+    unscaled fp16 backward, whose small gradients underflow, and no step was ever skipped. From
+    2^40 every scaled gradient overflows fp16; from DeepSpeed's 2^16 the run trains."""
+    from tests.multirank import one_rank_mesh
+    from zerofx.hf import ZeroFXTrainer
+
+    fp16 = {"enabled": "auto", "hysteresis": 1}
+    with one_rank_mesh(str(tmp_path / "pg")) as mesh:
+        for power, steps in ((40, 2), (16, 3)):
+            config = {"zero_optimization": {"stage": 3}, "fp16": {**fp16, "initial_scale_power": power}}
+            args = hs.trainer_args(
+                str(tmp_path / f"p{power}"), 2, fp16=True, max_steps=steps, max_grad_norm=1.0, warmup_steps=steps
+            )
+            trainer = ZeroFXTrainer(
+                model=hs.tiny_llama(), args=args, train_dataset=hs.TokenDataset(), mesh=mesh, zerofx_config=config
+            )
+            before = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+            trainer.train()
+            after = {n: p.full_tensor() for n, p in trainer.model.named_parameters()}
+            scaler, history = zerofx.loss_scaler(trainer.model), hs.trainer_history(trainer)
+            if power == 40:
+                assert scaler.get_scale() == 2.0**38, scaler.get_scale()  # halved at each overflow
+                assert all(torch.equal(before[n], after[n]) for n in before)
+                assert trainer.lr_scheduler.last_epoch == 0  # the Trainer skipped the schedule too
+                assert all(not math.isfinite(h["grad_norm"]) for h in history), history
+            else:
+                assert scaler.get_scale() == 2.0**16, scaler.get_scale()
+                assert trainer.lr_scheduler.last_epoch == steps
+                assert not all(torch.equal(before[n], after[n]) for n in before)
+                # measured on the unscaled gradients (scaled, they would read 65536x larger)
+                assert all(0 < h["grad_norm"] < 100 for h in history), history
 
 
 def test_a_model_built_on_meta_is_never_whole_on_any_rank(trained):

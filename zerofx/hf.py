@@ -12,8 +12,9 @@ config (``zerofx_config``, translated by zerofx/ds_config.py) or zerofx's own ke
 (``zerofx_options``), the same ``TrainingArguments``, datasets, callbacks and logging. Requires
 ``pip install 'zerofx[hf]'`` (transformers >= 5 and accelerate). As with HF's DeepSpeed
 integration, the config's ``"auto"`` values are filled from ``TrainingArguments`` (``bf16`` /
-``fp16`` from ``--bf16`` / ``--fp16``: bf16 parameters over fp32 master weights), and an explicit
-value they contradict is an error naming both.
+``fp16`` from ``--bf16`` / ``--fp16``: bf16 or fp16 parameters over fp32 master weights, an fp16
+loss scaled by zerofx's scaler as DeepSpeed scales it, NOTE: loss scaling under the Trainer), and
+an explicit value they contradict is an error naming both.
 
 How it plugs in (what was tried: ``Trainer`` wraps any multi-process model in DDP through
 accelerate's ``prepare``, which a model of DTensor shards cannot take, and accelerate has no
@@ -422,6 +423,9 @@ class ZeroFXTrainer(Trainer):
             super().__init__(model, args, *trainer_args, **trainer_kwargs)
         finally:
             args.save_only_model = save_only_model
+        self._zerofx_unscaled_at: int | None = None  # global_step whose gradients were unscaled
+        if runtime_of(model).scaler is not None:  # NOTE: loss scaling under the Trainer
+            self.accelerator.scaler = runtime_of(model).scaler
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         # the layers' checkpointing was set up (and taken over by zerofx) when the model was
@@ -439,6 +443,36 @@ class ZeroFXTrainer(Trainer):
             return super().training_step(model, inputs, num_items_in_batch)
         with no_sync(self.model):  # inside an accumulation window: reduce once, at its last micro-step
             return super().training_step(model, inputs, num_items_in_batch)
+
+    # NOTE: loss scaling under the Trainer
+    # An fp16 model (loss_scale="dynamic", which fp16 requires) has zerofx's scaler, which agrees on
+    # overflows across ranks (a shard sees only its gradients). Put in accelerate's ``scaler`` slot,
+    # it is what ``accelerator.backward`` scales the loss by and what the optimizer accelerate wraps
+    # steps through (``scaler.step``: a step with inf/NaN gradients is skipped, and the Trainer then
+    # skips the scheduler's step, as it does for DeepSpeed's skipped steps); the Trainer saves and
+    # resumes its state (scaler.pt). On a CPU accelerate runs no AMP, so nothing else used the slot:
+    # the Trainer's fp16 run backpropagated an unscaled loss, fp16 gradients underflowing, and never
+    # skipped a step. The gradients are unscaled before the Trainer clips or measures them (with AMP,
+    # on an accelerator, accelerate's clip_grad_norm_ does that itself).
+
+    def _unscale_gradients(self) -> None:
+        scaler = self.accelerator.scaler
+        if scaler is None or runtime_of(self.model).scaler is not scaler or self.optimizer is None:
+            return
+        if self.accelerator.native_amp and self.accelerator.mixed_precision == "fp16":
+            return  # accelerate unscales in clip_grad_norm_
+        if self._zerofx_unscaled_at != self.state.global_step:
+            scaler.unscale_(self._inner_optimizer())
+            self._zerofx_unscaled_at = self.state.global_step
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        self._unscale_gradients()
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        if grad_norm is None:  # measured here (no clipping): of the unscaled gradients
+            self._unscale_gradients()
+        return super()._get_grad_norm(model, grad_norm)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write ``output_dir`` as ``save_pretrained`` would (safetensors + config.json; a PEFT

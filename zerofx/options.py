@@ -371,7 +371,7 @@ class Options:
         reduce_dtype: dtype gradients are reduced (and accumulated) in; None: the master
             (parameter) dtype, fp32 for an fp32 model, whatever ``param_dtype`` is.
         loss_scale: "dynamic" for dynamic loss scaling (skip the step and back off on inf/nan,
-            grow after ``loss_scale_window`` good steps), through torch's ``ShardedGradScaler``;
+            grow after ``loss_scale_window`` good steps), through torch's ``ShardedGradScaler`` (a subclass);
             get it with ``zerofx.loss_scaler(model)``. Required with fp16 (param or reduce dtype).
         initial_loss_scale: the first loss scale (2**16, as DeepSpeed and torch.amp).
         loss_scale_window: good steps before the scale doubles.

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.amp.grad_scaler import OptState
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -36,7 +37,7 @@ from zerofx.errors import ZeroFXError
 from zerofx.options import Options
 from zerofx.runtime.params import runtime_of
 
-__all__ = ["HysteresisGradScaler", "make_loss_scaler", "loss_scaler"]
+__all__ = ["HysteresisGradScaler", "ZeroFXGradScaler", "make_loss_scaler", "loss_scaler"]
 
 
 # NOTE: DeepSpeed's scale schedule. DeepSpeed's DynamicLossScaler (deepspeed/runtime/fp16/
@@ -52,11 +53,43 @@ __all__ = ["HysteresisGradScaler", "make_loss_scaler", "loss_scaler"]
 #   first step), so its first growth comes after window + 1 good steps, later ones after window.
 #   Here that is torch's growth tracker started at -1 (at the start and after every overflow)
 #   instead of 0; at 0 after a growth, as torch's.
-# With hysteresis 1 and no floor, torch's own scaler runs (make_loss_scaler), so the plain options
-# keep torch's schedule bit for bit.
+# With hysteresis 1 and no floor, torch's own schedule runs (ZeroFXGradScaler, make_loss_scaler),
+# so the plain options keep it bit for bit.
 
 
-class HysteresisGradScaler(ShardedGradScaler):
+class ZeroFXGradScaler(ShardedGradScaler):
+    """torch's ``ShardedGradScaler`` whose inf flags after ``unscale_`` have the shape torch's
+    ``GradScaler`` gives them (a 0-d tensor; the sharded one makes them 1-element tensors), so that
+    optimizers stepping with the scaler's flag (``fused=True`` Adam and AdamW subtract it from their
+    0-d step counts) can take a step after ``unscale_``: torch 2.13's raised "output with shape []
+    doesn't match the broadcast shape [1]" there, which is where the HF Trainer's default optimizer
+    (fused AdamW) steps when it clips. The flags are the same values, already all-reduced."""
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = {d: f.reshape(()) for d, f in state["found_inf_per_device"].items()}
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """As torch's, except that an optimizer stepping with the scaler's flag (``fused=True``) is
+        not called at all when a gradient is inf/nan, as any other optimizer is not: its fused step
+        would change nothing then, but a caller that watches whether ``optimizer.step`` ran
+        (accelerate's ``step_was_skipped``, by which the HF Trainer skips the scheduler's step, as
+        DeepSpeed does on an overflow) took the skipped step for a taken one. Reads the flag on the
+        host, as the unfused path does."""
+        if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
+            state = self._per_optimizer_states[id(optimizer)]
+            if state["stage"] is OptState.READY:
+                self._check_inf_per_device(optimizer)  # agreed across the mesh (DTensor gradients)
+            if state["stage"] is not OptState.STEPPED and any(
+                float(f.sum()) for f in state["found_inf_per_device"].values()
+            ):
+                state["stage"] = OptState.STEPPED
+                return None
+        return super().step(optimizer, *args, **kwargs)
+
+
+class HysteresisGradScaler(ZeroFXGradScaler):
     """torch's ``ShardedGradScaler`` changing its scale by DeepSpeed's rule: ``hysteresis``
     overflows before the scale halves, a floor ``min_scale`` (None: none), growth counted as
     DeepSpeed counts it (NOTE: DeepSpeed's scale schedule). Everything else (scaling, the
@@ -141,7 +174,7 @@ def make_loss_scaler(opts: Options, mesh: DeviceMesh):
         "growth_interval": opts.loss_scale_window,
     }
     if opts.loss_scale_hysteresis == 1 and opts.min_loss_scale is None:
-        return ShardedGradScaler(**kwargs)
+        return ZeroFXGradScaler(**kwargs)
     return HysteresisGradScaler(hysteresis=opts.loss_scale_hysteresis, min_scale=opts.min_loss_scale, **kwargs)
 
 

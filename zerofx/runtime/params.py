@@ -462,7 +462,7 @@ class ModelRuntime:
     sync: bool = True  # False inside zerofx.no_sync
     pending: bool = False  # some sink holds an unreduced gradient
     _callback_queued: bool = False
-    scaler: object | None = None  # torch's ShardedGradScaler when loss scaling is on
+    scaler: object | None = None  # a ZeroFXGradScaler (torch's ShardedGradScaler) when loss scaling is on
     local_step: bool = True  # elementwise optimizers step the local shards (zerofx/runtime/local_step.py)
     state_tier: str = "none"  # where parameter shards and optimizer state live (offload_store.place_model_state)
     state_report: str | None = None  # the line saying so, for explain() and the dump
