@@ -629,6 +629,7 @@ def test_a_sharded_model_moves_to_its_own_device_and_compiles_again_as_a_no_op()
         opt.step()
         params = [(n, id(p)) for n, p in model.named_parameters()]
         assert model.to("cpu").cpu().float() is model
+        assert model.to("cpu:0") is model  # torch copies a CPU tensor for "cpu:0": still no change
         assert [(n, id(p)) for n, p in model.named_parameters()] == params
         with pytest.raises(
             ZeroFXError, match=r"converting a zerofx-sharded parameter \(torch.float32 on cpu -> torch.float64"

@@ -737,6 +737,42 @@ def test_hf_trainer_scales_an_fp16_loss_and_skips_overflowing_steps(tmp_path):
                 assert all(0 < h["grad_norm"] < 100 for h in history), history
 
 
+def test_hf_trainer_full_eval_flags_evaluate_at_the_param_dtype(tmp_path):
+    """--bf16_full_eval: the Trainer casts the whole model for evaluation (model.to(dtype=...)),
+    which failed on a zerofx model (and so did its move to args.device before training: under
+    torchrun that is .to("cpu:0"), a copy of a CPU tensor, tests/test_api.py; here args.device is
+    "cpu"). The model computes in bf16 already: evaluation
+    before and after training runs, at the eval loss of the same bf16 model without the flag. A
+    flag the model's param_dtype does not match is an error before training."""
+    from tests.multirank import one_rank_mesh
+    from zerofx.hf import ZeroFXTrainer
+
+    config = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}
+    with one_rank_mesh(str(tmp_path / "pg")) as mesh:
+        losses = {}
+        for full in (True, False):
+            args = hs.trainer_args(str(tmp_path / f"full{full}"), 2, bf16=True, bf16_full_eval=full, max_steps=1)
+            trainer = ZeroFXTrainer(
+                model=hs.tiny_llama(),
+                args=args,
+                train_dataset=hs.TokenDataset(),
+                eval_dataset=hs.TokenDataset(n=8),
+                mesh=mesh,
+                zerofx_config=config,
+            )
+            first = trainer.evaluate()["eval_loss"]
+            trainer.train()
+            losses[full] = (first, trainer.evaluate()["eval_loss"])
+        assert losses[True] == losses[False] and all(math.isfinite(x) for x in losses[True]), losses
+        args = hs.trainer_args(str(tmp_path / "fp32"), 2, bf16_full_eval=True)
+        with pytest.raises(
+            ZeroFXError, match=r"--bf16_full_eval casts the model .* param_dtype \(torch.float32 here\)"
+        ):
+            ZeroFXTrainer(
+                model=hs.tiny_llama(), args=args, train_dataset=hs.TokenDataset(), mesh=mesh, zerofx_options={}
+            )
+
+
 def test_a_model_built_on_meta_is_never_whole_on_any_rank(trained):
     """Built under torch.device("meta"), compiled on 2 ranks: at stage 3 sharding allocates each
     rank's rows only (half the model, plus uneven rows) and load_hf reads exactly those rows out

@@ -153,6 +153,20 @@ def _checkpoint_layers(model: Any, args: TrainingArguments) -> None:
         )
 
 
+def _check_full_eval(param_dtype: torch.dtype | None, args: TrainingArguments) -> None:
+    """``--bf16_full_eval`` / ``--fp16_full_eval`` cast the whole model for evaluation, which the
+    Trainer does with ``model.to(dtype=...)``: zerofx's shards (and their optimizer state) cannot
+    be cast, so a zerofx model evaluates at its ``param_dtype``, which must then be that dtype
+    (``evaluation_loop`` below skips the cast). Anything else is an error here, before training."""
+    for flag, dtype in (("bf16_full_eval", torch.bfloat16), ("fp16_full_eval", torch.float16)):
+        if getattr(args, flag) and param_dtype is not dtype:
+            raise ZeroFXError(
+                f"ZeroFXTrainer: --{flag} casts the model for evaluation, which zerofx's shards cannot take; a "
+                f"zerofx model evaluates at its param_dtype ({param_dtype or torch.float32} here): compile it with "
+                f'param_dtype={dtype} (--{flag[:4]} with a config\'s "enabled": "auto") or drop --{flag}'
+            )
+
+
 def _check_loop_settings(training: dict[str, Any], args: TrainingArguments) -> None:
     """The Trainer runs the loop from ``args``; a DeepSpeed config that says otherwise is an
     error naming both values (as HF's DeepSpeed integration does), ``"auto"`` is fine, and the
@@ -403,6 +417,7 @@ class ZeroFXTrainer(Trainer):
             _check_loop_settings(runtime_of(model).training, args)
         elif zerofx_config is not None or zerofx_options:
             raise ZeroFXError("the model is already compiled by zerofx: drop zerofx_config / zerofx_options")
+        _check_full_eval(runtime_of(model).options.param_dtype, args)
         # transformers' path for models sharded at load time: no DDP wrap, no move. The Trainer
         # reads the flag through the model it was given; a wrapper (peft's PeftModel) forwards
         # that read to the transformers model inside it, so the flag goes there too.
@@ -437,6 +452,16 @@ class ZeroFXTrainer(Trainer):
             return super().train(*args, **kwargs)
         finally:
             self.args.activation_checkpointing = checkpointing
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        # --bf16/fp16_full_eval: the model computes in that dtype already (_check_full_eval); the
+        # Trainer's cast of the whole model (model.to(dtype=...)) is skipped
+        full = self.args.fp16_full_eval, self.args.bf16_full_eval
+        self.args.fp16_full_eval = self.args.bf16_full_eval = False
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.args.fp16_full_eval, self.args.bf16_full_eval = full
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         if self.accelerator.sync_gradients:

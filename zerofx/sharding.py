@@ -288,11 +288,14 @@ def _apply_keeping_shards(self: nn.Module, fn: Any, recurse: bool = True) -> nn.
             # ``share_memory_`` on one crashes the process (torch 2.13); an in-place conversion
             # like that one then applies to the shard itself
             out = fn(local)
+        # a copy that is the shard over again is no change either: ``.to("cpu:0")`` of a CPU tensor
+        # copies it (the HF Trainer's move to ``args.device`` under torchrun does that)
         kept = out is local or (
             isinstance(out, torch.Tensor)
             and out.dtype == local.dtype
             and out.device == local.device
-            and out.data_ptr() == local.data_ptr()
+            and out.stride() == local.stride()
+            and (out.data_ptr() == local.data_ptr() or out.is_pinned() == local.is_pinned())
         )
         if not kept:
             raise ZeroFXError(
