@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import sympy
 import torch
 
 import zerofx
@@ -852,3 +853,99 @@ def test_quantized_collectives_plan_the_step_peak_a_real_step_measures():
         planned.per_rank.step_peak_bytes,
         measured,
     )
+
+
+TINY_MIXTRAL = dict(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_hidden=128, vocab_size=256)
+
+
+def test_a_mixture_of_experts_capacity_solves_the_largest_sequence_by_search():
+    """NOTE: solving for the largest batch. An MoE's capacity ``max(1, b*t*k // n_experts)``
+    (zerofx/models.py) puts Max and floor into the live bytes: no polynomial in the sequence, which
+    sympy.Poly refused with a PolynomialError traceback. Solved by evaluating at integers, the
+    largest sequence is the boundary of concrete plans."""
+    common = dict(factory_kwargs=TINY_MIXTRAL, device="cpu", batch=1)
+    memory = 48 * 2**20  # about 3x the peak at seq 64
+    p = zerofx.plan("mixtral-8x7b", (2,), seq=64, device_memory=memory, **common)
+    assert p.fits and 64 < p.max_seq < 2**62 and p.max_batch > 1
+    _, fn, _ = p.bindings["seq"]
+    assert not isinstance(fn, tuple) and "Max" in str(fn)  # searched, not a polynomial's root
+    json.dumps(p.to_json())  # the expression goes to --json as text
+    at = zerofx.plan("mixtral-8x7b", (2,), seq=p.max_seq, **common)
+    beyond = zerofx.plan("mixtral-8x7b", (2,), seq=p.max_seq + 1, **common)
+    assert at.per_rank.peak_bytes <= memory < beyond.per_rank.peak_bytes
+
+
+def test_a_mixture_of_experts_solved_by_depth_is_solved_as_traced_whole():
+    """NOTE: planning by depth: the binding that is no polynomial (the MoE's capacity) is extended
+    from the traces of 3 and 4 blocks as coefficients are, and solves what the whole trace does."""
+    common = dict(factory_kwargs={**TINY_MIXTRAL, "n_layer": 5}, device="cpu", batch=1, seq=64, device_memory="48MiB")
+    by_depth = zerofx.plan("mixtral-8x7b", (2,), **common)
+    full = zerofx.plan("mixtral-8x7b", (2,), exact=True, **common)
+    assert by_depth.traced_depths == (3, 4) and full.traced_depths is None
+    assert (by_depth.max_batch, by_depth.max_seq) == (full.max_batch, full.max_seq)
+    assert by_depth.bindings["seq"][1:] == full.bindings["seq"][1:]
+
+
+def test_the_integer_search_gives_the_polynomial_roots_answers():
+    """Where both apply, the search (expressions evaluated at integers) and the polynomials' roots
+    solve the same largest value, and a Max term that only the search can take binds when lower."""
+    from zerofx.planner import _first_crossing, _search_largest, _solve
+
+    x = sympy.Symbol("s0", integer=True, positive=True)
+    for expr in (7 * x + 100, 3 * x**2 + 5 * x + 11, 1000 * x, x**2 + 2_000_000):
+        for room in (50, 99, 100, 107, 10**6, 123_456_789, 2**40 + 3):
+            coeffs = tuple(sympy.Poly(expr, x).all_coeffs())
+            bound = _first_crossing(coeffs, room)
+            want = max(int(sympy.floor(bound)), 0)
+            assert _search_largest([expr], x, room, 2**62)[0] == want, (expr, room)
+            assert _solve({expr: "g.forward:mm_1"}, x, {}, room)[0] == want
+    capacity = 64 * x + 4096 * sympy.Max(1, x // 4)  # above 7x + 100 from x = 4 on
+    n, binding = _solve({7 * x + 100: "g.forward:mm_1", capacity: "g.backward:bmm_3"}, x, {}, 10**6)
+    assert n == max(k for k in range(1, 10**4) if 64 * k + 4096 * max(1, k // 4) <= 10**6)
+    assert binding[0] == "bmm" and not isinstance(binding[1], tuple)
+    assert _solve({capacity: "g.backward:bmm_3"}, x, {}, 4000)[0] == 0  # even 1 does not fit
+    assert _solve({100 + sympy.Max(1, x // 2**70): "g.forward:mm_2"}, x, {}, 200) == (2**62, None)  # never above
+
+
+def test_the_largest_batch_is_solved_with_the_graphs_compiled_at_it():
+    """NOTE: the largest batch is solved at its own batch. At stage 1 the 2-layer GPT's activation
+    plan saves the block input (B, T, d) traced at batch 2 and the position embedding (T, d) at
+    batch 4: solved from the trace at 2 alone the largest batch was 10 where 11 fits."""
+    build_gpt = lambda: GPT(GPTConfig(vocab_size=512, seq_len=64, n_layer=2, n_head=4, d_model=128))  # noqa: E731
+    common = dict(seq=64, device="cpu", stage=1)
+    memory = 15_502_080
+    p = zerofx.plan(build_gpt, (2,), batch=2, device_memory=memory, **common)
+    at = zerofx.plan(build_gpt, (2,), batch=p.max_batch, **common)
+    beyond = zerofx.plan(build_gpt, (2,), batch=p.max_batch + 1, **common)
+    assert at.per_rank.peak_bytes <= memory < beyond.per_rank.peak_bytes, p.max_batch
+
+
+def test_a_solved_batch_that_its_own_trace_does_not_confirm_settles_on_one_that_fits():
+    """NOTE: the largest batch is solved at its own batch: each trace answers with the graphs of
+    its own batch; the answer is the largest traced batch whose own trace says it fits."""
+    from types import SimpleNamespace
+
+    from zerofx.planner import _Request, _settle_max_batch
+
+    def settle(first: int, answers: dict[int, int]) -> tuple[int, list[int]]:
+        traced = []
+
+        def run(req):
+            traced.append(req.batch)
+            return SimpleNamespace(max_batch=answers[req.batch], bindings={"batch": ("mm", (req.batch, 0), 0)})
+
+        result = SimpleNamespace(max_batch=first, bindings={"batch": ("mm", (2, 0), 0)})
+        fields = {f.name: None for f in dataclasses.fields(_Request)}
+        request = _Request(**{**fields, "batch": 2, "seq": 64, "symbolic": True, "options": {}})
+        _settle_max_batch(result, request, run)
+        if traced:
+            assert result.bindings["batch"] == ("mm", (result.max_batch, 0), 0)  # the binding of its trace
+        return result.max_batch, traced
+
+    assert settle(10, {10: 11, 11: 11}) == (11, [10, 11])  # traced at 11, 11 fits: confirmed
+    assert settle(10, {10: 10}) == (10, [10])
+    assert settle(10, {10: 9, 9: 10}) == (9, [10, 9])  # 10 does not fit as compiled at 10; 9 does
+    assert settle(2, {}) == (2, [])  # the traced batch itself: nothing to trace again
+    assert settle(1, {}) == (1, [])  # below the trace's smallest batch (2)
+    assert settle(0, {}) == (0, [])
+    assert settle(5, {5: 6, 6: 7, 7: 8}) == (7, [5, 6, 7])  # at most 3 more traces

@@ -16,8 +16,10 @@ cost model over the final graphs (``estimate_memory`` / ``predict_step_peak`` fo
 ``estimate_time`` for compute and the communication the schedule leaves exposed).
 
 With ``device_memory``, batch and sequence are traced symbolically (``torch._dynamo.mark_dynamic``)
-so every live-bytes figure of the step is a polynomial in them (sympy), and the largest batch and
-sequence that fit are the roots of those polynomials, solved (NOTE: solving for the largest batch).
+so every live-bytes figure of the step is a polynomial in them (sympy; an MoE's capacity adds Max
+and floor), and the largest batch and sequence that fit are the roots of those polynomials, solved
+(NOTE: solving for the largest batch), the batch with the graphs compiled at it (NOTE: the largest
+batch is solved at its own batch).
 
 The step priced is the usual loop, ``out = model(batch); loss_of(out).backward(); opt.step()``:
 the model's outputs (an HF model's logits) stay alive through the backward, and the backward
@@ -392,7 +394,8 @@ class Plan:
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     traced_depths: tuple[int, int] | None = None  # planned from traces of this many blocks (NOTE: planning by depth)
     seq_limit: int | None = None  # the model's positions
-    # what bounds max_batch / max_seq: (binding node, polynomial coefficients, static bytes)
+    # what bounds max_batch / max_seq: (binding node, polynomial coefficients or, where the live
+    # bytes are no polynomial (an MoE's capacity), the expression in x, static bytes)
     bindings: dict[str, tuple] = field(default_factory=dict, repr=False)
     # parameters split along another dim than 0 (zerofx/ir/layout.py, NOTE: the sharded dim):
     # how many, and the first few as "name [shape]: Shard(k)"
@@ -482,9 +485,8 @@ class Plan:
         binding = self.bindings.get("batch")
         if binding is None or self.device_memory is None:
             return ""
-        _, coeffs, static = binding
-        bound = _first_crossing(tuple(sympy.Rational(c) for c in coeffs), self.device_memory - static - whole)
-        micro = self.batch - 1 if bound is None else min(max(int(sympy.floor(bound)), 0), self.batch - 1)
+        _, fn, static = binding
+        micro = min(_largest_fit(fn, self.device_memory - static - whole), self.batch - 1)
         if micro < 1:
             return (
                 f"; gradient accumulation would not help: under no_sync each rank also holds whole gradients "
@@ -514,6 +516,10 @@ class Plan:
         out["fits"] = self.fits
         out["advice"] = self.advice()
         out["options"] = {k: str(v) if isinstance(v, torch.dtype) else v for k, v in self.options.items()}
+        out["bindings"] = {  # a binding that is no polynomial (an MoE's capacity) as its expression in x
+            k: [node, fn if isinstance(fn, tuple) else str(fn), static]
+            for k, (node, fn, static) in self.bindings.items()
+        }
         return out
 
     def report(self) -> str:
@@ -770,9 +776,12 @@ def plan(
     # the traces have fewer blocks than the model they stand for: patterns are checked on the
     # model itself, and options that do not plan every block alike trace it all
     if depth is not None and not exact and depth[1] > TRACED_DEPTHS[1] and _blocks_plan_alike(request, depth[1]):
-        result = _plan_by_depth(request, model_fn, factory_kwargs, *depth)
+        run: Callable[[_Request], Plan] = lambda req: _plan_by_depth(req, model_fn, factory_kwargs, *depth)  # noqa: E731
     else:
-        result = _plan_once(request)
+        run = _plan_once
+    result = run(request)
+    if request.symbolic:
+        _settle_max_batch(result, request, run)
     if compare:
         for change in _alternatives(options, device):
             alt = _plan_once(dataclasses.replace(request, memory=None, symbolic=False, options={**options, **change}))
@@ -787,6 +796,46 @@ def plan(
             )
     result.plan_seconds = time.perf_counter() - started
     return result
+
+
+# NOTE: the largest batch is solved at its own batch
+# The live-bytes polynomials of a trace are those of the graphs compiled at its batch (the hint
+# of the symbolic trace: max(batch, 2)), and the passes decide at that size: the activation plan's
+# min-cut (passes/activation_plan.py) weighs bytes saved against FLOPs recomputed at the hint. A
+# value constant in the batch weighs more against one proportional to it the smaller the batch:
+# the 2-layer GPT of tests/test_plan.py at stage 1 saves the block input x = tok + pos (B, T, d)
+# traced at batch 2 and the position embedding (T, d) traced at batch 4 (recomputing the add),
+# so traced at 2 it solved 10 where 11 fits, as traced at 4 it solves (and a run at batch 11,
+# compiled at 11, saves as at 4). So the solved batch n is traced again at n: where that trace
+# solves n too, n fits with the graphs a run at n compiles and n + 1 does not with n's; else the
+# new answer is traced (at most _RETRACES times), and the answer is the largest traced batch
+# that its own trace says fits. A trace is one more plan (of 3 and 4 blocks, by depth), paid only
+# where the answer is another batch than the traced one. The sequence is solved from the trace
+# at the given sequence alone (a small Llama's, traced at 128 and at 512, agreed with replans at
+# n and n + 1; tests/test_plan.py checks an MoE's the same way): retracing it would cost a trace
+# in nearly every plan, the longest sequence that fits being rarely the one traced.
+
+_RETRACES = 3
+
+
+def _settle_max_batch(result: Plan, request: _Request, run: Callable[[_Request], Plan]) -> None:
+    """``result.max_batch`` solved at its own batch (NOTE: the largest batch is solved at its own
+    batch): traced again at the solved batch until a trace confirms its own answer."""
+    solved = {max(request.batch, 2): (result.max_batch, result.bindings.get("batch"))}
+    n = result.max_batch
+    for _ in range(_RETRACES):
+        if n is None or not 2 <= n < _UNBOUNDED or n in solved:
+            break
+        again = run(dataclasses.replace(request, batch=n))
+        solved[n] = (again.max_batch, again.bindings.get("batch"))
+        n = again.max_batch
+    if len(solved) == 1:
+        return
+    fits = [h for h, (m, _) in solved.items() if m is not None and m >= h]  # fits as compiled at h
+    best = max(fits) if fits else min(m for m, _ in solved.values() if m is not None)
+    result.max_batch = best
+    if best in solved and solved[best][1] is not None:
+        result.bindings["batch"] = solved[best][1]
 
 
 # NOTE: planning by depth
@@ -930,12 +979,14 @@ def _plan_by_depth(request: _Request, model_fn: Any, kwargs: dict | None, key: s
             if what not in bindings:
                 continue
             (_, c2, s2), (_, c3, s3) = p2.bindings[what], p3.bindings[what]
-            width = max(len(c2), len(c3))
-            c2, c3 = (0,) * (width - len(c2)) + c2, (0,) * (width - len(c3)) + c3
-            coeffs = tuple(_affine(a, b, steps) for a, b in zip(c2, c3))
-            result.bindings[what] = (p3.bindings[what][0], coeffs, _affine(s2, s3, steps))
-            bound = _first_crossing(tuple(sympy.Rational(c) for c in coeffs), request.memory - _affine(s2, s3, steps))
-            value = 2**62 if bound is None else max(int(sympy.floor(bound)), 0)
+            if isinstance(c2, tuple) and isinstance(c3, tuple):
+                width = max(len(c2), len(c3))
+                c2, c3 = (0,) * (width - len(c2)) + c2, (0,) * (width - len(c3)) + c3
+                fn: Any = tuple(_affine(a, b, steps) for a, b in zip(c2, c3))
+            else:  # no polynomial (an MoE's capacity): the expression extended as the coefficients are
+                fn = sympy.expand(_as_expr(c2) + steps * (_as_expr(c3) - _as_expr(c2)))
+            result.bindings[what] = (p3.bindings[what][0], fn, _affine(s2, s3, steps))
+            value = _largest_fit(fn, request.memory - _affine(s2, s3, steps))
             if attr == "max_seq" and p3.seq_limit is not None:
                 value = min(value, p3.seq_limit)
             setattr(result, attr, value)
@@ -1347,7 +1398,13 @@ def _step_time(compiled, rates, counter, link_of, frames=None) -> tuple[float, f
 # static + p_i(B, seq) = device_memory: each is linear in B (transformers' tensors are), solved in
 # exact rationals; the largest sequence is the same with p_i(batch, S), at most quadratic (attention
 # without a fused kernel), solved by sympy. Polynomials are deduplicated first, and ones dominated
-# coefficient by coefficient by another are dropped (their roots are never the smallest).
+# coefficient by coefficient by another are dropped (their roots are never the smallest). An
+# expression that is no polynomial in the variable, as an MoE's capacity ``max(1, b*t*k //
+# n_experts)`` (zerofx/models.py) makes one (Max and floor: sympy.Poly refuses it), is solved by
+# evaluating it at integers, which the live bytes allow because they do not decrease as batch or
+# sequence grow: doubling from 1, then bisecting, below the polynomials' smallest root (the same
+# answer the roots give where both apply; tests/test_plan.py). Planned by depth, such a binding
+# is extended as the coefficients are, expression by expression.
 
 
 def _memory(compiled, symbolic, batch, seq, static, memory, boundary=0, accumulation=(None, None, 0)):
@@ -1446,28 +1503,86 @@ def _envelope(labels: list[str], values: list[Any]) -> dict[sympy.Expr, str]:
 def _solve(exprs: dict[sympy.Expr, str], var: Any, fixed: dict, room: int) -> tuple[int, tuple | None]:
     """The largest integer ``var`` >= 1 at which every expression (at ``fixed``) is <= ``room``
     (NOTE: solving for the largest batch), 0 when even 1 does not fit; and what binds it: (the
-    node's kind, the polynomial's coefficients in ``var``, highest first)."""
+    node's kind, the polynomial's coefficients in ``var``, highest first, or for an expression
+    that is no polynomial in ``var`` the expression in ``_X``)."""
     if room <= 0:
         return 0, None
     best: Any = None
     binding = None
     seen: set = set()
+    others: dict[sympy.Expr, str] = {}  # not polynomials in var (an MoE's capacity: Max, floor)
     for expr, label in exprs.items():
         e = sympy.expand(expr.subs(fixed))
         if var not in e.free_symbols:
             if e > room:
                 return 0, None
             continue
-        coeffs = tuple(sympy.Poly(e, var).all_coeffs())
+        try:
+            coeffs = tuple(sympy.Poly(e, var).all_coeffs())
+        except sympy.PolynomialError:
+            others.setdefault(e, label)
+            continue
         if coeffs in seen:
             continue
         seen.add(coeffs)
         bound = _first_crossing(coeffs, room)
         if bound is not None and (best is None or bound < best):
             best, binding = bound, (_node_kind(label), tuple(int(c) for c in coeffs))
-    if best is None:
-        return 2**62, None  # nothing grows with var: any size fits
-    return max(int(sympy.floor(best)), 0), binding
+    cap = _UNBOUNDED if best is None else max(int(sympy.floor(best)), 0)
+    if others and cap >= 1:  # searched below the polynomials' bound: the smaller binds
+        n, e = _search_largest(list(others), var, room, cap)
+        if e is not None:
+            return n, (_node_kind(others[e]), e.xreplace({var: _X}))
+    return cap, binding
+
+
+_UNBOUNDED = 2**62  # the largest batch or sequence where nothing grows with it: any size fits
+_X = sympy.Symbol("x", integer=True, positive=True)  # the variable of a binding that is no polynomial
+
+
+def _search_largest(exprs: list[sympy.Expr], var: Any, room: int, cap: int) -> tuple[int, sympy.Expr | None]:
+    """The largest integer n in [0, ``cap``] at which every expression of ``var`` is <= ``room``,
+    by evaluating them at integers (NOTE: solving for the largest batch: live bytes do not decrease
+    as batch or sequence grow): doubling from 1, then bisecting. With the expression that rises
+    above ``room`` at n + 1, or None when all of them fit at ``cap``."""
+    order = list(exprs)
+
+    def above(n: int) -> sympy.Expr | None:  # the first expression above room at n (moved to the front)
+        at = {var: sympy.Integer(n)}
+        for i, e in enumerate(order):
+            if int(e.xreplace(at)) > room:
+                order.insert(0, order.pop(i))
+                return e
+        return None
+
+    if above(cap) is None:
+        return cap, None
+    if above(1) is not None:
+        return 0, order[0]
+    lo, hi = 1, 2  # above(lo) is None; above(cap) is not
+    while hi < cap and above(hi) is None:
+        lo, hi = hi, hi * 2
+    hi = min(hi, cap)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if above(mid) is None else (lo, mid)
+    return lo, above(lo + 1)
+
+
+def _largest_fit(fn: tuple | sympy.Expr, room: int) -> int:
+    """The largest integer x >= 1 at which a binding's function of x (polynomial coefficients,
+    highest first, or an expression in ``_X``) is <= ``room``; 0 if none, ``_UNBOUNDED`` if any."""
+    if isinstance(fn, tuple):
+        bound = _first_crossing(tuple(sympy.Rational(c) for c in fn), room)
+        return _UNBOUNDED if bound is None else max(int(sympy.floor(bound)), 0)
+    return _search_largest([fn], _X, room, _UNBOUNDED)[0]
+
+
+def _as_expr(fn: tuple | sympy.Expr) -> sympy.Expr:
+    """A binding's function of x as an expression in ``_X``."""
+    if isinstance(fn, tuple):
+        return sum((sympy.Integer(c) * _X**k for k, c in enumerate(reversed(fn))), sympy.Integer(0))
+    return fn
 
 
 def _first_crossing(coeffs: tuple, room: int) -> Any:
