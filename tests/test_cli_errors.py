@@ -294,3 +294,23 @@ def test_plan_outputs_the_filesystem_refuses_are_said_before_planning(flag, wher
     line = _one_line(capsys.readouterr().err, f"zerofx plan: {flag} {path!r}: not writable (")
     assert ("File name too long" if where == "long name" else "No such file or directory") in line, line
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("size", ["1.5", "2.5b", "1000.5B"])
+def test_plan_refuses_a_device_memory_that_is_not_whole_bytes(size, monkeypatch, capsys):
+    """``--device-memory 1.5`` was planned as 1 byte (truncated): a byte count that is not whole is
+    one line, before planning; with a unit a fraction of a byte rounds down (0.3GiB)."""
+    from zerofx import planner
+    from zerofx.cli import parse_size
+    from zerofx.errors import ZeroFXError
+
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: pytest.fail("planned"))
+    assert main(["plan", "gpt2", "--mesh", "2", "--device-memory", size]) == 1
+    line = _one_line(capsys.readouterr().err, f"zerofx plan: --device-memory: {size!r} is ")
+    assert "not a whole number" in line, line
+    monkeypatch.undo()
+    with pytest.raises(ZeroFXError, match="not a whole number"):
+        planner.plan("gpt2-xl", 2, device_memory=size)  # refused before the model is built
+    assert parse_size("1.5GiB") == 3 << 29 and parse_size("1.5KB") == 1500 and parse_size("0.1GB") == 10**8
+    assert parse_size("1e3") == 1000 and parse_size("1_024") == 1024
+    assert parse_size("0.3GiB") == 322122547 and parse_size("1.0001KB") == 1000

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import decimal
+import fractions
 import math
 import sys
 
@@ -404,7 +406,16 @@ def parse_size(text: str) -> int:
     size = value * _UNITS.get(unit, 0) if math.isfinite(value) else -1.0
     if unit not in _UNITS or not 1 <= size < 2**63:  # whole bytes, at least one, an int64's worth at most
         raise ValueError(f"{text!r} is not a size (e.g. 5GB, 500MiB, 1048576)")
-    return int(size)
+    try:  # exact: 1.5GiB is whole bytes, 1.5 is not (it was truncated to 1)
+        exact = fractions.Fraction(decimal.Decimal(number)) * _UNITS[unit]
+    except (ArithmeticError, ValueError):
+        raise ValueError(f"{text!r} is not a size (e.g. 5GB, 500MiB, 1048576)") from None
+    if exact.denominator != 1 and _UNITS[unit] == 1:  # with a unit, a fraction of a byte rounds down
+        raise ValueError(
+            f"{text!r} is {float(exact):.10g} bytes, not a whole number of them: give an integer or a size "
+            "with a unit (e.g. 1.5GiB, 1536MiB)"
+        )
+    return math.floor(exact)
 
 
 def _convert(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
