@@ -451,6 +451,28 @@ def test_a_deepspeed_config_scales_the_loss_as_deepspeed_does(one_rank):
     assert moved == [not overflow for overflow in pattern]  # every overflow skips its step
 
 
+def test_consecutive_hysteresis_refills_after_every_good_step_as_deepspeed_does(one_rank):
+    """fp16.consecutive_hysteresis=true (refused until 2026-12-07): only overflows in a row use the
+    hysteresis up. The expected scales are deepspeed 0.19.8's DynamicLossScaler(init_scale=8,
+    scale_window=2, min_scale=1, delayed_shift=2, consecutive_hysteresis=True), update_scale once
+    per step; without the key the same pattern halves at the third overflow, not in a row."""
+    T, F = True, False
+    fp16 = {"enabled": True, "initial_scale_power": 3, "loss_scale_window": 2, "consecutive_hysteresis": True}
+    options = from_deepspeed({"zero_optimization": {"stage": 3}, "fp16": fp16}).options
+    assert options["loss_scale_consecutive_hysteresis"] is True
+    pattern = [T, F, T, F, T, T, F, F, F, T, F, T, F, F, F, F, T, T, T]
+    deepspeed = [8.0, 8.0, 8.0, 8.0, 8.0, 4.0, 4.0, 4.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 16.0, 16.0, 16.0, 8.0, 4.0]
+    scaler = make_loss_scaler(zerofx.Options.from_kwargs(**options), one_rank)
+    scales, moved = _scales(scaler, pattern)
+    assert scales == deepspeed
+    assert moved == [not overflow for overflow in pattern]
+    state = scaler.state_dict()
+    assert state["consecutive"] is True
+    options["loss_scale_consecutive_hysteresis"] = False
+    plain = make_loss_scaler(zerofx.Options.from_kwargs(**options), one_rank)
+    assert _scales(plain, pattern[:5])[0] == [8.0, 8.0, 4.0, 4.0, 2.0]
+
+
 def test_plain_options_keep_torchs_scaler(one_rank):
     """Without hysteresis or a floor the scaler is torch's own ShardedGradScaler (the subclass only
     reshapes its inf flags), its schedule unchanged: every overflow halves, window good steps in a
@@ -540,7 +562,7 @@ def test_the_loss_scale_options_are_validated(options, message):
         ({"hysteresis": 2.5}, r"fp16.hysteresis=2.5: give a number of overflows"),
         ({"min_loss_scale": 0.5}, r"fp16.min_loss_scale=0.5: give an integer >= 1"),
         ({"loss_scale_window": True}, r"fp16.loss_scale_window=true: give a number of good steps >= 1"),
-        ({"consecutive_hysteresis": True}, r"fp16.consecutive_hysteresis=true: zerofx refills the hysteresis"),
+        ({"consecutive_hysteresis": "maybe"}, r"fp16.consecutive_hysteresis"),
         ({"initial_scale_power": 0, "min_loss_scale": 2}, r"fp16.initial_scale_power=0 starts the scale at 1, below"),
     ],
 )

@@ -20,7 +20,8 @@ contradiction, a feature zerofx does not have). Nothing is dropped silently.
     zero_optimization.overlap_comm = false              disable_passes += ("schedule",)
     bf16.enabled                                        param_dtype=torch.bfloat16
     fp16.enabled (+ initial_scale_power, loss_scale_window)  param_dtype=torch.float16, loss_scale="dynamic"
-    fp16.hysteresis, fp16.min_loss_scale                loss_scale_hysteresis, min_loss_scale (DeepSpeed's
+    fp16.hysteresis, fp16.min_loss_scale,               loss_scale_hysteresis, min_loss_scale,
+      fp16.consecutive_hysteresis                        loss_scale_consecutive_hysteresis (DeepSpeed's
                                                           2 and 1 when absent: its scale schedule, step for step)
     communication_data_type                             reduce_dtype
     data_types.grad_accum_dtype                         reduce_dtype (zerofx accumulates and reduces in one dtype)
@@ -490,11 +491,10 @@ def _fp16_scaling(fp16: dict, opts: dict, from_auto: set[str]) -> None:
             f"fp16.min_loss_scale={floor}: start at or above the floor"
         )
     consecutive = fp16.get("consecutive_hysteresis", False)
-    if consecutive != "auto" and _flag(consecutive, "fp16.consecutive_hysteresis"):
-        raise ZeroFXError(
-            "DeepSpeed config: fp16.consecutive_hysteresis=true: zerofx refills the hysteresis when the scale grows "
-            "(DeepSpeed's default, false), not after every good step; remove the key or set it false"
-        )
+    if consecutive == "auto":
+        from_auto.add("loss_scale_consecutive_hysteresis")
+    elif _flag(consecutive, "fp16.consecutive_hysteresis"):
+        opts["loss_scale_consecutive_hysteresis"] = True
 
 
 def from_deepspeed(

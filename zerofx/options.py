@@ -97,6 +97,7 @@ class LayoutPolicy:
     initial_loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
     loss_scale_hysteresis: int = 1
+    loss_scale_consecutive_hysteresis: bool = False
     min_loss_scale: float | None = None
     local_optimizer_step: bool = True
     plain_graph_inputs: bool = True
@@ -157,6 +158,10 @@ class LayoutPolicy:
             raise ZeroFXError(
                 f"option loss_scale_hysteresis={hysteresis!r}: give a number of overflows >= 1 (1: every overflow "
                 "halves the scale)"
+            )
+        if not isinstance(self.loss_scale_consecutive_hysteresis, bool):
+            raise ZeroFXError(
+                f"option loss_scale_consecutive_hysteresis={self.loss_scale_consecutive_hysteresis!r}: give True or False"
             )
         floor = self.min_loss_scale
         if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float)) or not floor > 0):
@@ -382,6 +387,9 @@ class Options:
             scale follows DeepSpeed's DynamicLossScaler step for step, its first growth included
             (after ``loss_scale_window`` + 1 good steps, then every ``loss_scale_window``;
             zerofx/runtime/loss_scaling.py, NOTE: DeepSpeed's scale schedule).
+        loss_scale_consecutive_hysteresis: refill the hysteresis after every good step, not only
+            when the scale grows, so that only that many overflows in a row halve the scale
+            (DeepSpeed's fp16 ``consecutive_hysteresis``). Default False.
         min_loss_scale: the scale's floor (DeepSpeed's fp16 ``min_loss_scale``): halving stops
             there, and an overflow with the scale at the floor raises (as DeepSpeed ends the run).
             None (default): no floor.

@@ -46,7 +46,8 @@ __all__ = ["HysteresisGradScaler", "ZeroFXGradScaler", "make_loss_scaler", "loss
 # - hysteresis: an overflow first uses up one of ``hysteresis`` tolerated overflows (the step is
 #   still skipped, the scale kept); only an overflow with one left halves the scale. What is used
 #   up is refilled when the scale grows, not by good steps in between, and not when it halves: once
-#   down to one, every overflow halves until the next growth.
+#   down to one, every overflow halves until the next growth. With ``consecutive_hysteresis`` (the
+#   option ``loss_scale_consecutive_hysteresis``) every good step refills it instead.
 # - a floor: the scale never goes below ``min_scale``; an overflow that would take it lower when
 #   it is already there ends the run (DeepSpeed raises too): no smaller scale can help.
 # - growth counting: DeepSpeed counts good steps from the step after the last overflow (or the
@@ -96,10 +97,11 @@ class HysteresisGradScaler(ZeroFXGradScaler):
     all-reduced inf check, skipping the step) is torch's. ``update`` reads the inf flag on the
     host: one device sync per optimizer step, as DeepSpeed's own check."""
 
-    def __init__(self, *, hysteresis: int, min_scale: float | None, **kwargs: Any) -> None:
+    def __init__(self, *, hysteresis: int, min_scale: float | None, consecutive: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._hysteresis = hysteresis
         self._hysteresis_left = hysteresis
+        self._consecutive = consecutive
         self._min_scale = _float32(min_scale)
         self._init_growth_tracker = -1  # DeepSpeed's first growth comes one good step later
 
@@ -131,6 +133,8 @@ class HysteresisGradScaler(ZeroFXGradScaler):
                     current = max(current, self._min_scale)
         else:
             good += 1
+            if self._consecutive:  # only overflows in a row use the hysteresis up
+                self._hysteresis_left = self._hysteresis
             if good >= self._growth_interval:
                 current *= self._growth_factor
                 good = 0
@@ -144,7 +148,12 @@ class HysteresisGradScaler(ZeroFXGradScaler):
         file ``zerofx.checkpoint`` writes."""
         state = super().state_dict()
         if state:
-            state.update(hysteresis=self._hysteresis, min_scale=self._min_scale, _hysteresis_left=self._hysteresis_left)
+            state.update(
+                hysteresis=self._hysteresis,
+                min_scale=self._min_scale,
+                consecutive=self._consecutive,
+                _hysteresis_left=self._hysteresis_left,
+            )
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -154,6 +163,7 @@ class HysteresisGradScaler(ZeroFXGradScaler):
         if self._enabled:
             self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
             self._min_scale = _float32(state_dict.get("min_scale", self._min_scale))
+            self._consecutive = bool(state_dict.get("consecutive", self._consecutive))
             self._hysteresis_left = int(state_dict.get("_hysteresis_left", self._hysteresis))
 
 
@@ -175,7 +185,12 @@ def make_loss_scaler(opts: Options, mesh: DeviceMesh):
     }
     if opts.loss_scale_hysteresis == 1 and opts.min_loss_scale is None:
         return ZeroFXGradScaler(**kwargs)
-    return HysteresisGradScaler(hysteresis=opts.loss_scale_hysteresis, min_scale=opts.min_loss_scale, **kwargs)
+    return HysteresisGradScaler(
+        hysteresis=opts.loss_scale_hysteresis,
+        min_scale=opts.min_loss_scale,
+        consecutive=opts.loss_scale_consecutive_hysteresis,
+        **kwargs,
+    )
 
 
 def loss_scaler(model: nn.Module):
