@@ -735,6 +735,11 @@ def test_hf_trainer_scales_an_fp16_loss_and_skips_overflowing_steps(tmp_path):
                 assert not all(torch.equal(before[n], after[n]) for n in before)
                 # measured on the unscaled gradients (scaled, they would read 65536x larger)
                 assert all(0 < h["grad_norm"] < 100 for h in history), history
+                trainer.args.max_steps = 1  # two more runs of one step: each counts its step from 0
+                for _ in range(2):
+                    trainer.train()
+                    again = hs.trainer_history(trainer)  # (the new run's state and log)
+                    assert len(again) == 1 and 0 < again[0]["grad_norm"] < 100, again  # unscaled as before
 
 
 def test_hf_trainer_full_eval_flags_evaluate_at_the_param_dtype(tmp_path):

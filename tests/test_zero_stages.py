@@ -282,6 +282,20 @@ def test_fp16_dynamic_loss_scaling_skips_backs_off_and_grows(runs):
         assert any(h["next_scale"] > h["scale"] for h in history)
 
 
+def test_a_fused_optimizers_overflow_is_skipped_on_every_rank(runs):
+    """An inf in one rank's shard only, the first gradient a replicated one: scaler.step on a
+    fused AdamW without unscale_ first checked each rank's own gradients there (DTensor agreed
+    the flag by the first gradient's placement), so rank 0 stepped and kept its scale while rank 1
+    skipped and halved: the whole weight's copies and the scales parted for good. Every rank
+    skips now and halves alike, with or without unscale_ first."""
+    per_rank = _case(runs, 2, "fused_overflow_agreement")
+    for way in ("unscale=False", "unscale=True"):
+        got = [r[way] for r in per_rank]
+        assert got[0]["replicated"] == [True, False], got  # the whole weight's gradient first
+        assert [g["stepped"] for g in got] == [0, 0], (way, got)
+        assert [g["scale"] for g in got] == [2.0**15, 2.0**15], (way, got)
+
+
 # --- checkpoints -----------------------------------------------------------------------------
 
 

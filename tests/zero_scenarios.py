@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import math
 import time
 import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -174,6 +176,35 @@ def fp16_loss_scaling(rank: int, world: int, mesh) -> dict:
         finite = all(torch.isfinite(p.to_local()).all().item() for p in model.parameters())
         history.append({"scale": scale, "next_scale": scaler.get_scale(), "moved": moved, "finite": finite})
     return {"history": history, "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+
+
+def fused_overflow_agreement(rank: int, world: int, mesh) -> dict:
+    """scaler.step on AdamW(fused=True) with an inf only in rank 1's shard of a sharded weight,
+    behind a weight kept whole (the first gradient is replicated), without and with unscale_
+    first: whether each rank called the optimizer's step, and the scale after."""
+    out = {}
+    for unscale in (False, True):
+        torch.manual_seed(0)
+        layers = [nn.Linear(4, 4, bias=False), nn.Linear(4, 64, bias=False)]
+        model = zerofx.compile(nn.Sequential(*layers), mesh, persistence_threshold=16, loss_scale="dynamic")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        calls = []
+        opt.register_step_pre_hook(lambda *_: calls.append(1))
+        scaler = zerofx.loss_scaler(model)
+        scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+        sharded = [p for p in model.parameters() if p.placements[0].is_shard()]
+        if rank == 1:
+            sharded[0].grad.to_local()[0, 0] = math.inf
+        if unscale:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        out[f"unscale={unscale}"] = {
+            "replicated": [p.placements[0].is_replicate() for p in model.parameters()],
+            "stepped": len(calls),
+            "scale": scaler.get_scale(),
+        }
+    return out
 
 
 def checkpoint_source(rank: int, world: int, mesh, folder: str, case: str = "uneven") -> dict:
@@ -350,6 +381,7 @@ def scenarios_w2(rank: int, world: int, steps: int, folder: str) -> dict:
         out, "gpt_bf16", train, rank, world, mesh, "gpt", steps, {"param_dtype": torch.bfloat16}, check_tensors=False
     )
     _attempt(out, "fp16_loss_scaling", fp16_loss_scaling, rank, world, mesh)
+    _attempt(out, "fused_overflow_agreement", fused_overflow_agreement, rank, world, mesh)
     _attempt(out, "checkpoint_reshard", checkpoint_reshard, rank, world, mesh, folder)
     _experts(out, rank, world, mesh, steps)
     _attempt(out, "experts_checkpoint_reshard", checkpoint_reshard, rank, world, mesh, folder, "experts")

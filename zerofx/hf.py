@@ -438,7 +438,6 @@ class ZeroFXTrainer(Trainer):
             super().__init__(model, args, *trainer_args, **trainer_kwargs)
         finally:
             args.save_only_model = save_only_model
-        self._zerofx_unscaled_at: int | None = None  # global_step whose gradients were unscaled
         if runtime_of(model).scaler is not None:  # NOTE: loss scaling under the Trainer
             self.accelerator.scaler = runtime_of(model).scaler
 
@@ -482,13 +481,14 @@ class ZeroFXTrainer(Trainer):
 
     def _unscale_gradients(self) -> None:
         scaler = self.accelerator.scaler
-        if scaler is None or runtime_of(self.model).scaler is not scaler or self.optimizer is None:
+        if (
+            scaler is None or runtime_of(self.model).scaler is not scaler or self.optimizer is None
+        ):  # (a ZeroFXGradScaler)
             return
         if self.accelerator.native_amp and self.accelerator.mixed_precision == "fp16":
             return  # accelerate unscales in clip_grad_norm_
-        if self._zerofx_unscaled_at != self.state.global_step:
+        if not scaler.unscaled(self._inner_optimizer()):  # once per optimizer step (update() resets it)
             scaler.unscale_(self._inner_optimizer())
-            self._zerofx_unscaled_at = self.state.global_step
 
     def _clip_grad_norm(self, model: Any) -> Any:
         self._unscale_gradients()

@@ -72,8 +72,9 @@ class ZeroFXGradScaler(ShardedGradScaler):
         state["found_inf_per_device"] = {d: f.reshape(()) for d, f in state["found_inf_per_device"].items()}
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """As torch's, except that an optimizer stepping with the scaler's flag (``fused=True``) is
-        not called at all when a gradient is inf/nan, as any other optimizer is not: its fused step
+        """As torch's, except for an optimizer stepping with the scaler's flag (``fused=True``):
+        its gradients are unscaled first (``unscale_``, whose flag is all-reduced), and it is not
+        called at all when a gradient is inf/nan, as any other optimizer is not: its fused step
         would change nothing then, but a caller that watches whether ``optimizer.step`` ran
         (accelerate's ``step_was_skipped``, by which the HF Trainer skips the scheduler's step, as
         DeepSpeed does on an overflow) took the skipped step for a taken one. Reads the flag on the
@@ -81,13 +82,20 @@ class ZeroFXGradScaler(ShardedGradScaler):
         if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
             state = self._per_optimizer_states[id(optimizer)]
             if state["stage"] is OptState.READY:
-                self._check_inf_per_device(optimizer)  # agreed across the mesh (DTensor gradients)
-            if state["stage"] is not OptState.STEPPED and any(
+                # the flag all-reduced over the group: torch's fused path checks each rank's own
+                # gradients (agreed only through DTensor's handler, which reads the placement of
+                # the first gradient: a replicated one first, and ranks disagreed)
+                self.unscale_(optimizer)
+            if state["stage"] is OptState.UNSCALED and any(
                 float(f.sum()) for f in state["found_inf_per_device"].values()
             ):
                 state["stage"] = OptState.STEPPED
                 return None
         return super().step(optimizer, *args, **kwargs)
+
+    def unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s gradients were unscaled since the last ``update``."""
+        return self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
 
 
 class HysteresisGradScaler(ZeroFXGradScaler):
