@@ -630,6 +630,11 @@ def test_a_sharded_model_moves_to_its_own_device_and_compiles_again_as_a_no_op()
         params = [(n, id(p)) for n, p in model.named_parameters()]
         assert model.to("cpu").cpu().float() is model
         assert model.to("cpu:0") is model  # torch copies a CPU tensor for "cpu:0": still no change
+        for convert in (lambda t: t * 2, torch.zeros_like, lambda t: t[:1]):  # copies that change the shard
+            with pytest.raises(ZeroFXError, match=r"converting a zerofx-sharded parameter"):
+                model._apply(convert)
+        with pytest.raises(ZeroFXError, match=r"converting a zerofx-sharded parameter"):
+            model.to_empty(device="cpu")
         assert [(n, id(p)) for n, p in model.named_parameters()] == params
         with pytest.raises(
             ZeroFXError, match=r"converting a zerofx-sharded parameter \(torch.float32 on cpu -> torch.float64"

@@ -270,6 +270,11 @@ def _gathered_property(name: str) -> property:
     return property(gathered, doc=f"The full '{name}', through zerofx's marker ops (may be a collective).")
 
 
+def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same values, NaN where the other has NaN (a trained-into-NaN weight copies as itself)."""
+    return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+
+
 def _apply_keeping_shards(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
     """``nn.Module._apply`` (``.to()``, ``.cpu()``, ``.cuda()``, ``.float()``, ...) for a
     module with zerofx parameters. A conversion that leaves a shard as it is (a move to the
@@ -290,12 +295,18 @@ def _apply_keeping_shards(self: nn.Module, fn: Any, recurse: bool = True) -> nn.
             out = fn(local)
         # a copy that is the shard over again is no change either: ``.to("cpu:0")`` of a CPU tensor
         # copies it (the HF Trainer's move to ``args.device`` under torchrun does that)
-        kept = out is local or (
+        same = (
             isinstance(out, torch.Tensor)
             and out.dtype == local.dtype
             and out.device == local.device
+            and out.shape == local.shape
             and out.stride() == local.stride()
-            and (out.data_ptr() == local.data_ptr() or out.is_pinned() == local.is_pinned())
+        )
+        kept = out is local or (
+            same
+            and (
+                out.data_ptr() == local.data_ptr() or (out.is_pinned() == local.is_pinned() and _identical(out, local))
+            )
         )
         if not kept:
             raise ZeroFXError(
