@@ -35,7 +35,11 @@ norm. Overrides:
   resumable ``checkpoint-N`` folder that checkpoint is ``zerofx_state/`` itself, written with the
   optimizer, so the parameters are written once for both;
 * the checkpoint hooks ``_save_optimizer_and_scheduler``, ``_load_from_checkpoint``,
-  ``_load_optimizer_and_scheduler`` and ``_load_best_model`` (below).
+  ``_load_optimizer_and_scheduler`` and ``_load_best_model`` (below);
+* ``_clip_grad_norm`` / ``_get_grad_norm``: an fp16 model's gradients are unscaled first (NOTE:
+  loss scaling under the Trainer; its scaler is accelerate's ``scaler``);
+* ``evaluation_loop``: ``--bf16_full_eval`` / ``--fp16_full_eval`` without the Trainer's cast of
+  the model (it evaluates at its ``param_dtype``, checked against the flag at construction).
 
 Resumable checkpoints (``save_strategy`` other than ``"no"``, without ``save_only_model``): each
 ``checkpoint-N`` folder holds what ``save_model`` writes (HF safetensors, so ``from_pretrained``
