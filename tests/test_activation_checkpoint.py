@@ -339,9 +339,8 @@ def _rss_file_bytes() -> int:
 def test_a_disk_reload_leaves_no_file_pages_resident(tmp_path):
     """A disk-parked activation is read back through its memory map, which faulted the file's pages
     into the process: until the parked tensor was freed they were resident beside the reloaded
-    copy, the activation twice (the plan counts a parked value as nothing). The reload reads a MiB
-    at a time and drops each MiB's pages: resident file pages grow by far less than the activation
-    (32 MiB) while the parked tensor lives."""
+    copy, the activation twice (the plan counts a parked value as nothing). The reload drops them:
+    resident file pages grow by far less than the activation (32 MiB) while the parked tensor lives."""
     x = torch.randn(8 << 20)  # 32 MiB
     parked = torch.ops.zerofx.offload(x, "disk", str(tmp_path))
     before = _rss_file_bytes()
