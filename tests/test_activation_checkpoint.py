@@ -329,28 +329,6 @@ def test_offload_round_trip(tmp_path, tier):
         assert os.listdir(tmp_path) == []  # the file is unlinked at once; it lives while mapped
 
 
-def _rss_file_bytes() -> int:
-    """Resident file-backed pages of this process (Linux's RssFile), in bytes."""
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("RssFile:"))
-    return int(line.split()[1]) * 1024
-
-
-def test_a_disk_reload_leaves_no_file_pages_resident(tmp_path):
-    """A disk-parked activation is read back through its memory map, which faulted the file's pages
-    into the process: until the parked tensor was freed they were resident beside the reloaded
-    copy, the activation twice (the plan counts a parked value as nothing). The reload drops them:
-    resident file pages grow by far less than the activation (32 MiB) while the parked tensor lives."""
-    x = torch.randn(8 << 20)  # 32 MiB
-    parked = torch.ops.zerofx.offload(x, "disk", str(tmp_path))
-    before = _rss_file_bytes()
-    back = torch.ops.zerofx.reload_wait(torch.ops.zerofx.reload(parked, "disk", x.device, list(x.shape), [1]))
-    grown = _rss_file_bytes() - before
-    assert torch.equal(back, x)
-    assert grown < (8 << 20), grown  # a quarter of the activation: the pages went back
-    assert torch.equal(parked, x)  # and the file still holds the bytes: read again, they come back
-
-
 def test_a_full_disk_parking_an_activation_is_an_error_naming_the_folder(tmp_path, monkeypatch):
     """The write runs on the I/O thread; a full disk surfaced as a bare OSError where the
     backward waits for the reload. It is a ZeroFXError naming the folder and the way out."""

@@ -12,15 +12,13 @@ Activations (graph ops, inserted by ``passes/offload.py``)::
 A disk-parked activation is a tensor backed by a memory-mapped file (``torch.from_file``) whose
 pages are written with ``pwrite`` by a background thread and never touched by this process
 until the reload, so it holds no resident memory in between. The source tensor is kept alive by
-the writer until its bytes are on disk, then freed. A reload reads the pages through the map and
-then drops them from the process again (``_drop_mapped_pages``).
+the writer until its bytes are on disk, then freed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import mmap
 import os
 import tempfile
 import threading
@@ -253,21 +251,6 @@ def _read_parked(parked: torch.Tensor, dst: torch.Tensor, written: Future | None
     if written is not None:
         written.result()
     dst.copy_(parked)
-    _drop_mapped_pages(parked)
-
-
-def _drop_mapped_pages(parked: torch.Tensor) -> None:
-    """Unmap from this process the file pages that reading ``parked`` through its memory map
-    faulted in (``madvise(MADV_DONTNEED)``; the file keeps the bytes, a later read faults them in
-    again). Without it a reload held the activation twice in resident memory (the mapped file
-    pages and the reloaded copy) until the parked tensor was freed: measured on a CPU as resident
-    memory above the plan, which counts a parked value as nothing from its offload on."""
-    storage = parked.untyped_storage()
-    if storage.nbytes() == 0:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise(storage.data_ptr(), storage.nbytes(), mmap.MADV_DONTNEED)  # best effort: a no-op on failure
 
 
 @torch.library.custom_op("zerofx::reload", mutates_args=())
