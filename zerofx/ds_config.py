@@ -556,11 +556,11 @@ def from_deepspeed(
         bf16_notes = notes if b is True else out.bf16_warnings
         _not_followed(bf16, _BF16_NOT_FOLLOWED, "bf16.", bf16_notes)
         _bf16_overflow_note(bf16, stage, bf16_notes)
-    if b in (True, "auto") and "immediate_grad_update" in bf16:
-        bf16_notes.append(
-            "bf16.immediate_grad_update has no effect: zerofx accumulates gradients in the reduce dtype "
-            "(fp32 unless reduce_dtype / communication_data_type says otherwise)"
-        )
+        if "immediate_grad_update" in bf16:
+            bf16_notes.append(
+                "bf16.immediate_grad_update has no effect: zerofx accumulates gradients in the reduce dtype "
+                "(fp32 unless reduce_dtype / communication_data_type says otherwise)"
+            )
     if f is True:
         opts["param_dtype"] = torch.float16
         _fp16_scaling(fp16, opts, out.from_auto)

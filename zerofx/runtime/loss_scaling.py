@@ -58,6 +58,12 @@ __all__ = ["HysteresisGradScaler", "ZeroFXGradScaler", "make_loss_scaler", "loss
 # so the plain options keep it bit for bit.
 
 
+def _overflowed(states: list[dict]) -> bool:
+    """Whether any optimizer's recorded inf flags (a scaler's per-optimizer states) are set; reads
+    them on the host."""
+    return any(float(f.sum()) > 0 for state in states for f in state["found_inf_per_device"].values())
+
+
 class ZeroFXGradScaler(ShardedGradScaler):
     """torch's ``ShardedGradScaler`` whose inf flags after ``unscale_`` have the shape torch's
     ``GradScaler`` gives them (a 0-d tensor; the sharded one makes them 1-element tensors), so that
@@ -86,9 +92,7 @@ class ZeroFXGradScaler(ShardedGradScaler):
                 # gradients (agreed only through DTensor's handler, which reads the placement of
                 # the first gradient: a replicated one first, and ranks disagreed)
                 self.unscale_(optimizer)
-            if state["stage"] is OptState.UNSCALED and any(
-                float(f.sum()) for f in state["found_inf_per_device"].values()
-            ):
+            if state["stage"] is OptState.UNSCALED and _overflowed([state]):
                 state["stage"] = OptState.STEPPED
                 return None
         return super().step(optimizer, *args, **kwargs)
@@ -118,11 +122,11 @@ class HysteresisGradScaler(ZeroFXGradScaler):
             super().update(new_scale)  # a scale set by hand leaves the counters alone, as torch's
             return
         scale, tracker = self._check_scale_growth_tracker("update")
-        found = [f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
-        if not found:
+        states = list(self._per_optimizer_states.values())
+        if not any(state["found_inf_per_device"] for state in states):
             super().update()  # torch's error: no inf check was recorded since the last update
             return
-        overflow = sum(float(f.sum()) for f in found) > 0
+        overflow = _overflowed(states)
         current = float(scale)
         good = int(tracker)
         if overflow:
