@@ -315,6 +315,6 @@ def test_plan_refuses_a_device_memory_that_is_not_whole_bytes(size, monkeypatch,
     assert parse_size("1e3") == 1000 and parse_size("1_024") == 1024
     assert parse_size("0.3GiB") == 322122547 and parse_size("1.0001KB") == 1000
     assert parse_size(str(2**63 - 1)) == 2**63 - 1  # exact at the bound (a float rounded it up)
-    for bad in ("0.00099999999999999999999KB", "0.9999999999999999999", str(2**63)):
+    for bad in ("0.00099999999999999999999KB", "0.9999999999999999999", str(2**63), "1e-999999999", "1e999999999"):
         with pytest.raises(ValueError, match="is not a size"):
             parse_size(bad)

@@ -399,22 +399,19 @@ def parse_size(text: str) -> int:
     """``"5GB"`` -> 5e9, ``"500MiB"`` -> 500 * 2**20, ``"1024"`` -> 1024 (HF's max_shard_size spellings)."""
     number = text.strip().rstrip("bBiIkKmMgGtT")
     unit = text.strip()[len(number) :].lower()
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in _UNITS or not math.isfinite(value):
-        raise ValueError(f"{text!r} is not a size (e.g. 5GB, 500MiB, 1048576)")
-    try:  # exact: 1.5GiB is whole bytes, 1.5 is not (it was truncated to 1)
-        exact = fractions.Fraction(decimal.Decimal(number)) * _UNITS[unit]
-    except (ArithmeticError, ValueError):
+    try:  # exact: 1.5GiB is whole bytes, 1.5 is not (it was truncated to 1); inf and nan raise here
+        given = decimal.Decimal(number)
+        if given.is_finite() and not -40 <= given.adjusted() <= 20:  # past int64, or under a byte in any unit:
+            raise OverflowError  # no Fraction of a thousand-digit power of ten
+        exact = fractions.Fraction(given) * _UNITS[unit]
+    except (ArithmeticError, ValueError, KeyError):
         raise ValueError(f"{text!r} is not a size (e.g. 5GB, 500MiB, 1048576)") from None
     if not 1 <= math.floor(exact) < 2**63:  # whole bytes, at least one, an int64's worth at most
         raise ValueError(f"{text!r} is not a size (e.g. 5GB, 500MiB, 1048576)")
     if exact.denominator != 1 and _UNITS[unit] == 1:  # with a unit, a fraction of a byte rounds down
         raise ValueError(
-            f"{text!r} is {decimal.Decimal(number) * _UNITS[unit]} bytes, not a whole number of them: give an "
-            "integer or a size with a unit (e.g. 1.5GiB, 1536MiB)"
+            f"{text!r} is {given} bytes, not a whole number of them: give an integer or a size with a unit "
+            "(e.g. 1.5GiB, 1536MiB)"
         )
     return math.floor(exact)
 
