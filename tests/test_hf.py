@@ -701,14 +701,20 @@ def test_hf_trainer_fills_deepspeed_precision_auto_from_its_flags(tmp_path):
                 )
 
 
-def test_hf_trainer_scales_an_fp16_loss_and_skips_overflowing_steps(tmp_path):
+def test_hf_trainer_scales_an_fp16_loss_and_skips_overflowing_steps(tmp_path, monkeypatch):
     """--fp16 with a DeepSpeed fp16 config: the Trainer backpropagates the loss scaled by zerofx's
     scaler, unscales before it clips, and skips a step whose gradients overflow (parameters and the
     schedule untouched, the scale lowered), as DeepSpeed does. Nothing used the scaler before: an
     unscaled fp16 backward, whose small gradients underflow, and no step was ever skipped. From
-    2^40 every scaled gradient overflows fp16; from DeepSpeed's 2^16 the run trains."""
+    2^40 every scaled gradient overflows fp16; from DeepSpeed's 2^16 the run trains, every step
+    after the first on the local shards (accelerate's wrapper used to put the DTensor step back)."""
     from tests.multirank import one_rank_mesh
     from zerofx.hf import ZeroFXTrainer
+    from zerofx.runtime import local_step
+
+    local_steps = []
+    step_locally = local_step._local_step
+    monkeypatch.setattr(local_step, "_local_step", lambda *a, **k: local_steps.append(1) or step_locally(*a, **k))
 
     fp16 = {"enabled": "auto", "hysteresis": 1}
     with one_rank_mesh(str(tmp_path / "pg")) as mesh:
@@ -735,11 +741,13 @@ def test_hf_trainer_scales_an_fp16_loss_and_skips_overflowing_steps(tmp_path):
                 assert not all(torch.equal(before[n], after[n]) for n in before)
                 # measured on the unscaled gradients (scaled, they would read 65536x larger)
                 assert all(0 < h["grad_norm"] < 100 for h in history), history
+                assert len(local_steps) == steps - 1, local_steps  # the first adopts the optimizer
                 trainer.args.max_steps = 1  # two more runs of one step: each counts its step from 0
-                for _ in range(2):
+                for more in range(2):
                     trainer.train()
                     again = hs.trainer_history(trainer)  # (the new run's state and log)
                     assert len(again) == 1 and 0 < again[0]["grad_norm"] < 100, again  # unscaled as before
+                    assert len(local_steps) == steps + more, local_steps
 
 
 def test_hf_trainer_full_eval_flags_evaluate_at_the_param_dtype(tmp_path):

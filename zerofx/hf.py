@@ -37,7 +37,8 @@ norm. Overrides:
 * the checkpoint hooks ``_save_optimizer_and_scheduler``, ``_load_from_checkpoint``,
   ``_load_optimizer_and_scheduler`` and ``_load_best_model`` (below);
 * ``_clip_grad_norm`` / ``_get_grad_norm``: an fp16 model's gradients are unscaled first (NOTE:
-  loss scaling under the Trainer; its scaler is accelerate's ``scaler``);
+  loss scaling under the Trainer; its scaler is accelerate's ``scaler``), and a callback hands
+  accelerate's optimizer wrapper zerofx's step on local shards after each step (``_KeepLocalStep``);
 * ``evaluation_loop``: ``--bf16_full_eval`` / ``--fp16_full_eval`` without the Trainer's cast of
   the model (it evaluates at its ``param_dtype``, checked against the flag at construction).
 
@@ -89,7 +90,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -97,6 +98,7 @@ import zerofx
 from zerofx.checkpoint import same_on_every_rank
 from zerofx.errors import ZeroFXError, some_names
 from zerofx.runtime.accumulation import no_sync
+from zerofx.runtime.local_step import local_step_method
 from zerofx.runtime.params import runtime_of
 from zerofx.sharding import is_sharded, mesh_of
 
@@ -372,6 +374,26 @@ def prepare(accelerator: Any, *objects: Any) -> Any:
     return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
 
+class _KeepLocalStep(TrainerCallback):
+    """Under a loss scaler accelerate's ``AcceleratedOptimizer`` steps through the ``step`` it
+    captured when it was prepared, before the first step, and puts that one back after every
+    step. zerofx installs its step on local shards at the first step (zerofx/runtime/local_step.py),
+    so from the second step on accelerate called around it: every step went through DTensor (the
+    same numbers, a 2-3x slower optimizer step). After each step accelerate is handed zerofx's."""
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **_: Any) -> None:
+        inner = getattr(optimizer, "optimizer", None)
+        method = None if inner is None else local_step_method(inner)
+        if method is None or getattr(optimizer, "scaler", None) is None:
+            return
+        if getattr(optimizer, "_optimizer_original_step_method", None) is not method:
+            from accelerate.optimizer import patch_optimizer_step
+
+            optimizer._optimizer_original_step_method = method
+            optimizer._optimizer_patched_step_method = patch_optimizer_step(optimizer, method)
+            inner.step = method
+
+
 class ZeroFXTrainer(Trainer):
     """``transformers.Trainer`` training ``model`` with zerofx (see the module docstring).
 
@@ -444,6 +466,7 @@ class ZeroFXTrainer(Trainer):
             args.save_only_model = save_only_model
         if runtime_of(model).scaler is not None:  # NOTE: loss scaling under the Trainer
             self.accelerator.scaler = runtime_of(model).scaler
+            self.add_callback(_KeepLocalStep())
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         # the layers' checkpointing was set up (and taken over by zerofx) when the model was

@@ -51,7 +51,7 @@ from zerofx.errors import ZeroFXError, some_names
 from zerofx.runtime.params import PENDING, discard_pending, optimizer_state, refuse_unreduced
 from zerofx.runtime.whole_step import Windows, check_steppable, stand_in, step_whole, whole_step_class
 
-__all__ = ["ELEMENTWISE", "install", "step_over_whole_tensors", "steps_locally"]
+__all__ = ["ELEMENTWISE", "install", "local_step_method", "step_over_whole_tensors", "steps_locally"]
 
 # Optimizers whose update of an element reads only that element of the parameter, its gradient
 # and its state (plus scalars): stepping a shard is stepping those rows of the whole.
@@ -105,6 +105,16 @@ def steps_locally(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer``'s steps after the first run on local shards (NOTE above)."""
     state = optimizer_state(optimizer)
     return state is not None and state.local_step
+
+
+def local_step_method(optimizer: torch.optim.Optimizer) -> Callable[..., Any] | None:
+    """The bound ``step`` zerofx installed on ``optimizer`` when it adopted it (None before its
+    first step, or when its steps do not run on local shards). For a wrapper that captured
+    ``optimizer.step`` before that and puts it back after each step (accelerate's
+    ``AcceleratedOptimizer`` under a loss scaler does): calling this one instead keeps the
+    steps on the local shards."""
+    state = optimizer_state(optimizer)
+    return state.local_method if state is not None and state.local_step else None
 
 
 def _managed(p: torch.Tensor) -> bool:
@@ -173,7 +183,7 @@ def _adopt(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple
         # the mark of one that wrapped it already (or it warns that step was overridden)
         if getattr(inner, "_wrapped_by_lr_sched", False):
             step._wrapped_by_lr_sched = True
-        optimizer.step = types.MethodType(step, optimizer)
+        optimizer.step = state.local_method = types.MethodType(step, optimizer)
     return _refreshing_closure(optimizer, state, args, kwargs)
 
 

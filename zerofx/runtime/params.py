@@ -566,6 +566,7 @@ class OptimizerState:
 
     local_step: bool = False  # later steps run on local shards (zerofx/runtime/local_step.py)
     inner_step: Any = None  # the step the local step wraps (the class's, or what already wrapped it)
+    local_method: Any = None  # the bound step installed on the optimizer that runs the local step
     offload: tuple | None = None  # (tier, store, window) from zerofx.offload_optimizer
     whole: bool = False  # every step runs over whole tensors (zerofx/runtime/whole_step.py)
     windows: Any = None  # how those steps walk their windows (whole_step.Windows; None: the default)
