@@ -39,18 +39,20 @@ class LitGPT(L.LightningModule):
     """Records per micro-batch this rank's loss and the reduce-scatters its backward ran, and
     after how many micro-batches each optimizer step came."""
 
-    def __init__(self, shard: bool) -> None:
+    def __init__(self, shard: bool, **options) -> None:
         super().__init__()
         self.model = gpt()
         self.shard = shard
+        self.options = options  # zerofx.compile's
         self.losses: list[float] = []
+        self.val_losses: list[float] = []  # the mean over the ranks, per validation batch
         self.reduces: list[int] = []
         self.steps: list[int] = []
         self.comm = zerofx.CollectiveCounter()
 
     def configure_model(self) -> None:
         if self.shard:
-            zerofx.compile(self.model, self.device_mesh["data_parallel"])
+            zerofx.compile(self.model, self.device_mesh["data_parallel"], **self.options)
 
     def training_step(self, rows: torch.Tensor, index: int) -> torch.Tensor:
         loss = self.model(rows[:, :-1], rows[:, 1:])
@@ -60,6 +62,7 @@ class LitGPT(L.LightningModule):
     def validation_step(self, rows: torch.Tensor, index: int) -> torch.Tensor:
         loss = self.model(rows[:, :-1], rows[:, 1:])
         self.log("val_loss", loss, sync_dist=True)  # the mean over the ranks
+        self.val_losses.append(self.all_gather(loss.detach()).float().mean().item())
         return loss
 
     def on_before_backward(self, loss: torch.Tensor) -> None:
@@ -244,3 +247,104 @@ def fabric_reference() -> dict:
             opt.step()
             opt.zero_grad()
     return {"losses": losses, "params": LitGPT.record_params(model)}
+
+
+class _ScaledDown(LitGPT):
+    """A loss scaled by 1e-4 and SGD's rate by 1e4: the same steps as the loss itself in fp32,
+    while in fp16 gradients that small (about 1e-7) underflow unless the loss is scaled up for the
+    backward (by 2^12 here: 2^16, DeepSpeed's initial scale, overflows this model's first fp16
+    backward, a skipped step, as DeepSpeed's first steps often are)."""
+
+    def training_step(self, rows: torch.Tensor, index: int) -> torch.Tensor:
+        return super().training_step(rows, index) * 1e-4
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1 / 1e-4)
+
+
+def _fabric_fp16(sharded: bool, world: int, options: dict) -> dict[str, float]:
+    """Two clipped SGD steps of a Fabric loop on _ScaledDown's loss and rate, under
+    ZeroFXFabricStrategy(options=options) on this rank's rows (in one process without Fabric
+    on every rank's): how far each parameter moved."""
+    from zerofx.lightning import ZeroFXFabricStrategy
+
+    if sharded:
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=ZeroFXFabricStrategy(options=options))
+        fabric.launch()
+        model = fabric.setup_module(gpt())
+        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1 / 1e-4))
+        rank = fabric.global_rank
+    else:
+        model, rank = gpt(), 0
+        opt = torch.optim.SGD(model.parameters(), lr=0.1 / 1e-4)
+    before = LitGPT.record_params(model)
+    data, rows_per = Tokens(), PER_RANK if sharded else PER_RANK * world
+    for step in range(2):
+        start = step * PER_RANK * world + rank * rows_per
+        rows = torch.stack([data[start + i] for i in range(rows_per)])
+        loss = model(rows[:, :-1], rows[:, 1:]) * 1e-4
+        if sharded:
+            fabric.backward(loss)
+            fabric.clip_gradients(model, opt, max_norm=CLIP)
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    after = LitGPT.record_params(model)
+    return {k: (after[k].float() - before[k].float()).abs().max().item() for k in before}
+
+
+def loop_edges(out: str, world: int) -> dict:
+    """Lightning's loops where zerofx's state needs the strategy's help, on the ranks of a
+    torchrun-launched job under ZeroFXStrategy (plain Lightning in one process when WORLD_SIZE is
+    not set): EMAWeightAveraging at stage 2 (validation on the averaged weights, which the callback
+    writes through param.data), and fp16 with zerofx's loss scaler (param_dtype=float16) against
+    fp32, in the Trainer and in a Fabric loop. On the ranks also what setup refuses: trainable parameters outside the compiled model,
+    StochasticWeightAveraging, a precision plugin beside zerofx's loss scaling."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging
+
+    from zerofx.errors import ZeroFXError
+
+    sharded = "WORLD_SIZE" in os.environ
+    ema = LitGPT(sharded, stage=2)
+    trainer = _trainer(
+        f"{out}/ema",
+        sharded,
+        callbacks=[EMAWeightAveraging(decay=0.5)],
+        limit_val_batches=1,
+        enable_checkpointing=False,
+    )
+    trainer.fit(ema, _loader(sharded, world), _loader(sharded, world))
+    during_fit = list(ema.val_losses)
+    trainer.validate(ema, _loader(sharded, world), verbose=False)  # the average, copied over at the end of fit
+    fp16 = {"param_dtype": torch.float16, "loss_scale": "dynamic", "initial_loss_scale": 2.0**12} if sharded else {}
+    scaled = _ScaledDown(sharded, **fp16)
+    before = LitGPT.record_params(scaled.model)
+    _trainer(f"{out}/fp16", sharded).fit(scaled, _loader(sharded, world))
+    after = LitGPT.record_params(scaled.model)
+    got = {
+        "scale": zerofx.loss_scaler(scaled.model).get_scale() if sharded else None,  # (no step skipped)
+        "ema_val": during_fit,
+        "ema_validate": ema.val_losses[len(during_fit) :],
+        "moved": {k: (after[k].float() - before[k].float()).abs().max().item() for k in before},
+    }
+    got["fabric_moved"] = _fabric_fp16(sharded, world, fp16)
+    if not sharded:
+        return got
+
+    def refused(module: LitGPT, **extra) -> str:
+        try:
+            _trainer(f"{out}/refused", sharded, **extra).fit(module, _loader(sharded, world))
+        except ZeroFXError as e:
+            return str(e)
+        return "trained"
+
+    outside = LitGPT(sharded)
+    outside.temperature = torch.nn.Parameter(torch.ones(()))
+    got["outside"] = refused(outside)
+    got["swa"] = refused(LitGPT(sharded), callbacks=[StochasticWeightAveraging(swa_lrs=1e-3)])
+    got["ema_checkpoints"] = refused(LitGPT(sharded), callbacks=[EMAWeightAveraging()])  # (checkpointing on)
+    got["fp16_precision"] = refused(_ScaledDown(sharded, **fp16), precision="bf16-mixed")
+    return got

@@ -77,6 +77,57 @@ def test_fabric_loop_trains_like_the_plain_loop_and_resumes_exactly(tmp_path):
         assert [k for k in first["params"] if not torch.equal(resumed["params"][k], first["params"][k])] == [], rank
 
 
+def test_lightning_loops_see_what_callbacks_write_and_scale_fp16_losses(tmp_path):
+    """On 2 ranks against plain Lightning in one process (tests/lightning_scenarios.loop_edges):
+    EMAWeightAveraging at stage 2 validates on the averaged weights (the sanity check, each
+    epoch's end, and trainer.validate after fit: the mean loss over the ranks within 1e-6 of
+    plain's). The callback writes them through param.data, which stage 2's whole copies did not
+    see: validation read the training weights, silently. A model compiled with
+    param_dtype=float16 and loss_scale="dynamic" trains with zerofx's scaler: a loss scaled by 1e-4
+    (SGD's rate by 1e4) moves every parameter as fp32 does, within 5%, under the Trainer and in a
+    Fabric loop (nothing scaled that loss
+    before, so its fp16 gradients underflowed and most parameters never moved). Refused at setup:
+    a trainable parameter outside the compiled model (each rank would train its own), Lightning's
+    StochasticWeightAveraging, EMA with checkpoints (Lightning pickles its sharded state: the first
+    checkpoint failed), and a precision plugin beside zerofx's loss scaling."""
+    from zerofx.launch import local_ranks
+
+    want = ls.loop_edges(str(tmp_path / "plain"), 2)
+    per_rank = local_ranks(ls.loop_edges, 2, str(tmp_path / "zerofx"), 2, name="lightning-edges")
+    assert len(want["ema_val"]) == 3 and len(want["ema_validate"]) == 1, want  # sanity check + 2 epochs; validate
+    for rank, got in enumerate(per_rank):
+        for key in ("ema_val", "ema_validate"):
+            assert len(got[key]) == len(want[key]), (rank, key, got[key], want[key])
+            for g, w in zip(got[key], want[key]):
+                assert abs(g - w) <= 1e-6 * w, (rank, key, got[key], want[key])
+        assert got["scale"] == 2.0**12, got["scale"]  # no overflow: every step taken
+        for key in ("moved", "fabric_moved"):
+            for k, w in want[key].items():
+                assert w > 0 and abs(got[key][k] - w) <= 0.05 * w, (rank, key, k, got[key][k], w)
+        assert "temperature is trainable but outside every module zerofx compiled" in got["outside"], got["outside"]
+        assert "StochasticWeightAveraging copies the module before configure_model" in got["swa"], got["swa"]
+        assert "Train it with enable_checkpointing=False" in got["ema_checkpoints"], got["ema_checkpoints"]
+        assert "precision='bf16-mixed' with a model zerofx compiled with loss_scale='dynamic'" in got["fp16_precision"]
+
+
+def test_one_rank_checkpoints_save_and_resume(tmp_path):
+    """devices=1: zerofx keeps a one-rank model's parameters whole (no DTensors), which Lightning's
+    checkpoint code took for a model with nothing to save: Fabric could neither save nor load, and
+    the Trainer could not resume from its own checkpoint. Now both run the multi-rank tests'
+    loops on one rank: the Trainer resumed from its epoch-0 checkpoint starts with the first run's
+    loss on the same rows, exactly (the rows rank 0 of 2 would see: an epoch of two steps);
+    Fabric's loaded model and optimizer run steps 3-4 as the first run did, bit for bit."""
+    from zerofx.launch import local_ranks
+
+    (trainer,) = local_ranks(ls.fit_and_resume, 1, str(tmp_path / "trainer"), 2, name="lightning-one")
+    first, resumed = trainer["first"]["losses"], trainer["resumed"]["losses"]
+    assert len(first) == 2 * ls.STEPS and resumed and resumed[0] == first[len(first) // 2], (first, resumed)
+    (fabric,) = local_ranks(ls.fabric_loop, 1, str(tmp_path / "fabric"), name="fabric-one")
+    first, resumed = fabric["first"], fabric["resumed"]
+    assert resumed["losses"] == first["losses"][len(first["losses"]) // 2 :], (resumed["losses"], first["losses"])
+    assert all(torch.equal(resumed["params"][k], v) for k, v in first["params"].items())
+
+
 def test_zerofx_strategy_refuses_what_would_not_train(tmp_path):
     """A LightningModule whose configure_model shards nothing, a precision that converts the
     parameters under zerofx's shards, a Fabric parallelize_fn that shards nothing: errors naming
