@@ -402,3 +402,56 @@ def test_export_with_a_dtype_casts_only_the_floating_point_tensors(tmp_path):
             keys = [k for k, f in index["weight_map"].items() if f == name]
             assert len(keys) == 1 or sum(sd[k].numel() * sd[k].element_size() for k in keys) <= 64, keys
         assert json.loads((out / "config.json").read_text())["dtype"] == ("bfloat16" if dtype else "float32")
+
+
+def _hf_folder(folder, model: nn.Module, max_shard_bytes: int) -> dict[str, str]:
+    """``model`` as an HF folder (through a checkpoint and ``export``); its index's weight_map
+    ({} for one file)."""
+    zerofx.checkpoint.save(folder.parent / f"{folder.name}-ck", model)
+    zerofx.checkpoint.export(folder.parent / f"{folder.name}-ck", folder, max_shard_bytes=max_shard_bytes)
+    index = folder / "model.safetensors.index.json"
+    return json.loads(index.read_text())["weight_map"] if index.exists() else {}
+
+
+def test_load_hf_reads_the_files_from_pretrained_reads_and_no_other(tmp_path):
+    """DCP's HuggingFaceStorageReader indexes every *.safetensors file of the folder: a stale one
+    beside a sharded save (an older single-file save, adapters, a consolidated copy, a shard the
+    index no longer names) supplied some of the tensors. load_hf reads what transformers'
+    from_pretrained reads: model.safetensors when there is one, else the index's files."""
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    saved, stale = _model(0), _model(1)
+    stale_sd = {k: v.contiguous() for k, v in stale.state_dict().items()}
+    weight_map = _hf_folder(tmp_path / "sharded", saved, max_shard_bytes=64)
+    assert len(set(weight_map.values())) == 4
+    for name in ("adapter_model.safetensors", "consolidated.safetensors", "model-00005-of-00005.safetensors"):
+        save_file(stale_sd, tmp_path / "sharded" / name)
+    model = _model(2)
+    zerofx.checkpoint.load_hf(tmp_path / "sharded", model)
+    assert _equal(model, saved)
+
+    _hf_folder(tmp_path / "single", saved, max_shard_bytes=1 << 20)
+    save_file(stale_sd, tmp_path / "single" / "consolidated.safetensors")
+    zerofx.checkpoint.load_hf(tmp_path / "single", model := _model(2))
+    assert _equal(model, saved)
+
+    # a model.safetensors beside the index: from_pretrained reads it (transformers looks for it first)
+    save_file(stale_sd, tmp_path / "sharded" / "model.safetensors")
+    zerofx.checkpoint.load_hf(tmp_path / "sharded", model := _model(2))
+    assert _equal(model, stale)
+
+
+def test_load_hf_refuses_an_index_that_does_not_say_where_each_tensor_is(tmp_path):
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    weight_map = _hf_folder(tmp_path / "hf", _model(0), max_shard_bytes=64)
+    first, second = sorted(set(weight_map.values()))[:2]
+    save_file({"0.weight": torch.zeros(8, 4), "0.bias": torch.zeros(8)}, tmp_path / "hf" / second)  # also in first
+    untouched = _model(2)
+    with pytest.raises(ZeroFXError, match=rf"0\.weight is in {first} and in {second}.*nothing was loaded"):
+        zerofx.checkpoint.load_hf(tmp_path / "hf", untouched)
+    assert _equal(untouched, _model(2))
+    (tmp_path / "hf" / second).unlink()
+    with pytest.raises(ZeroFXError, match=rf"index\.json names {second} \(missing\)"):
+        zerofx.checkpoint.load_hf(tmp_path / "hf", untouched)
+    (tmp_path / "hf" / "model.safetensors.index.json").unlink()
+    with pytest.raises(ZeroFXError, match=r"has neither model\.safetensors nor model\.safetensors\.index\.json"):
+        zerofx.checkpoint.load_hf(tmp_path / "hf", untouched)

@@ -394,3 +394,53 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
         assert r["before_read_forward"] == r["model_check_forward"] == "no error"
         assert "partly overwritten" in r["after_read"]
         assert "into this model failed part-way" in r["after_read_forward"], r["after_read_forward"]
+
+
+def _saved_during(monkeypatch, owner, name: str, call: int, path: Path, replacement: nn.Module) -> None:
+    """Before the ``call``-th call of ``owner.name``, a training job saves ``replacement`` onto
+    ``path`` (``save`` renames a new folder onto it) while the checkpoint there is being read."""
+    original, calls = getattr(owner, name), []
+
+    def saving_first(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == call:
+            zerofx.checkpoint.save(path, replacement)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, saving_first)
+
+
+def test_a_checkpoint_replaced_while_it_is_read_is_an_error_with_nothing_written(tmp_path, monkeypatch):
+    """zerofx/checkpoint.py, NOTE: a checkpoint replaced while it is read. Before: DCP read the old
+    checkpoint's .metadata, then the new one's files under its offsets, and export wrote the two
+    checkpoints mixed (some tensors the old model's, some the new one's) without a word."""
+    old, new = _model(0), _model(1)
+    latest = tmp_path / "latest"
+    replaced = r"checkpoint .*latest was replaced while {} .*; {}"
+    for to in ("hf", "torch"):  # the save lands after the first output file of four
+        zerofx.checkpoint.save(latest, old)
+        with monkeypatch.context() as m:
+            _saved_during(m, zerofx.checkpoint, "_read_tensors", 2, latest, new)
+            with pytest.raises(ZeroFXError, match=replaced.format("exporting it", "nothing was written")):
+                zerofx.checkpoint.export(latest, tmp_path / "out", to=to, max_shard_bytes=64)
+        assert [p.name for p in tmp_path.iterdir()] == ["latest"]  # no out, no temporary folder
+
+    zerofx.checkpoint.save(latest, old)
+    with monkeypatch.context() as m:
+        _saved_during(m, zerofx.checkpoint, "_load_in_one_process", 1, latest, new)
+        with pytest.raises(ZeroFXError, match=replaced.format("exporting it", "nothing was written")):
+            zerofx.checkpoint.export_full_state_dict(latest, tmp_path / "m.pt")
+    assert [p.name for p in tmp_path.iterdir()] == ["latest"]
+
+    zerofx.checkpoint.save(latest, old)
+    other = _model(2)
+    with monkeypatch.context() as m:  # DCP reads the new files under the old checkpoint's metadata
+        _saved_during(m, zerofx.checkpoint.dcp, "load", 1, latest, new)
+        with pytest.raises(ZeroFXError, match=r"could not be read \(ZeroFXError: checkpoint .*latest was replaced"):
+            zerofx.checkpoint.load(latest, other)
+    with pytest.raises(ZeroFXError, match=r"failed part-way"):
+        other(torch.randn(2, 4))
+    zerofx.checkpoint.load(latest, other)  # a checkpoint left alone loads, exports
+    assert _equal(other, new)
+    zerofx.checkpoint.export(latest, tmp_path / "out", max_shard_bytes=64)
+    assert _equal(other, new)

@@ -50,6 +50,17 @@ def build():
 
 def broken():
     raise RuntimeError("the factory broke\\nand said more on a second line")
+
+
+def rank_permuted():
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = Regression()
+    if dist.get_rank() == 1:  # the same values in other rows: every sum agrees
+        with torch.no_grad():
+            model.lin.weight.copy_(model.lin.weight.flip(0))
+    return model, lambda n, g: (torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g))
 """
 
 
@@ -179,6 +190,27 @@ def test_verify_names_the_error_of_a_rank_whose_factory_raises(tmp_path):
     assert run.returncode == 2, run.stderr[-3000:]
     assert last.startswith("zerofx verify: a rank failed before the comparison finished: rank "), last
     assert last.endswith(": RuntimeError: the factory broke"), last
+
+
+def test_verify_refuses_a_factory_whose_ranks_build_rows_in_another_order(tmp_path):
+    """Before: the ranks' parameters were compared by their sums, equal here: training ran and
+    reported a divergence (exit 1) instead of refusing the factory (exit 2)."""
+    run = _cli(tmp_path, "verify", "workload:rank_permuted", "--steps", "1")
+    assert run.returncode == 2, run.stdout + run.stderr[-3000:]
+    assert run.stdout.count("ranks built different initial parameters (the factory depends on the rank)") == 2
+    assert "'lin.weight' differs between rank 0 and rank 1" in run.stdout
+
+
+def test_verify_on_one_rank_is_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    """zerofx keeps a one-rank model whole: there is no sharded training to compare (before, the
+    report said that sharded training matched)."""
+    import zerofx.testing
+
+    monkeypatch.setattr(zerofx.testing, "verify_ranks", lambda *a, **k: pytest.fail("a rank was started"))
+    with pytest.raises(SystemExit) as exited:
+        main(["verify", "tests.verify_models:mlp", "-n", "1"])
+    assert exited.value.code == 2
+    assert "--world-size 1: at world size 1 zerofx shards nothing" in capsys.readouterr().err
 
 
 # -- zerofx demo --------------------------------------------------------------------------------

@@ -228,3 +228,74 @@ def test_bookkeeping_collectives_use_the_mesh_device_not_the_default_one():
     mesh's (the parameters') device, not wherever the default device puts a new tensor."""
     for r in run_ranks(_bookkeeping_devices, 2, timeout=240):
         assert "not deterministic" in r["problem"] and r["divergences"] == 0, r
+
+
+class _Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+        self.register_buffer("scale", torch.arange(4.0))
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.b(torch.tanh(self.a(x))) * self.scale, y)
+
+
+def _regression_batch(n, gen):
+    return torch.randn(n, 8, generator=gen), torch.randn(n, 4, generator=gen)
+
+
+def _differing_by_rank(change):
+    """A factory whose model ``change`` alters on rank 1 only (the same on each call)."""
+
+    def build():
+        torch.manual_seed(0)
+        model = _Regression()
+        if torch.distributed.get_rank() == 1:
+            with torch.no_grad():
+                change(model)
+        return model, _regression_batch
+
+    return build
+
+
+def _verify_refusals(rank: int, world: int) -> dict:
+    """verify's refusals, on ``world`` ranks: factories whose ranks build other values that keep
+    every tensor's sum (rows in another order, a buffer's elements swapped), and a batch_fn that
+    returns a bare tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerofx.testing import verify
+
+    mesh = init_device_mesh("cpu", (world,))
+    got = {}
+    if world > 1:
+        got["rows"] = verify(_differing_by_rank(lambda m: m.a.weight.copy_(m.a.weight.flip(0))), mesh, steps=1).problem
+        got["buffer"] = verify(_differing_by_rank(lambda m: m.scale.copy_(m.scale.flip(0))), mesh, steps=1).problem
+    try:
+        got["bare_tensor"] = verify(
+            lambda: (_Regression(), lambda n, gen: torch.randn(n, 8, generator=gen)), mesh
+        ).problem
+    except TypeError as e:
+        got["bare_tensor"] = f"TypeError: {e}"
+    return got
+
+
+def test_verify_refuses_ranks_with_other_values_and_a_batch_that_is_not_a_tuple():
+    """Before: ranks' parameters were compared by their float64 sums (rows in another order were
+    reported as a divergence, exit 1, not as the factory's fault; buffers were not compared), and
+    a bare tensor from batch_fn was iterated row by row into forward's arguments ("forward() takes
+    3 positional arguments but 5 were given")."""
+    for r in run_ranks(_verify_refusals, 2, timeout=300):
+        assert "ranks built different initial parameters" in r["rows"], r
+        assert "'a.weight' differs between rank 0 and rank 1" in r["rows"], r
+        assert "'scale' differs between rank 0 and rank 1" in r["buffer"], r
+        assert r["bare_tensor"].startswith("TypeError: batch_fn(n, generator) must return a tuple"), r
+        assert "got Tensor: wrap it as (x,)" in r["bare_tensor"], r
+
+
+def test_verify_on_one_rank_says_nothing_is_sharded():
+    """Before: "sharded training matches the unsharded model bit for bit", where zerofx keeps a
+    one-rank model whole and nothing was sharded."""
+    (r,) = run_ranks(_verify_refusals, 1, timeout=300)
+    assert r["bare_tensor"].startswith("at world size 1 zerofx shards nothing"), r

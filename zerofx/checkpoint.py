@@ -12,7 +12,10 @@ its shards and DCP records their global shapes and offsets. That is what makes l
 different world size or mesh (resharding) work without any zerofx code: DCP reads every rank's
 new shards from whichever files hold them. It also makes a checkpoint portable across ZeRO
 stages, whose parameters are the same ``Shard(0)`` DTensors (``zerofx.runtime.params``). After loading,
-stages 1 and 2 refresh their whole copies (a ``load_state_dict`` post-hook).
+stages 1 and 2 refresh their whole copies (a ``load_state_dict`` post-hook). Buffers are plain
+tensors, which DCP takes as the same on every rank and writes from one rank only, whichever its
+deduplication picks (not necessarily rank 0): buffers that differ between ranks (BatchNorm's
+running statistics, which zerofx keeps per rank) are saved as that rank's, and load so on every rank.
 
 # NOTE: crash-safe writes
 A checkpoint is loadable only if it is complete. ``save`` writes into a fresh temporary folder
@@ -25,6 +28,18 @@ half-written folder under the target name; a crash between the two renames leave
 checkpoint complete in its temporary folder, which ``load`` names. Only a checkpoint (a folder
 with the marker) or an empty folder is ever replaced: any other ``path`` is an error, before
 anything is written. Assumes, as DCP's FileSystemWriter does, a file system every rank sees.
+
+# NOTE: a checkpoint replaced while it is read
+A training job saving to one path (``ckpt/latest``) renames a new folder onto it while an
+``export`` of the old one may be running: DCP reads ``.metadata`` once and reopens the shard
+files by path, so the rest of the read would come from the new checkpoint's files under the old
+one's offsets, two checkpoints mixed without an error. So ``load``, ``export`` and
+``export_full_state_dict`` note the folder's identity before they read anything (its device and
+inode, which the rename changes, and the completion marker's bytes, which hold an id of their
+own per save) and compare it after the read (``export``: after each output file and before its
+final rename); a change is an error saying the checkpoint was replaced, with nothing written
+(``load``: as a read that failed part-way, NOTE: a load that fails). Read a path that is being
+saved to from a copy, or save each step to a folder of its own.
 
 # NOTE: optimizer state that does not exist yet
 torch's state-dict helpers build an optimizer's state dict from its state, and give an optimizer
@@ -52,7 +67,9 @@ puts them back on any failure: a fresh optimizer is fresh again, its Adam step c
 LBFGS is refused up front (its state is vectors flattened over all of a rank's parameters,
 which do not reshard, and torch's helper steps it without the closure it needs). Before
 anything else ``load`` checks that ``.metadata`` and every file it lists are there and long
-enough, one error on every rank. A read that still fails (a file damaged inside) does so after
+enough, one error on every rank. (That is all a load can check of the bytes: DCP stores no
+checksums, so bytes changed inside a tensor's data, the file keeping its size, load and export
+as they are.) A read that still fails (a record DCP cannot decode) does so after
 DCP has overwritten some tensors in place, differently on each rank: the optimizer is put back
 (one that held state has its state partly overwritten: its ``step`` then refuses, until a load
 succeeds), and the model is marked, so that its forward (and ``save``) refuses with an error
@@ -85,6 +102,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 import uuid
 import warnings
 from pathlib import Path
@@ -317,6 +335,7 @@ def save(
             "extra": json.loads(extra_json),
             "hf_config": _hf_config(model),
             "aliases": _tied_keys(model, state["model"]),  # NOTE: tied parameters in a checkpoint
+            "save_id": uuid.uuid4().hex,  # NOTE: a checkpoint replaced while it is read
         }
         with open(tmp / COMPLETE_MARKER, "w") as f:
             json.dump(marker, f)
@@ -357,6 +376,28 @@ def _check_complete(path: Path) -> dict[str, Any]:
     return json.loads(marker.read_text())
 
 
+def _identity(path: Path) -> tuple[int, int, bytes] | None:
+    """What tells the checkpoint folder at ``path`` from one saved onto it later (NOTE: a
+    checkpoint replaced while it is read): its device and inode and its completion marker's bytes;
+    None where either cannot be read (the folder is gone, or not yet renamed into place)."""
+    try:
+        st = os.stat(path)
+        marker = (path / COMPLETE_MARKER).read_bytes()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, marker
+
+
+def _check_unchanged(path: Path, identity: tuple[int, int, bytes] | None, doing: str, after: str) -> None:
+    """Raise if the checkpoint at ``path`` is no longer the one ``identity`` noted."""
+    if identity is None or _identity(path) != identity:
+        raise ZeroFXError(
+            f"checkpoint {path} was replaced while {doing} (a save onto the same path renamed another "
+            "checkpoint into place: what was read may mix the two); "
+            f"{after}. Read a checkpoint no job saves onto meanwhile (a copy, or a folder per step)"
+        )
+
+
 def load(
     path: str | os.PathLike,
     model: nn.Module,
@@ -373,14 +414,15 @@ def load(
 
     A load that refuses (``ZeroFXError``: another model, other tied names, another optimizer,
     LBFGS, a missing or short file) leaves the model and optimizer as they were. A read that
-    fails part-way (a file damaged inside) raises a ``ZeroFXError`` saying so, after which the
+    fails part-way (a record DCP cannot decode) raises a ``ZeroFXError`` saying so, after which the
     model refuses to run (or be saved) until a load into it succeeds (NOTE: a load that fails).
     """
     path = Path(path)
+    identity = _identity(path)  # NOTE: a checkpoint replaced while it is read
     info, metadata = _on_every_rank_or_none(lambda: _files_and_optimizer(path, optimizer))
     stored = metadata.state_dict_metadata
     if not load_model:
-        return _load_optimizer_only(path, info, metadata, model, optimizer)
+        return _load_optimizer_only(path, identity, info, metadata, model, optimizer)
     model_sd = get_model_state_dict(model)
     _on_every_rank_or_none(lambda: _check_against(path, info, stored, model, model_sd, optimizer))
     state = {"model": model_sd}
@@ -393,6 +435,7 @@ def load(
         _init_unsaved_buffers(model)
         reading()
         dcp.load(state, checkpoint_id=str(path))
+        _check_unchanged(path, identity, "loading", "the load failed")
         if optimizer is None:
             set_model_state_dict(model, state["model"])
         else:
@@ -413,7 +456,12 @@ def load(
 
 
 def _load_optimizer_only(
-    path: Path, info: dict[str, Any], metadata: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    path: Path,
+    identity: tuple[int, int, bytes] | None,
+    info: dict[str, Any],
+    metadata: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
 ) -> dict[str, Any]:
     if optimizer is None:
         raise ZeroFXError(
@@ -429,6 +477,7 @@ def _load_optimizer_only(
         _request_saved_group_keys(state["optimizer"], metadata)
         reading()
         dcp.load(state, checkpoint_id=str(path))
+        _check_unchanged(path, identity, "loading", "the load failed")
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
     _clear_failed(optimizer)
     _after_load(model, info, parameters_changed=False)
@@ -441,7 +490,8 @@ def _load_optimizer_only(
 def _damage(path: Path) -> tuple[str, Any]:
     """What is missing from checkpoint ``path`` that DCP would need (``""``: nothing), and its
     metadata: ``.metadata``, then every file it lists, each at least as long as the metadata's
-    last byte in it. Cheap (file sizes), and before anything is read into the model."""
+    last byte in it. Cheap (file sizes), and before anything is read into the model; bytes
+    changed inside a file of the right size pass (DCP keeps no checksums to compare them with)."""
     if not (path / ".metadata").is_file():
         return "its .metadata file (DCP's index of the shards) is missing", None
     try:
@@ -753,6 +803,7 @@ def export_full_state_dict(
     state is not read. Writes it with ``torch.save`` to ``out_file`` when given; returns it.
     """
     path = Path(path)
+    identity = _identity(path)  # NOTE: a checkpoint replaced while it is read
     _check_complete(path)
     _raise_if_damaged(path)
     reader = dcp.FileSystemReader(str(path))
@@ -762,6 +813,7 @@ def export_full_state_dict(
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
             model_sd[key[len("model.") :]] = torch.empty(item.size, dtype=item.properties.dtype)
     _load_in_one_process({"model": model_sd}, reader)
+    _check_unchanged(path, identity, "exporting it", "nothing was written")
     if out_file is not None:
         torch.save(model_sd, out_file)
     return model_sd
@@ -860,6 +912,7 @@ def export(
     if max_shard_bytes < 1:
         raise ZeroFXError(f"export: max_shard_bytes must be positive, got {max_shard_bytes}")
     path, out = Path(path), Path(out)
+    identity = _identity(path)  # NOTE: a checkpoint replaced while it is read
     info = _check_complete(path)
     _raise_if_damaged(path)
     if out.exists():
@@ -876,6 +929,7 @@ def export(
         total = 0
         for name, keys in zip(names, groups):
             total += _write_file(tmp / name, to, keys, tensors, reader, dtype)
+            _check_unchanged(path, identity, "exporting it", "nothing was written")
             weight_map.update(dict.fromkeys(keys, name))
         if len(names) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -890,6 +944,7 @@ def export(
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         _fsync_dir(tmp)
+        _check_unchanged(path, identity, "exporting it", "nothing was written")
         os.rename(tmp, out)  # fails if a non-empty out appeared meanwhile (POSIX rename)
         _fsync_dir(out.parent)
     except BaseException:
@@ -1104,9 +1159,71 @@ def _init_unsaved_buffers(model: nn.Module) -> None:
     mark_loaded(model, done)
 
 
+_HF_SINGLE, _HF_INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def _hf_weight_files(path: Path) -> list[str]:
+    """The safetensors files of the HF folder ``path`` that ``from_pretrained`` reads, by name:
+    ``model.safetensors`` when it is there (transformers looks for it first), else those
+    ``model.safetensors.index.json`` names. Each file's keys are checked against the index's
+    ``weight_map`` and against the other files' (headers only): a tensor the index puts in
+    another file, or found in two files, is an error naming it."""
+    from safetensors import safe_open
+
+    found = sorted(f.name for f in path.glob("*.safetensors")) if path.is_dir() else []
+    if not found:
+        raise ZeroFXError(f"load_hf: {path} is not a folder with .safetensors files")
+    if (path / _HF_SINGLE).is_file():
+        return [_HF_SINGLE]
+    if not (path / _HF_INDEX).is_file():
+        raise ZeroFXError(
+            f"load_hf: {path} has neither {_HF_SINGLE} nor {_HF_INDEX}, the files from_pretrained reads "
+            f"(it holds {some_names(found, 3)}): name the weights {_HF_SINGLE}, or add the index"
+        )
+    try:
+        weight_map = json.loads((path / _HF_INDEX).read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map is not an object of file names")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ZeroFXError(
+            f"load_hf: {path / _HF_INDEX} cannot be read as an HF index ({type(e).__name__}: {e})"
+        ) from None
+    names = sorted(set(weight_map.values()))
+    bad = [n for n in names if Path(n).name != n or not n.endswith(".safetensors")]
+    missing = [n for n in names if n not in bad and not (path / n).is_file()]
+    if bad or missing:
+        what = [f"{n} (not a .safetensors file of the folder)" for n in bad] + [f"{n} (missing)" for n in missing]
+        raise ZeroFXError(f"load_hf: {path / _HF_INDEX} names {some_names(what, 3, '; ')}")
+    held: dict[str, str] = {}
+    problems = []
+    for name in names:
+        with safe_open(str(path / name), framework="pt") as f:
+            keys = list(f.keys())
+        for key in keys:
+            if key in held:
+                problems.append(f"{key} is in {held[key]} and in {name}")
+            elif weight_map.get(key, name) != name:
+                problems.append(f"{key} is in {name}, which the index does not name for it ({weight_map[key]})")
+            held.setdefault(key, name)
+    problems += [
+        f"{key} is not in {name}, which the index names for it" for key, name in weight_map.items() if key not in held
+    ]
+    if problems:
+        raise ZeroFXError(
+            f"load_hf: {path} does not hold each tensor once, where its {_HF_INDEX} says: "
+            f"{some_names(problems, 3, '; ')} (nothing was loaded)"
+        )
+    return names
+
+
 def load_hf(path: str | os.PathLike, model: nn.Module) -> None:
     """Load HF safetensors weights (a ``save_pretrained`` or :func:`export` folder) into ``model``;
     a collective when ``model`` is sharded.
+
+    The files read are those HF's ``from_pretrained`` reads: ``model.safetensors`` when there is
+    one, else the files ``model.safetensors.index.json`` names, each tensor from the file the
+    index names for it; other ``.safetensors`` files in the folder (a stale save, adapters) are
+    not read, and a tensor in two of the files read is an error.
 
     Through DCP's ``HuggingFaceStorageReader``: every rank reads only the rows of its own shards
     out of the files, into the model's own tensors, so no rank holds the whole checkpoint (the
@@ -1124,15 +1241,23 @@ def load_hf(path: str | os.PathLike, model: nn.Module) -> None:
     except ImportError:
         raise ZeroFXError("load_hf reads safetensors: pip install 'zerofx[hf]' (or safetensors)") from None
     path = Path(path)
+    with tempfile.TemporaryDirectory(prefix="zerofx-load_hf-") as chosen:
 
-    def files() -> tuple[Any, dict[str, TensorStorageMetadata]]:
-        if not path.is_dir() or not any(path.glob("*.safetensors")):
-            raise ZeroFXError(f"load_hf: {path} is not a folder with .safetensors files")
-        reader = HuggingFaceStorageReader(str(path))
-        metadata = reader.read_metadata().state_dict_metadata
-        return reader, {k: v for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
+        def files() -> tuple[Any, dict[str, TensorStorageMetadata]]:
+            # DCP's reader indexes every *.safetensors file of its folder: give it a folder of
+            # links to the files from_pretrained reads, and only those
+            for name in _hf_weight_files(path):
+                os.symlink((path / name).resolve(), Path(chosen) / name)
+            reader = HuggingFaceStorageReader(chosen)
+            metadata = reader.read_metadata().state_dict_metadata
+            return reader, {k: v for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
 
-    reader, stored = _on_every_rank_or_none(files)
+        reader, stored = _on_every_rank_or_none(files)
+        _load_hf_files(path, model, reader, stored)
+
+
+def _load_hf_files(path: Path, model: nn.Module, reader: Any, stored: dict[str, TensorStorageMetadata]) -> None:
+    """``load_hf``'s read of ``stored`` through ``reader`` into ``model``."""
     # the model's own tensors (a state_dict shares their storage), loaded in place: DCP's
     # get/set_model_state_dict would add two transient copies of every shard
     state = model.state_dict()

@@ -47,6 +47,7 @@ import copy
 import importlib
 import json
 import math
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -55,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from zerofx.ir.offload_ops import bytes_view
 from zerofx.layer_checkpointing import take_over
 from zerofx.options import Options
 from zerofx.runtime.eager_buckets import rank_ordered_sum
@@ -608,6 +610,54 @@ def _first_difference(a: nn.Module, b: nn.Module) -> str | None:
     return None
 
 
+ONE_RANK = (
+    "at world size 1 zerofx shards nothing (the parameters stay whole and the model trains as it is), "
+    "so there is no sharded training to compare: verify on 2 or more ranks"
+)
+
+
+def _digests(model: nn.Module) -> tuple[list[str], list[int]]:
+    """Every parameter's and buffer's name, and a CRC-32 of its name, dtype, shape and bytes: equal
+    only for the same values in the same places (a sum, or ``torch.hash_tensor``'s xor, is blind
+    to rows in another order)."""
+    names, digests = [], []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        data = t.detach().cpu().contiguous()
+        crc = zlib.crc32(f"{name} {data.dtype} {tuple(data.shape)}".encode())
+        names.append(name)
+        digests.append(zlib.crc32(bytes_view(data), crc))
+    return names, digests
+
+
+def _rank_difference(model: nn.Module, world: int, device: torch.device) -> str | None:
+    """Where this rank's ``model`` differs from another rank's, the same verdict on every rank
+    (collectives on ``device``); None where every rank built the same parameters and buffers."""
+    names, digests = _digests(model)
+    count = torch.tensor([len(digests)], dtype=torch.int64, device=device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count)
+    if any(int(c) != len(digests) for c in counts):
+        return f"they hold {sorted({int(c) for c in counts})} parameters and buffers"
+    mine = torch.tensor(digests, dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        differ = (theirs != everyone[0]).nonzero()
+        if differ.numel():
+            return f"{names[int(differ[0])]!r} differs between rank 0 and rank {rank}"
+    return None
+
+
+def _check_batch(batch: Any) -> None:
+    """``batch_fn``'s result is the forward's arguments: a tuple or list (a bare tensor would be
+    iterated row by row into as many arguments)."""
+    if not isinstance(batch, (tuple, list)):
+        raise TypeError(
+            "batch_fn(n, generator) must return a tuple (or list) of the forward's arguments, "
+            f"model(*batch); got {type(batch).__name__}" + (": wrap it as (x,)" if torch.is_tensor(batch) else "")
+        )
+
+
 def verify(
     factory: Callable[..., Any],
     mesh,
@@ -628,6 +678,10 @@ def verify(
     returns a tuple of forward arguments with ``n`` samples, and ``model(*batch)`` a scalar
     mean loss. Every rank draws the same global batch of ``batch_per_rank * world`` samples
     and trains on its own slice. ``options`` go to ``zerofx.compile``.
+
+    Refused in the report's ``problem`` (nothing is compared): a factory whose two builds differ,
+    or whose ranks build different parameters or buffers (compared by a CRC of each tensor's
+    bytes), and a one-rank mesh without tensor parallelism, where zerofx shards nothing.
     """
     import zerofx
 
@@ -652,13 +706,9 @@ def verify(
     # every rank must reach the same verdict (or the ranks that go on would wait for the others);
     # the verdicts travel on the mesh's device, which the group has a backend for (NCCL: cuda only)
     on_mesh = torch.device(mesh.device_type)
-    sums = torch.tensor(
-        [float(p.detach().double().sum()) for p in model.parameters()], dtype=torch.float64, device=on_mesh
-    )
-    everyone = [torch.empty_like(sums) for _ in range(world)]
-    dist.all_gather(everyone, sums)
-    if problem is None and any(not torch.equal(everyone[0], other) for other in everyone[1:]):
-        problem = "ranks built different initial parameters (the factory depends on the rank)"
+    other = _rank_difference(model, world, on_mesh)
+    if problem is None and other is not None:
+        problem = f"ranks built different initial parameters (the factory depends on the rank): {other}"
     flags = torch.tensor([problem is not None], dtype=torch.int32, device=on_mesh)
     dist.all_reduce(flags)
     if int(flags) and problem is None:
@@ -670,6 +720,9 @@ def verify(
         )
         return report
     del again
+    if mesh.size() == 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
+        report.problem = ONE_RANK  # (one rank: no peer waits for a verdict)
+        return report
     replica = copy.deepcopy(model)
     zerofx.compile(model, mesh, **options)
     # the layers whose own checkpointing zerofx took over run without it in the replica too:
@@ -682,6 +735,7 @@ def verify(
     mine = slice(rank * batch_per_rank, (rank + 1) * batch_per_rank)
     for step in range(steps):
         batch = batch_fn(batch_per_rank * world, gen)
+        _check_batch(batch)
         local = tuple(t[mine] if torch.is_tensor(t) and t.dim() else t for t in batch)
         loss = model(*local)
         loss.backward()
