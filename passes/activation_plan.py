@@ -73,6 +73,8 @@ def cannot_recompute(node: fx.Node) -> str | None:
     """Why the backward may not recompute ``node`` (None: it may)."""
     if node.op == "placeholder":
         return "graph input"
+    if node.op == "get_attr":
+        return None  # a module attribute (a torch.cond branch's graph): the backward reads it again
     if node.op != "call_function":
         return f"{node.op} node"
     if node.meta.get(RECOMPUTE) == CheckpointPolicy.MUST_SAVE and not is_alias(node):

@@ -70,6 +70,8 @@ def scenarios(rank: int, world: int) -> dict:
     if world == 2:
         attempt(out, "mlp", lambda: _report(verify_models.mlp, mesh))
         attempt(out, "mlp_stage1_clip", lambda: _report(verify_models.mlp, mesh, stage=1, max_grad_norm=0.05))
+        attempt(out, "cond", lambda: _report(verify_models.cond_mlp, mesh))
+        attempt(out, "cond_stage1", lambda: _report(verify_models.cond_mlp, mesh, stage=1))
         attempt(out, "noisy", lambda: _report(verify_models.noisy_mlp, mesh))
         attempt(out, "drifting", lambda: _report(verify_models.drifting_mlp, mesh))
         attempt(out, "rank_init", lambda: _report(verify_models.rank_init_mlp, mesh))

@@ -76,8 +76,10 @@ def runs():
     return get
 
 
-@pytest.mark.parametrize("name", ["mlp", "mlp_stage1_clip"])
+@pytest.mark.parametrize("name", ["mlp", "mlp_stage1_clip", "cond", "cond_stage1"])
 def test_a_model_that_trains_the_same_is_reported_bit_identical(runs, name):
+    """cond: a torch.cond in forward, whose branch graphs the backward reads again (the activation
+    plan took them for values it could neither save nor recompute, and raised)."""
     for r in scenario_results(runs(2), name):
         assert r["ok"] and r["problem"] == "" and len(r["steps"]) == 3
         assert all(s["divergences"] == [] and s["loss_diff"] == 0.0 and s["bounded"] == [] for s in r["steps"])

@@ -27,6 +27,21 @@ def gpt():
     return GPT(GPT_CFG), lambda n, g: random_batch(GPT_CFG, n, g)
 
 
+class CondMLP(MLP):
+    """A ``torch.cond`` in forward, on a parameter: its branches are subgraphs the traced graph
+    holds as module attributes, which the backward's cond reads too."""
+
+    def forward(self, x, y):
+        h = F.gelu(self.layers[0](x))
+        second = self.layers[1]
+        h = torch.cond(second.weight.sum() > 0, lambda t: torch.tanh(second(t)), lambda t: F.gelu(second(t)) * 2, (h,))
+        return F.mse_loss(self.layers[2](h), y)
+
+
+def cond_mlp():
+    return CondMLP(), _dense
+
+
 class NoisyMLP(MLP):
     """Dropout in forward: the compiled graph and the replica draw different random masks (and
     each rank its own), so sharded training differs from the first loss on."""
