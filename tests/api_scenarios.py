@@ -64,6 +64,20 @@ class _ExtraOnSomeRanks(torch.nn.Module):
         return (h @ self.extra if use_extra else h).pow(2).mean()
 
 
+class _KeptReferences(torch.nn.Module):
+    """An MLP whose forward reads its weights through a list made in ``__init__``."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.models import MLP
+
+        self.mlp = MLP()
+        self.ws = [layer.weight for layer in self.mlp.layers]
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(x @ self.ws[0].t() @ self.ws[1].t() @ self.ws[2].t(), y)
+
+
 def scenarios(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     out: dict = {}
@@ -370,6 +384,17 @@ def scenarios(rank: int, world: int) -> dict:
             got["added_uncompiled"] = None
         except Exception as e:
             got["added_uncompiled"] = str(e)
+        # a reference to a parameter kept outside its module, made before sharding: forward
+        # trained the old tensor (no optimizer, no reduction) and the shard never moved
+        for compiled in (True, False):
+            torch.manual_seed(0)
+            kept = _KeptReferences()
+            kept = zerofx.compile(kept, mesh) if compiled else zerofx.shard(kept, mesh)
+            try:
+                kept(x[mine], y[mine]).backward()
+                got[f"kept_{compiled}"] = None
+            except Exception as e:
+                got[f"kept_{compiled}"] = str(e)
         return got
 
     def routed_experts():

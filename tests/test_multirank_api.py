@@ -157,9 +157,17 @@ def test_parameters_frozen_when_sharded_train_once_unfrozen(results):
     was dropped silently and they never moved. And ``module.weight.requires_grad_(True)`` (or
     ``= True``) set the flag of the copy gathered for that read, not the parameter's. Now they
     train as the plain model's do. A module added after sharding is refused at its first step,
-    compiled or not."""
+    compiled or not, and so is a forward that reads parameters through a list made before
+    sharding (the old tensors trained, silently, and the shards never moved)."""
     for r in _get(results, "unfrozen_later"):
         added, uncompiled = r.pop("added"), r.pop("added_uncompiled")
+        # parameters read through a list made before sharding: the old tensors trained, silently
+        # (uncompiled); compiled, the refusal blamed a module added after sharding
+        kept = r.pop("kept_True"), r.pop("kept_False")
+        for message in kept:
+            assert message is not None and "forward reads parameters as they were before zerofx sharded" in message
+        assert "ws.0 (the model's 'mlp.layers.0.weight')" in kept[0], kept[0]
+        assert "'mlp.layers.2.weight'" in kept[1], kept[1]  # the first the backward reaches
         assert set(r) == {"stage1", "stage3"}, r
         for stage, (worst, moved) in r.items():
             assert moved and worst <= 1e-5, (stage, worst, moved)

@@ -65,7 +65,7 @@ from zerofx.passes.secondary import split_secondary
 from zerofx.runtime.lockstep import Lockstep, digest_of
 from zerofx.runtime.lockstep import merge as merge_locksteps
 from zerofx.runtime.offload_store import resolve_offload_dir
-from zerofx.runtime.params import added_after_sharding
+from zerofx.runtime.params import REPLACED_BY, added_after_sharding, read_after_sharding
 
 log = logging.getLogger(__name__)
 
@@ -440,16 +440,19 @@ def _refuse_parameters_added_after_sharding(gm: fx.GraphModule, example_inputs: 
     would synchronize their gradients, so each rank would train its own copy and the ranks
     drift apart without a word. Checked once per compiled frame (adding a module makes dynamo
     recompile), so a training step pays nothing."""
-    sharded = [s for s in map(_state_of, example_inputs) if s is not None]
-    if not sharded or all(s.shard_group.size == 1 and s.replicate_group is None for s in sharded):
-        return
     unknown = [
-        _source_name(node)
+        (_source_name(node), x)
         for node, x in _graph_inputs(gm, example_inputs)
         if isinstance(x, torch.nn.Parameter) and x.requires_grad and _state_of(x) is None
     ]
+    replaced = [(name, getattr(x, REPLACED_BY)) for name, x in unknown if hasattr(x, REPLACED_BY)]
+    if replaced:  # the model's own parameter as it was before shard, through a reference kept elsewhere
+        raise read_after_sharding(replaced)
+    sharded = [s for s in map(_state_of, example_inputs) if s is not None]
+    if not sharded or all(s.shard_group.size == 1 and s.replicate_group is None for s in sharded):
+        return
     if unknown:
-        raise added_after_sharding(unknown)
+        raise added_after_sharding([name for name, _ in unknown])
 
 
 def _refuse_reading_shards(gm: fx.GraphModule, example_inputs: list[Any]) -> None:

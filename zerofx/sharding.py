@@ -58,12 +58,14 @@ from zerofx.runtime.local_step import install as install_local_step
 from zerofx.runtime.lockstep import make_lockstep
 from zerofx.runtime.loss_scaling import make_loss_scaler
 from zerofx.runtime.params import (
+    REPLACED_BY,
     GroupInfo,
     ModelRuntime,
     ParamState,
     TensorParallel,
     added_after_sharding,
     discard_pending,
+    read_after_sharding,
     runtime_of,
     track,
     weak_hook,
@@ -684,7 +686,16 @@ def _make_state(
 # ``add_param_group``), an optimizer that holds a marked one: an error naming the parameter
 # instead of a run that does not train.
 
-_RETIRED = "_zerofx_replaced_by"
+#
+# NOTE: a reference to a replaced parameter
+# The same mark catches a forward that reads a replaced parameter through a reference kept
+# outside its module (``self.ws = [self.a.weight, ...]`` in ``__init__``): such a forward trained
+# the old tensor, which no optimizer holds and no rank reduces, while the sharded parameter
+# never got a gradient, silently (uncompiled). A compiled frame that reads one is refused by the
+# backend (zerofx/backend.py, ``_refuse_parameters_added_after_sharding``); an uncompiled forward
+# by a gradient hook on the replaced parameter, which raises when a backward reaches it.
+
+_RETIRED = REPLACED_BY
 _RETIRED_HOOK = None
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> groups checked
 
@@ -692,6 +703,12 @@ _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -
 def _retire(param: nn.Parameter, qualname: str) -> None:
     if not hasattr(param, _RETIRED):  # a tied parameter keeps its first name
         setattr(param, _RETIRED, qualname)
+        if param.requires_grad and param.is_leaf:  # NOTE: a reference to a replaced parameter
+            param.register_hook(functools.partial(_refuse_replaced_gradient, qualname))
+
+
+def _refuse_replaced_gradient(qualname: str, grad: torch.Tensor) -> None:
+    raise read_after_sharding([(qualname, qualname)])
 
 
 def _refuse_retired(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

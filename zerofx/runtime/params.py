@@ -638,6 +638,24 @@ def optimizer_state(optimizer: torch.optim.Optimizer, create: bool = False) -> O
     return state
 
 
+# set on every parameter ``shard`` replaced, to its name (zerofx/sharding.py, NOTE: an optimizer
+# built before shard; NOTE: a reference to a replaced parameter)
+REPLACED_BY = "_zerofx_replaced_by"
+
+
+def read_after_sharding(pairs: list[tuple[str, str]]) -> ZeroFXError:
+    """The error for a forward that reads parameters as they were before ``shard`` replaced them
+    (``pairs``: where the forward found each, and the parameter it was), through a reference
+    kept outside the module (``self.ws = [self.a.weight]`` in ``__init__``)."""
+    said = [f"{where} (the model's {name!r})" if where != name else repr(name) for where, name in pairs]
+    return ZeroFXError(
+        f"forward reads parameters as they were before zerofx sharded the model: {some_names(said, 3, '; ')}. "
+        "zerofx.shard / zerofx.compile put a new (sharded) parameter into its module, and a reference kept elsewhere (a list "
+        "or attribute set in __init__) still holds the old one, which no optimizer steps and no rank "
+        "reduces. Read parameters through their modules in forward (self.a.weight), not through such references"
+    )
+
+
 def added_after_sharding(names: list[str]) -> ZeroFXError:
     """The error for trainable parameters of a sharded model that zerofx never saw (a module
     added after ``zerofx.shard`` / ``zerofx.compile``): raised by the backend for a compiled
