@@ -69,6 +69,13 @@ def test_unknown_options_name_the_option_and_the_closest_valid_one(one_rank):
     with pytest.raises(ZeroFXError, match=r"unknown zerofx option 'stage3' \(did you mean 'stage'\?\)"):
         zerofx.Options.from_kwargs(stage3=True)
     model = nn.Linear(2, 2)
+    # torch.compile's keywords are named as such, with the two-step spelling that takes them
+    with pytest.raises(
+        ZeroFXError,
+        match=r"fullgraph=True: a torch.compile keyword, not a zerofx option; .*"
+        r"torch.compile\(model, backend='zerofx', fullgraph=True\)",
+    ):
+        zerofx.compile(model, one_rank, fullgraph=True)
     with pytest.raises(ZeroFXError, match=r"unknown zerofx option 'bucket_byte' \(did you mean 'bucket_bytes'\?\)"):
         zerofx.compile(model, one_rank, bucket_byte=1024)
     assert not zerofx.sharding.is_sharded(model)  # nothing happened to the model

@@ -59,6 +59,10 @@ _DTYPES = {
 }
 
 
+# torch.compile's own keywords, which zerofx.compile does not take (``dynamic`` is a zerofx option)
+_TORCH_COMPILE_KEYWORDS = frozenset({"fullgraph", "mode", "backend", "disable"})
+
+
 def closest(name: str, valid: Any) -> str:
     """`` (did you mean 'x'?)`` for the valid name closest to a misspelt ``name``, or ''."""
     match = difflib.get_close_matches(name, [str(v) for v in valid], n=1, cutoff=0.6)
@@ -589,6 +593,15 @@ class Options:
             merged.update(options)
         merged.update(kwargs)
         unknown = sorted(set(merged) - set(names))
+        compile_keywords = [n for n in unknown if n in _TORCH_COMPILE_KEYWORDS]
+        if compile_keywords:
+            given = ", ".join(f"{n}={merged[n]!r}" for n in compile_keywords)
+            one = len(compile_keywords) == 1
+            raise ZeroFXError(
+                f"{given}: {'a torch.compile keyword, not a zerofx option' if one else 'torch.compile keywords, not zerofx options'}"
+                f"; shard first and compile yourself: zerofx.shard(model, mesh, ...), then "
+                f"torch.compile(model, backend='zerofx', {given})"
+            )
         if unknown:
             hint = closest(unknown[0], names)
             raise ZeroFXError(
