@@ -514,6 +514,7 @@ class VerifyReport:
     world_size: int
     steps: list[StepReport] = field(default_factory=list)
     problem: str = ""  # set when no comparison could be made (e.g. a non-deterministic factory)
+    sharded: bool = True  # False on one rank, where zerofx keeps the model whole
 
     @property
     def first_divergence(self) -> Divergence | None:
@@ -543,7 +544,7 @@ class VerifyReport:
         if first is None:
             bounded = sorted({n for s in self.steps for n in s.bounded})
             lines.append(
-                "  sharded training matches the unsharded model bit for bit"
+                ("  sharded training matches the unsharded model bit for bit" if self.sharded else f"  {ONE_RANK}")
                 + (f" (within the any-order summation bound for {', '.join(bounded)})" if bounded else "")
             )
         else:
@@ -555,6 +556,7 @@ class VerifyReport:
             "rank": self.rank,
             "world_size": self.world_size,
             "problem": self.problem,
+            "sharded": self.sharded,
             "ok": self.ok,
             "first_divergence": None if self.first_divergence is None else asdict(self.first_divergence),
             "steps": [
@@ -610,9 +612,10 @@ def _first_difference(a: nn.Module, b: nn.Module) -> str | None:
     return None
 
 
+# what a one-rank report says where a sharded one says "sharded training matches"
 ONE_RANK = (
-    "at world size 1 zerofx shards nothing (the parameters stay whole and the model trains as it is), "
-    "so there is no sharded training to compare: verify on 2 or more ranks"
+    "at world size 1 zerofx shards nothing (the model stays whole): its compiled training matches the "
+    "unsharded model bit for bit (verify on 2 or more ranks to check sharding)"
 )
 
 
@@ -681,7 +684,9 @@ def verify(
 
     Refused in the report's ``problem`` (nothing is compared): a factory whose two builds differ,
     or whose ranks build different parameters or buffers (compared by a CRC of each tensor's
-    bytes), and a one-rank mesh without tensor parallelism, where zerofx shards nothing.
+    bytes). On a one-rank mesh zerofx shards nothing (without tensor parallelism or
+    ``param_dtype``): the report's ``sharded`` is False and it says so; what it checks then is
+    zerofx's compiled training of the whole model (the GPU check's world-1 parity).
     """
     import zerofx
 
@@ -720,11 +725,9 @@ def verify(
         )
         return report
     del again
-    if mesh.size() == 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
-        report.problem = ONE_RANK  # (one rank: no peer waits for a verdict)
-        return report
     replica = copy.deepcopy(model)
     zerofx.compile(model, mesh, **options)
+    report.sharded = any(isinstance(p, DTensor) for p in model.parameters())
     # the layers whose own checkpointing zerofx took over run without it in the replica too:
     # recomputing changes no value, though some models round otherwise with it on (NOTE: a
     # model's own layer checkpointing, zerofx/layer_checkpointing.py)
