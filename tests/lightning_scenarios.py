@@ -322,13 +322,16 @@ def loop_edges(out: str, world: int) -> dict:
     fp16 = {"param_dtype": torch.float16, "loss_scale": "dynamic", "initial_loss_scale": 2.0**12} if sharded else {}
     scaled = _ScaledDown(sharded, **fp16)
     before = LitGPT.record_params(scaled.model)
-    _trainer(f"{out}/fp16", sharded).fit(scaled, _loader(sharded, world))
+    trainer = _trainer(f"{out}/fp16", sharded)
+    trainer.fit(scaled, _loader(sharded, world))
     after = LitGPT.record_params(scaled.model)
+    (validated,) = trainer.validate(scaled, _loader(sharded, world), verbose=False)  # the same Trainer again
     got = {
         "scale": zerofx.loss_scaler(scaled.model).get_scale() if sharded else None,  # (no step skipped)
         "ema_val": during_fit,
         "ema_validate": ema.val_losses[len(during_fit) :],
         "moved": {k: (after[k].float() - before[k].float()).abs().max().item() for k in before},
+        "fp16_val": validated["val_loss"],
     }
     got["fabric_moved"] = _fabric_fp16(sharded, world, fp16)
     if not sharded:

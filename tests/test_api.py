@@ -76,6 +76,11 @@ def test_unknown_options_name_the_option_and_the_closest_valid_one(one_rank):
         r"torch.compile\(model, backend='zerofx', fullgraph=True\)",
     ):
         zerofx.compile(model, one_rank, fullgraph=True)
+    # ... except mode= and backend=, which the two-step spelling does not take either
+    with pytest.raises(ZeroFXError, match=r"mode='max-autotune': torch.compile's mode picks one of Inductor's presets"):
+        zerofx.compile(model, one_rank, mode="max-autotune")
+    with pytest.raises(ZeroFXError, match=r"backend='inductor': zerofx.compile compiles with the zerofx backend"):
+        zerofx.compile(model, one_rank, backend="inductor")
     with pytest.raises(ZeroFXError, match=r"unknown zerofx option 'bucket_byte' \(did you mean 'bucket_bytes'\?\)"):
         zerofx.compile(model, one_rank, bucket_byte=1024)
     assert not zerofx.sharding.is_sharded(model)  # nothing happened to the model

@@ -370,6 +370,21 @@ def _one_rank_fails(rank: int, world: int, folder: str) -> dict:
             setattr(zerofx.checkpoint, n, f)
         out[f"{name}_state"] = len(opt.state)
         out[f"{name}_forward"] = error(lambda: model(torch.randn(2, 6), torch.randn(2, 3)))
+    # the checkpoint seen replaced by rank 1 only (a rename between the ranks' looks; a network
+    # file system's cached attributes): rank 0 went on alone into the next collective
+    model, opt = build(1)
+    real_identity = zerofx.checkpoint._identity
+    if rank == 1:
+        looks = []
+
+        def identity(path):
+            looks.append(path)
+            dev, ino, marker = real_identity(path)
+            return (dev, ino + len(looks) - 1, marker)  # another inode from the second look on
+
+        zerofx.checkpoint._identity = identity
+    out["replaced_on_one"] = error(lambda: zerofx.checkpoint.load(folder / "good", model, opt))
+    zerofx.checkpoint._identity = real_identity
     zerofx.checkpoint.load(folder / "good", model, opt)  # every rank can load again
     step(model, opt)
     return out
@@ -380,7 +395,8 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
     rank's own disk left rank 0 waiting in its file check's broadcast (until gloo's timeout), a
     failure after the read marked only the failing rank, so the next forward ran its gathers on
     one rank and refused on the other. The ranks now agree at each stage of a load: every rank
-    raises, naming the rank that failed, and marks what the read may have overwritten."""
+    raises, naming the rank that failed, and marks what the read may have overwritten; so does a
+    checkpoint that one rank sees replaced after its read (rank 0 waited in the next collective)."""
     r0, r1 = run_ranks(_one_rank_fails, 2, str(tmp_path), timeout=300)
     assert "refused on rank 1: checkpoint" in r0["missing_on_one"] and "does not exist" in r0["missing_on_one"]
     assert "elsewhere does not exist" in r1["missing_on_one"], r1["missing_on_one"]
@@ -389,7 +405,9 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
     assert r0["model_check"] == "refused on rank 1: injected refusal", r0["model_check"]
     assert "rank 1: RuntimeError: injected failure after the read" in r0["after_read"], r0["after_read"]
     assert "RuntimeError: injected failure after the read" in r1["after_read"], r1["after_read"]
+    assert "refused on rank 1: checkpoint" in r0["replaced_on_one"], r0["replaced_on_one"]
     for r in (r0, r1):
+        assert "was replaced while loading" in r["replaced_on_one"], r["replaced_on_one"]
         assert r["missing_state"] == r["before_read_state"] == r["model_check_state"] == 0
         assert r["before_read_forward"] == r["model_check_forward"] == "no error"
         assert "partly overwritten" in r["after_read"]

@@ -168,6 +168,9 @@ def test_parameters_frozen_when_sharded_train_once_unfrozen(results):
             assert message is not None and "forward reads parameters as they were before zerofx sharded" in message
         assert "ws.0 (the model's 'mlp.layers.0.weight')" in kept[0], kept[0]
         assert "'mlp.layers.2.weight'" in kept[1], kept[1]  # the first the backward reaches
+        shared = r.pop("shared_later")
+        assert shared is not None and "0.weight (which was '0.weight' of the module sharded first)" in shared, shared
+        assert "shared with a module zerofx sharded before" in shared, shared
         assert set(r) == {"stage1", "stage3"}, r
         for stage, (worst, moved) in r.items():
             assert moved and worst <= 1e-5, (stage, worst, moved)

@@ -435,7 +435,7 @@ def load(
         _init_unsaved_buffers(model)
         reading()
         dcp.load(state, checkpoint_id=str(path))
-        _check_unchanged(path, identity, "loading", "the load failed")
+        _on_every_rank_or_none(lambda: _check_unchanged(path, identity, "loading", "the load failed"))
         if optimizer is None:
             set_model_state_dict(model, state["model"])
         else:
@@ -477,7 +477,7 @@ def _load_optimizer_only(
         _request_saved_group_keys(state["optimizer"], metadata)
         reading()
         dcp.load(state, checkpoint_id=str(path))
-        _check_unchanged(path, identity, "loading", "the load failed")
+        _on_every_rank_or_none(lambda: _check_unchanged(path, identity, "loading", "the load failed"))
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
     _clear_failed(optimizer)
     _after_load(model, info, parameters_changed=False)

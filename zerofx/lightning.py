@@ -259,7 +259,10 @@ class ZeroFXStrategy(ModelParallelStrategy):
             )
         scaler = _loss_scaler("ZeroFXStrategy", modules)
         if scaler is not None:
-            if type(self.precision_plugin) is not Precision:
+            # (a second fit / validate / test on this Trainer finds the plugin installed by the first)
+            if type(self.precision_plugin) is not Precision and not isinstance(
+                self.precision_plugin, _ZeroFXLossScaling
+            ):
                 raise ZeroFXError(
                     f"ZeroFXStrategy: precision={self.precision_plugin.precision!r} with a model zerofx compiled "
                     "with loss_scale='dynamic' (fp16): zerofx scales the loss and casts the computation itself; "

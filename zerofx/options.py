@@ -60,7 +60,7 @@ _DTYPES = {
 
 
 # torch.compile's own keywords, which zerofx.compile does not take (``dynamic`` is a zerofx option)
-_TORCH_COMPILE_KEYWORDS = frozenset({"fullgraph", "mode", "backend", "disable"})
+_TORCH_COMPILE_KEYWORDS = frozenset({"fullgraph", "disable"})  # (mode= and backend= are refused apart)
 
 
 def closest(name: str, valid: Any) -> str:
@@ -593,6 +593,17 @@ class Options:
             merged.update(options)
         merged.update(kwargs)
         unknown = sorted(set(merged) - set(names))
+        if "backend" in unknown:
+            raise ZeroFXError(
+                f"backend={merged['backend']!r}: zerofx.compile compiles with the zerofx backend, which places "
+                "the collectives; it takes no other"
+            )
+        if "mode" in unknown:
+            raise ZeroFXError(
+                f"mode={merged['mode']!r}: torch.compile's mode picks one of Inductor's presets (autotuning, CUDA "
+                "graphs), which zerofx does not run; leave it out (on a GPU, executor='triton' with autotune=True "
+                "times Triton's block sizes)"
+            )
         compile_keywords = [n for n in unknown if n in _TORCH_COMPILE_KEYWORDS]
         if compile_keywords:
             given = ", ".join(f"{n}={merged[n]!r}" for n in compile_keywords)

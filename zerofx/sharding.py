@@ -1197,6 +1197,21 @@ def _zero_grad_and_pending(self: nn.Module, set_to_none: bool = True) -> None:
     discard_pending(self.parameters())
 
 
+def _refuse_replaced_parameters(model: nn.Module) -> None:
+    """Refuse parameters that an earlier ``shard`` of another module replaced (NOTE: a reference
+    to a replaced parameter): one module shared with a module sharded before (an encoder's and a
+    decoder's tied embedding, each compiled alone). The earlier module trains the sharded
+    parameter, this one would train the old tensor: the tie would be broken."""
+    replaced = [(name, getattr(p, REPLACED_BY)) for name, p in model.named_parameters() if hasattr(p, REPLACED_BY)]
+    if replaced:
+        said = [f"{name} (which was {old!r} of the module sharded first)" for name, old in replaced]
+        raise ZeroFXError(
+            f"{some_names(said, 3, '; ')}: shared with a module zerofx sharded before, which now holds a new "
+            "(sharded) parameter in its place, so the two would train different tensors. Shard the modules "
+            "that share parameters together: zerofx.compile the module that holds both"
+        )
+
+
 def _refuse_hooked_parameters(model: nn.Module) -> None:
     """Refuse parameters with gradient hooks (``register_hook``,
     ``register_post_accumulate_grad_hook``) registered before sharding: each parameter becomes a
@@ -1334,6 +1349,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     if is_sharded(model):
         raise ZeroFXError("model is already sharded by zerofx; call zerofx.shard once per model")
     _refuse_sharded_parts(model)
+    _refuse_replaced_parameters(model)
     on_meta = _built_on_meta(model)
     mesh, tp_mesh = _tp_mesh_of(model, mesh, opts.tp_dim)
     mesh = resolve_mesh(model, mesh, on_meta)
