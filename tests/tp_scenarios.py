@@ -54,7 +54,7 @@ def gpt(seed: int = 0) -> GPT:
     return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
 
 
-def llama(seed: int = 0, kv_heads: int = 2):
+def llama(seed: int = 0, kv_heads: int = 2, tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -65,7 +65,7 @@ def llama(seed: int = 0, kv_heads: int = 2):
         num_attention_heads=4,
         num_key_value_heads=kv_heads,
         max_position_embeddings=32,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
@@ -517,6 +517,19 @@ def errors() -> dict:
     attempt("tp_dim_without_plan", tp_dim_without_plan)
     attempt("tied_differently", tied_differently)
 
+    def untied_by_torch():  # torch's parallelize_module gives a tied HF model two parameters there
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        model = llama(tied=True)
+        parallelize_module(model, mesh["tp"], hf_plan(model))
+        zerofx.compile(model, mesh["dp"])
+
+    def tp_after_compile():
+        parallelize(zerofx.compile(gpt(), mesh["dp"]), mesh["tp"], gpt_plan(gpt()))
+
+    attempt("untied_by_torch", untied_by_torch)
+    attempt("tp_after_compile", tp_after_compile)
+
     def tp_outer():  # one mesh, tp its outer dimension: DTensor cannot reduce the norm over (dp, tp)
         other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))
         model = parallelize(gpt(), other["tp"], gpt_plan(gpt()))
@@ -761,3 +774,27 @@ def run(rank: int, world: int, calls: list[tuple[str, dict]]) -> dict:
         torch._dynamo.reset()
         out[i]["seconds"] = time.perf_counter() - started  # what the scenario costs the suite
     return out
+
+
+def hf_lengths(rank: int, world: int) -> dict:
+    """An HF Llama, tensor-parallel over 2 ranks, trained on sequences of 16 then 12 under
+    zerofx.compile's default dynamic shapes, then with dynamic=False: what each raised, and the
+    second run's losses."""
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    got = {}
+    for dynamic in ("auto", False):
+        torch._dynamo.reset()
+        model = llama()
+        parallelize(model, mesh["tp"], hf_plan(model))
+        model = zerofx.compile(model, mesh, tp_dim="tp", dynamic=dynamic)
+        losses = []
+        try:
+            for seq in (16, 12):
+                x, y = batches(1, 1, seq=seq)[0]
+                loss = model(input_ids=x, labels=y).loss
+                loss.backward()
+                losses.append(loss.item())
+            got[str(dynamic)] = losses
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            got[str(dynamic)] = f"{type(e).__name__}: {e}"
+    return got

@@ -300,7 +300,19 @@ def make_backend(
             partition_fn=frame.partition,
             keep_inference_input_mutations=True,
         )
-        compiled = compile_with_aot(gm, example_inputs)
+        try:
+            compiled = compile_with_aot(gm, example_inputs)
+        except RecursionError:
+            if not symbols or not any(r.tp_mesh is not None for r in runtimes.values()):
+                raise
+            # torch 2.13: AOTAutograd's trace of a tensor-parallel HF model's backward with symbolic
+            # sizes recurses without end (plain torch.compile(backend="aot_eager") of the same model too)
+            raise ZeroFXError(
+                "tracing this frame with symbolic sizes over tensor-parallel DTensors exceeded Python's recursion "
+                "limit in AOTAutograd (torch's own compile of the same model fails the same way, e.g. an HF "
+                "model whose sequence length changes): compile it with dynamic=False (a compile per shape) "
+                "(docs/tensor_parallel.md, Limits)"
+            ) from None
         # after it succeeded: dynamo may restart a frame's analysis and discard what it compiled
         state.size_symbols[frame.graph_id] = symbols
         return _frame_runner(compiled, example_inputs, frame)

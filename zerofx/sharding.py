@@ -1082,7 +1082,30 @@ def _tp_mesh_of(
             "over: give zerofx the data-parallel dimension (mesh['dp']) and keep the TP plan on the other"
         )
     _check_crossing(name, tp_mesh, mesh)
+    _refuse_untied_by_tensor_parallelism(model)
     return mesh, tp_mesh
+
+
+def _refuse_untied_by_tensor_parallelism(model: nn.Module) -> None:
+    """An HF model whose config ties the input and output embeddings, holding two parameters
+    there: torch's ``parallelize_module`` gives each module its own DTensor, so a tied model
+    comes out untied (its output embedding trained apart, and ``save_pretrained`` drops it as a
+    tied copy). zerofx would shard and train what it is given, silently unlike the model the config
+    describes; ``zerofx.tensor_parallel.parallelize`` keeps the tie (docs/tensor_parallel.md)."""
+    config = getattr(model, "config", None)
+    getters = [getattr(model, n, None) for n in ("get_input_embeddings", "get_output_embeddings")]
+    if not getattr(config, "tie_word_embeddings", False) or not all(callable(g) for g in getters):
+        return
+    embeddings = [g() for g in getters]
+    weights = [getattr(e, "weight", None) for e in embeddings]
+    if any(w is None for w in weights) or weights[0] is weights[1]:
+        return
+    raise ZeroFXError(
+        f"{type(model).__name__}'s config ties the input and output embeddings (tie_word_embeddings), but the "
+        "model holds two tensors there: torch's parallelize_module gives each module its own parameter, which "
+        "unties them. Parallelize with zerofx.tensor_parallel.parallelize(model, tp_mesh, plan), which keeps "
+        "tied parameters tied"
+    )
 
 
 def _dtensor_meshes(model: nn.Module) -> dict:

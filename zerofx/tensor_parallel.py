@@ -300,6 +300,11 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Any]) -> 
     Frozen parameters: torch's ``SequenceParallel`` re-creates the norm layers' parameters as
     replicated DTensors without their ``requires_grad`` (the column- and row-wise styles keep
     it), so a frozen norm would train; each parameter's flag is put back by qualified name."""
+    if any(getattr(m, "_zerofx", None) is not None for m in model.modules()):
+        raise ZeroFXError(
+            "zerofx.tensor_parallel.parallelize: the model is sharded by zerofx already; parallelize it first, "
+            "then zerofx.compile(model, mesh, tp_dim=...) (docs/tensor_parallel.md)"
+        )
     _check_plan_keys(model, plan)
     _check_heads(model, tp_mesh.size(), plan)
     tied: list[list[tuple[nn.Module, str, str]]] = []  # per shared parameter: (module, attribute, qualified name)
