@@ -379,7 +379,7 @@ class _KeepLocalStep(TrainerCallback):
     captured when it was prepared, before the first step, and puts that one back after every
     step. zerofx installs its step on local shards at the first step (zerofx/runtime/local_step.py),
     so from the second step on accelerate called around it: every step went through DTensor (the
-    same numbers, a 2-3x slower optimizer step). After each step accelerate is handed zerofx's."""
+    same numbers, a slower optimizer step). After each step accelerate is handed zerofx's."""
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **_: Any) -> None:
         inner = getattr(optimizer, "optimizer", None)
