@@ -232,7 +232,57 @@ def test_zero_plus_plus_quantization_keys_map_to_the_quantize_options():
     assert t.options == {"stage": 3, "quantize_weights": "int8", "quantize_grads": "int8"}
     assert any("quantize_grads='int4'" in w for w in t.warnings)
     off = from_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_weights": False}})
-    assert off.options == {"stage": 3}
+    assert off.options == {"stage": 3, "quantize_weights": None}
+
+
+def test_zero_plus_plus_switches_take_a_keyword_format_and_refuse_one_against_an_explicit_off():
+    """The qgZ warning's own advice (``quantize_grads='int4'`` beside ``zero_quantized_gradients``)
+    was refused as a contradiction; ZeRO++ switches and ``cpu_checkpointing`` written false, or
+    ``zero_hpz_partition_size: 1``, let a keyword turn the feature on in silence."""
+    on = from_deepspeed(
+        {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}}
+    )
+    assert merge_with_keywords(on, {"quantize_grads": "int4"})["quantize_grads"] == "int4"
+    assert merge_with_keywords(on, {"quantize_weights": "fp8"})["quantize_weights"] == "fp8"
+    assert merge_with_keywords(on, {"quantize_grads": "int8", "quantize_weights": "int8"})
+    for other in ({"quantize_grads": None}, {"quantize_weights": None}):
+        with pytest.raises(ZeroFXError, match="contradicts the DeepSpeed config, which gives 'int8'"):
+            merge_with_keywords(on, other)
+    off = from_deepspeed(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "zero_quantized_weights": False,
+                "zero_quantized_gradients": "false",
+                "zero_hpz_partition_size": 1,
+            },
+            "activation_checkpointing": {"cpu_checkpointing": False},
+        }
+    )
+    for keyword in (
+        {"quantize_weights": "int8"},
+        {"quantize_grads": "int4"},
+        {"secondary_shard": True},
+        {"offload_activations": "disk"},
+    ):
+        with pytest.raises(ZeroFXError, match=rf"option {next(iter(keyword))}=.* contradicts the DeepSpeed config"):
+            merge_with_keywords(off, keyword)
+    assert merge_with_keywords(off, {"quantize_weights": None, "secondary_shard": False, "offload_activations": "none"})
+    silent = from_deepspeed({"zero_optimization": {"stage": 3}})  # said nothing: keywords decide
+    assert merge_with_keywords(silent, {"quantize_grads": "int4", "secondary_shard": True})
+    with pytest.raises(ZeroFXError, match=r"^DeepSpeed config: zero_optimization.zero_quantized_weights at stage 2"):
+        from_deepspeed({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
+
+
+def test_offload_tuning_keys_are_named_in_a_warning():
+    """DeepSpeed's pinned and swap buffers and I/O pipelining keys under an offload section had no
+    effect and no warning."""
+    keys = ("pin_memory", "buffer_count", "buffer_size", "fast_init", "max_in_cpu", "pipeline_read", "pipeline_write")
+    t = from_deepspeed(
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", **dict.fromkeys(keys, True)}}}
+    )
+    said = [w for w in t.warnings if "DeepSpeed keys zerofx does not follow" in w]
+    assert len(said) == 1 and all(f"zero_optimization.offload_optimizer.{k}" in said[0] for k in keys), t.warnings
 
 
 def test_auto_without_a_hidden_size_falls_back_to_zerofx_auto():

@@ -26,6 +26,8 @@ contradiction, a feature zerofx does not have). Nothing is dropped silently.
     communication_data_type                             reduce_dtype
     data_types.grad_accum_dtype                         reduce_dtype (zerofx accumulates and reduces in one dtype)
     activation_checkpointing (+ cpu_checkpointing)      checkpoint="full" (+ offload_activations="host")
+    zero_optimization.zero_quantized_weights            quantize_weights="int8" (stage 3; a keyword may say "fp8")
+    zero_optimization.zero_quantized_gradients          quantize_grads="int8" (stages 2-3; a keyword may say "int4")
 
 DeepSpeed's field names for its ``stage3_*`` keys (``prefetch_bucket_size``,
 ``param_persistence_threshold``, ``max_live_parameters``, ...), which its config model takes as
@@ -42,7 +44,10 @@ keyword argument of ``zerofx.compile`` says otherwise; the fp16 loss-scale keys'
 DeepSpeed's default, as DeepSpeed reads it. Options that came from ``"auto"`` (or from DeepSpeed's
 default for an absent fp16 key) yield to keyword arguments; an explicit config value that a
 keyword argument contradicts is an error naming both, an explicit "off" too (``bf16.enabled:
-false`` and no fp16, an offload ``device: "none"``). A partial offload (``ratio`` below 1)
+false`` and no fp16, an offload ``device: "none"``, ``zero_quantized_weights`` /
+``zero_quantized_gradients`` / ``cpu_checkpointing: false``, ``zero_hpz_partition_size: 1``). A
+keyword may pick the format of a ZeRO++ switch that is on (``quantize_weights="fp8"``,
+``quantize_grads="int4"``). A partial offload (``ratio`` below 1)
 offloads all of it, with a warning. ``train_batch_size`` must be ``train_micro_batch_size_per_gpu
 x gradient_accumulation_steps x`` the data-parallel size when all three are numbers (DeepSpeed
 asserts it).
@@ -171,6 +176,16 @@ _BF16_NOT_FOLLOWED: dict[str, Any] = {
 _OFFLOAD_NOT_FOLLOWED: dict[str, Any] = {
     "super_offload": _TUNING,  # SuperOffload's speculative CPU step, rolled back on overflow: same updates
     "cpuadam_cores_perc": _TUNING,
+    # DeepSpeed's own pinned buffers, swap buffers and I/O pipelining: zerofx stages through its own
+    # (zerofx/runtime/offload_store.py)
+    "pin_memory": _TUNING,
+    "buffer_count": _TUNING,
+    "buffer_size": _TUNING,
+    "fast_init": _TUNING,
+    "max_in_cpu": _TUNING,
+    "pipeline": _TUNING,
+    "pipeline_read": _TUNING,
+    "pipeline_write": _TUNING,
 }
 _TOP = {
     "zero_optimization",
@@ -260,20 +275,7 @@ _ZERO = (
     | set(_ZERO_NOT_FOLLOWED)
     | {"zero_hpz_partition_size"}
 )
-_OFFLOAD_KEYS = {
-    "device",
-    "nvme_path",
-    "pin_memory",
-    "buffer_count",
-    "buffer_size",
-    "fast_init",
-    "ratio",
-    "max_in_cpu",
-    "pipeline",
-    "pipeline_read",
-    "pipeline_write",
-    *_OFFLOAD_NOT_FOLLOWED,
-}
+_OFFLOAD_KEYS = {"device", "nvme_path", "ratio", *_OFFLOAD_NOT_FOLLOWED}
 _BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow", *_BF16_NOT_FOLLOWED}
 _FP16_KEYS = {
     "enabled",
@@ -617,6 +619,8 @@ def from_deepspeed(
     opts["stage"] = stage
     _not_followed(zero, _ZERO_NOT_FOLLOWED, "zero_optimization.", notes)
     hpz = zero.get("zero_hpz_partition_size", 1)
+    if "zero_hpz_partition_size" in zero and hpz in (0, 1):  # hpZ off in so many words: secondary_shard contradicts
+        opts["secondary_shard"] = False
     if hpz not in (0, 1):  # hpZ's group is the mesh's inner dimension, which a config cannot give
         raise ZeroFXError(
             f"DeepSpeed config: zero_optimization.zero_hpz_partition_size={hpz!r}: zerofx's hpZ takes its "
@@ -626,9 +630,19 @@ def from_deepspeed(
     for key, what in _ZERO_UNSUPPORTED.items():
         if bool(zero.get(key)) if key == "mics_shard_size" else _switch(zero, key, False):
             raise ZeroFXError(f"DeepSpeed config: zero_optimization.{key}={zero[key]!r}: {what} is not in zerofx yet")
-    if _switch(zero, "zero_quantized_weights", False):  # ZeRO++ qwZ: int8 blocks, as DeepSpeed's default
-        opts["quantize_weights"] = "int8"
+    # ZeRO++ switches: on is int8 blocks, as DeepSpeed's default (a keyword may refine it: _same);
+    # off in so many words, a keyword quantizing contradicts it
+    quantized_weights = _switch(zero, "zero_quantized_weights", False)
+    if "zero_quantized_weights" in zero:
+        opts["quantize_weights"] = "int8" if quantized_weights else None
+    if quantized_weights and stage != 3:
+        raise ZeroFXError(
+            f"DeepSpeed config: zero_optimization.zero_quantized_weights at stage {stage}: ZeRO++'s qwZ quantizes "
+            "stage 3's parameter all-gathers (stages 1 and 2 gather none); use stage 3, or drop the key"
+        )
     quantized_grads = _switch(zero, "zero_quantized_gradients", False)
+    if "zero_quantized_gradients" in zero and not quantized_grads:
+        opts["quantize_grads"] = None
     if quantized_grads and stage == 1:
         raise ZeroFXError(
             "DeepSpeed config: zero_optimization.zero_quantized_gradients at stage 1: zerofx quantizes the "
@@ -701,6 +715,8 @@ def from_deepspeed(
         opts["checkpoint"] = "full"
         if _switch(ac, "cpu_checkpointing", False, where="activation_checkpointing"):
             opts["offload_activations"] = "host"
+        elif "cpu_checkpointing" in ac:  # off in so many words: a keyword offloading activations contradicts
+            opts["offload_activations"] = "none"
         ignored = sorted(k for k in set(ac) - {"cpu_checkpointing"} if ac[k])
         if ignored:
             notes.append(
@@ -876,7 +892,17 @@ def _same(name: str, a: Any, b: Any) -> bool:
             a, b = (None if d is torch.float32 else d for d in (a, b))
     elif name == "offload_dir" and isinstance(a, (str, os.PathLike)) and isinstance(b, (str, os.PathLike)):
         a, b = (os.path.normpath(os.path.abspath(os.fspath(p))) for p in (a, b))
+    elif (
+        name in ("quantize_weights", "quantize_grads") and (name, a) in _REFINED
+    ):  # DeepSpeed's switch turns quantization on; the keyword picks the format
+        return b in _REFINED[name, a]
     return a == b
+
+
+# (option, what a ZeRO++ switch in the config gives) -> the keyword values that agree with it:
+# zero_quantized_weights is "8-bit weights" (int8 or fp8 here), zero_quantized_gradients
+# "quantized gradients" (DeepSpeed's qgZ sends int4 inside a node and int8 across nodes)
+_REFINED = {("quantize_weights", "int8"): ("int8", "fp8"), ("quantize_grads", "int8"): ("int8", "int4")}
 
 
 def merge_with_keywords(translation: DeepSpeedTranslation, keywords: dict[str, Any]) -> dict[str, Any]:
