@@ -295,13 +295,64 @@ def _fabric_fp16(sharded: bool, world: int, options: dict) -> dict[str, float]:
     return {k: (after[k].float() - before[k].float()).abs().max().item() for k in before}
 
 
+def _fabric_loads(out: str, world: int) -> dict:
+    """What Fabric's loads leave a stage-2 zerofx model and a scheduler with: fabric.load of a
+    sharded checkpoint's OneCycleLR (its step count and rate, against the saved one's), and
+    fabric.load_raw of a whole state dict torch.save wrote (the loaded model's loss on this rank's
+    rows, against the same weights' in one process), or the error either raised."""
+    from zerofx.lightning import ZeroFXFabricStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=ZeroFXFabricStrategy(options={"stage": 2}))
+    fabric.launch()
+    rows = torch.stack([Tokens()[fabric.global_rank * PER_RANK + i] for i in range(PER_RANK)])
+
+    def setup():
+        model = fabric.setup_module(gpt())
+        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+        return model, opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=10)
+
+    got = {}
+    model, opt, sched = setup()
+    for _ in range(2):
+        fabric.backward(model(rows[:, :-1], rows[:, 1:]))
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    fabric.save(f"{out}/sched", {"model": model, "optimizer": opt, "sched": sched})
+    saved = (sched.last_epoch, sched.get_last_lr())
+    model, opt, sched = setup()
+    try:
+        fabric.load(f"{out}/sched", {"model": model, "optimizer": opt, "sched": sched})
+        got["sched"] = {"loaded": (sched.last_epoch, sched.get_last_lr()), "saved": saved}
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        got["sched"] = f"{type(e).__name__}: {e}"
+    torch.manual_seed(1)
+    from zerofx.models import GPT, GPTConfig
+
+    other = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=2, d_model=32))
+    if fabric.global_rank == 0:
+        torch.save(other.state_dict(), f"{out}/raw.pt")
+    fabric.barrier()
+    try:
+        fabric.load_raw(f"{out}/raw.pt", model)
+        with torch.no_grad():
+            got["load_raw"] = {"loaded": model(rows[:, :-1], rows[:, 1:]).item()}
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        got["load_raw"] = f"{type(e).__name__}: {e}"
+    else:
+        with torch.no_grad():
+            got["load_raw"]["want"] = other(rows[:, :-1], rows[:, 1:]).item()
+    return got
+
+
 def loop_edges(out: str, world: int) -> dict:
     """Lightning's loops where zerofx's state needs the strategy's help, on the ranks of a
     torchrun-launched job under ZeroFXStrategy (plain Lightning in one process when WORLD_SIZE is
     not set): EMAWeightAveraging at stage 2 (validation on the averaged weights, which the callback
     writes through param.data), and fp16 with zerofx's loss scaler (param_dtype=float16) against
     fp32, in the Trainer and in a Fabric loop. On the ranks also what setup refuses: trainable parameters outside the compiled model,
-    StochasticWeightAveraging, a precision plugin beside zerofx's loss scaling."""
+    StochasticWeightAveraging, a precision plugin beside zerofx's loss scaling; and what Fabric's
+    loads leave a stage-2 model and a scheduler with (_fabric_loads)."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging
     from lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging
 
@@ -344,6 +395,7 @@ def loop_edges(out: str, world: int) -> dict:
             return str(e)
         return "trained"
 
+    got["fabric_loads"] = _fabric_loads(out, world)
     outside = LitGPT(sharded)
     outside.temperature = torch.nn.Parameter(torch.ones(()))
     got["outside"] = refused(outside)

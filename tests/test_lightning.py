@@ -89,7 +89,11 @@ def test_lightning_loops_see_what_callbacks_write_and_scale_fp16_losses(tmp_path
     before, so its fp16 gradients underflowed and most parameters never moved). Refused at setup:
     a trainable parameter outside the compiled model (each rank would train its own), Lightning's
     StochasticWeightAveraging, EMA with checkpoints (Lightning pickles its sharded state: the first
-    checkpoint failed), and a precision plugin beside zerofx's loss scaling."""
+    checkpoint failed), and a precision plugin beside zerofx's loss scaling. Fabric at stage 2:
+    fabric.load of a sharded checkpoint restores a OneCycleLR (Lightning's sharded path had put
+    the saved state dict in the scheduler's place: the resumed rate was the first step's, as under
+    FSDP2), and after fabric.load_raw the model computes with the loaded weights (the first
+    forward had raised: load_raw's per-submodule writes left stage 2's whole copies stale)."""
     from zerofx.launch import local_ranks
 
     want = ls.loop_edges(str(tmp_path / "plain"), 2)
@@ -110,6 +114,11 @@ def test_lightning_loops_see_what_callbacks_write_and_scale_fp16_losses(tmp_path
         assert "StochasticWeightAveraging copies the module before configure_model" in got["swa"], got["swa"]
         assert "Train it with enable_checkpointing=False" in got["ema_checkpoints"], got["ema_checkpoints"]
         assert "precision='bf16-mixed' with a model zerofx compiled with loss_scale='dynamic'" in got["fp16_precision"]
+        loads = got["fabric_loads"]  # stage 2: the scheduler restored, whole copies refreshed after load_raw
+        assert isinstance(loads["sched"], dict) and loads["sched"]["loaded"] == loads["sched"]["saved"], loads
+        assert loads["sched"]["saved"][0] == 2, loads
+        assert isinstance(loads["load_raw"], dict), loads["load_raw"]
+        assert abs(loads["load_raw"]["loaded"] - loads["load_raw"]["want"]) <= 1e-5 * loads["load_raw"]["want"], loads
 
 
 def test_one_rank_checkpoints_save_and_resume(tmp_path):

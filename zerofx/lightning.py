@@ -74,6 +74,7 @@ import contextlib
 from typing import Any, Generator
 
 import lightning.fabric.strategies.model_parallel as _fabric_model_parallel
+import torch
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
@@ -421,6 +422,39 @@ class ZeroFXFabricStrategy(FabricModelParallelStrategy):
         with _one_rank_checkpoints():
             super().save_checkpoint(*args, **kwargs)
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def load_checkpoint(self, path: Any, state: Any = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Fabric's load, then what it leaves undone for a zerofx model (NOTE: Fabric loads):
+        stateful objects read back from a sharded checkpoint, whole copies refreshed."""
+        stateful = {}
+        if isinstance(state, dict):
+            stateful = {
+                key: obj
+                for key, obj in state.items()
+                if not isinstance(obj, (nn.Module, torch.optim.Optimizer))
+                and callable(getattr(obj, "load_state_dict", None))
+                and callable(getattr(obj, "state_dict", None))
+            }
         with _one_rank_checkpoints():
-            return super().load_checkpoint(*args, **kwargs)
+            remaining = super().load_checkpoint(path, state, *args, **kwargs)
+        for key, obj in stateful.items():
+            if state.get(key) is not obj:  # the sharded path put the saved state dict in its place
+                obj.load_state_dict(state[key])
+                state[key] = obj
+        modules = [state] if isinstance(state, nn.Module) else []
+        if isinstance(state, dict):
+            modules = [obj for obj in state.values() if isinstance(obj, nn.Module)]
+        for module in (found for root in modules for found in sharded_modules(root)):
+            runtime = runtime_of(module)
+            if runtime.whole_copies:
+                runtime.refresh()
+        return remaining
+
+
+# NOTE: Fabric loads
+# Fabric's ModelParallelStrategy loads a sharded (DCP) checkpoint's other entries by putting each
+# saved value in the state dict's place: a scheduler (any object with load_state_dict) is replaced
+# by its state dict and never loaded (FSDP2 under Fabric resumes a OneCycleLR at step 0; the
+# full-file path calls load_state_dict). And it writes parameters through set_model_state_dict per
+# submodule (load_raw, full files), which the root's load_state_dict, where zerofx refreshes the
+# whole copies of stages 1-2, never sees. The override calls load_state_dict on what it was given,
+# as the full-file path does, and refreshes the copies.
