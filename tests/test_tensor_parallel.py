@@ -167,7 +167,11 @@ def test_gpt_sequence_parallel_tp_bytes_follow_the_analytic_formula(results):
             "three_dp_dims",
             r"on mesh \('a', 'b', 'c', 'tp'\).*or two \(replicate, shard\) for hybrid sharding, not \('a', 'b', 'c'\)",
         ),
-        ("hpz_without_hybrid", r"secondary_shard=True needs a 2-D mesh \(replicate, shard\).*got a 1-D mesh"),
+        (
+            "hpz_without_hybrid",
+            r"secondary_shard=True needs a 2-D mesh \(replicate, shard\).*the data-parallel part of the mesh, "
+            r"without its tensor-parallel dimension, is 1-D \(2,\).*pass mesh\['replicate', 'shard'\]",
+        ),
         ("tp_dim_without_plan", r"no parameter of the model is a DTensor; parallelize it first"),
         (
             "tied_differently",
@@ -396,6 +400,28 @@ def test_parallelize_keeps_frozen_parameters_frozen_and_refuses_unknown_plan_key
         plan = {**gpt_plan(model), "blocks.*.attn.qkvv": ColwiseParallel()}
         with pytest.raises(ZeroFXError, match=r"plan key 'blocks.\*.attn.qkvv': .*matches 'qkvv' \(did you mean 'qkv'"):
             parallelize(model, mesh, plan)
+
+
+def test_the_layout_check_finds_a_disagreement_at_any_rank_from_every_rank():
+    """zerofx's split of a TP share over the data-parallel ranks against DTensor's strided layout,
+    checked for every mesh coordinate (arithmetic only, the same on every rank): a column-parallel
+    (97, 16) weight over dp=4, tp=2 disagrees at dp coordinate 3 only (a check of the rank's own
+    rows raised on 2 of 8 ranks); 96 rows, or dp=2, agree everywhere."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from zerofx.sharding import _layout_disagreement
+
+    strided = (_StridedShard(0, split_factor=2), Shard(0))
+    assert _layout_disagreement((97, 16), (4,), (Shard(0),), 2, (Shard(0),), strided) == (
+        (3, 0),
+        (10, 16),
+        (11, 16),
+    )
+    assert _layout_disagreement((96, 16), (4,), (Shard(0),), 2, (Shard(0),), strided) is None
+    assert _layout_disagreement((97, 16), (2,), (Shard(0),), 2, (Shard(0),), strided) is None
+    hybrid = (Replicate(), _StridedShard(0, split_factor=2), Shard(0))
+    assert _layout_disagreement((97, 16), (2, 2), (Replicate(), Shard(0)), 2, (Shard(0),), hybrid) is None
 
 
 def test_the_even_split_check_leaves_column_splits_alone_however_the_dim_is_written():

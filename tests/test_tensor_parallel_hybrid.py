@@ -39,6 +39,7 @@ CALLS = [
     ("gathered", {"model": "gpt", **HYBRID}),
     ("whole_step", {"model": "gpt", "optimizer": "adafactor", **HYBRID}),
     ("meta_built", {"model": "llama", **HYBRID}),
+    ("ragged_share", {"model": "linear", **HYBRID}),
 ]
 CHECKPOINT = ("checkpoint_layouts", {"model": "gpt", "stage": 3, "saved_in": "2x2x2"})
 LOADS = (("2x2x2", 3), ("4x2", 3))
@@ -195,3 +196,12 @@ def test_a_model_built_on_meta_over_hybrid_and_tp_holds_its_shares_and_loads_eve
     from tests.test_tensor_parallel import check_meta_built
 
     check_meta_built(_ok(results, "meta_built", model="llama"))
+
+
+def test_a_layout_some_ranks_cannot_hold_is_an_error_on_every_rank(results):
+    """A TP share whose rows zerofx's data-parallel split and DTensor's strided layout place
+    differently at some mesh coordinates only: every rank raises the same error (it had raised on
+    ranks 6 and 7 only; the others went on into the next parameter's collective)."""
+    got = _ok(results, "ragged_share", model="linear")
+    assert all(g.startswith("ZeroFXError: 0.weight: its tensor-parallel share (97, 16)") for g in got), got
+    assert len(set(got)) == 1, got

@@ -776,6 +776,24 @@ def run(rank: int, world: int, calls: list[tuple[str, dict]]) -> dict:
     return out
 
 
+def ragged_share(model: str = "linear", layout: str = "2x2x2") -> str:
+    """hpZ over the 2x2x2 mesh's (replicate, shard) dimensions, flattened to 4 data-parallel ranks,
+    next to a column-parallel Linear(16, 97): DTensor's strided layout and zerofx's split of the TP
+    shares (49 and 48 rows over 4 ranks) disagree at some coordinates only. What this rank raised:
+    every rank must raise, or the others wait in the next collective."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    mesh = hybrid_mesh()
+    torch.manual_seed(0)
+    linear = torch.nn.Sequential(torch.nn.Linear(16, 97))
+    parallelize(linear, mesh["tp"], {"0": ColwiseParallel()})
+    try:
+        zerofx.compile(linear, mesh["replicate", "shard"], secondary_shard=True)
+        return "no error"
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}"
+
+
 def hf_lengths(rank: int, world: int) -> dict:
     """An HF Llama, tensor-parallel over 2 ranks, trained on sequences of 16 then 12 under
     zerofx.compile's default dynamic shapes, then with dynamic=False: what each raised, and the

@@ -906,15 +906,22 @@ def alias_names(model: nn.Module) -> list[set[str]]:
 _FLAT_MESHES: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}  # id(mesh) -> (mesh, flattened)
 
 
-def _flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
+def _flat_mesh(mesh: DeviceMesh, beside_tp: bool = False) -> DeviceMesh:
     """``mesh`` flattened to 1-D, made once per mesh (flattening makes a process group, collectively);
-    a mesh that is not 2-D is an error naming ``secondary_shard``."""
+    a mesh that is not 2-D is an error naming ``secondary_shard``. ``beside_tp``: ``mesh`` is what is
+    left of the user's mesh without its tensor-parallel dimension, which the error says."""
     if mesh.ndim != 2:
+        got = f"got a {mesh.ndim}-D mesh {tuple(mesh.shape)}"
+        build = "build it with init_device_mesh(device, (nodes, ranks_per_node))"
+        if beside_tp:
+            got = f"the data-parallel part of the mesh, without its tensor-parallel dimension, is {mesh.ndim}-D {tuple(mesh.shape)}"
+            build = (
+                "next to tensor parallelism build a 3-D mesh, init_device_mesh(device, (nodes, ranks_per_node, tp), "
+                "mesh_dim_names=('replicate', 'shard', 'tp')), and pass mesh['replicate', 'shard']"
+            )
         raise ZeroFXError(
             f"option secondary_shard=True needs a 2-D mesh (replicate, shard): the secondary partition is the "
-            f"shard dimension, which the backward's re-gather stays inside; got a {mesh.ndim}-D mesh "
-            f"{tuple(mesh.shape)} (build it with init_device_mesh(device, (nodes, ranks_per_node)), or drop "
-            "secondary_shard)"
+            f"shard dimension, which the backward's re-gather stays inside; {got} ({build}, or drop secondary_shard)"
         )
     if 1 in tuple(mesh.shape):
         outer, inner = tuple(mesh.shape)
@@ -1026,16 +1033,58 @@ def _on_dp_and_tp(
     placements = (*outer, inner, *tp_placements)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily():  # index arithmetic on the mesh's (real) rank tensor
+    with unset_fake_temporarily():  # index arithmetic on the mesh's (real) rank tensor, and real shapes
         expected, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
-    if tuple(expected) != tuple(local.shape):
+        # every rank checks every rank's rows (arithmetic only), so all of them raise together: a
+        # rank that passed alone would wait in the next parameter's collective for peers that raised.
+        # Only the strided layout can disagree: elsewhere DTensor chunks the same rows zerofx does
+        differ = None
+        if isinstance(inner, _StridedShard):
+            differ = _layout_disagreement(
+                tuple(shape),
+                tuple(dp_mesh.shape),
+                tuple(dp_placements),
+                tp_mesh.size(),
+                tuple(tp_placements),
+                placements,
+            )
+    if differ is not None or tuple(expected) != tuple(local.shape):
+        coordinate, ours, theirs = differ or ("this rank", tuple(local.shape), tuple(expected))
         raise ZeroFXError(
-            f"{qualname}: its tensor-parallel share {tuple(shape)} -> {tuple(local.shape)} rows per rank after "
-            f"zerofx's data-parallel split does not match DTensor's {placements} layout {tuple(expected)}; this "
+            f"{qualname}: its tensor-parallel share {tuple(shape)} -> {ours} rows on mesh coordinate {coordinate} "
+            f"after zerofx's data-parallel split does not match DTensor's {placements} layout {theirs}; this "
             f"happens when dim 0's TP share is not divisible by the data-parallel size {dp_mesh.size()} (pad the "
             "layer's size, or keep it out of the TP plan)"
         )
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+@functools.lru_cache(maxsize=256)  # one loop over the mesh per distinct shape and layout
+def _layout_disagreement(
+    shape: tuple[int, ...],
+    dp_shape: tuple[int, ...],
+    dp_placements: tuple,
+    tp_size: int,
+    tp_placements: tuple,
+    placements: tuple,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+    """(the (dp..., tp) coordinate, zerofx's local shape there, DTensor's) of the first rank whose
+    rows zerofx's split (the TP share, then torch.chunk's rows of it over the data-parallel shard
+    dim) and DTensor's ``placements`` on the concatenated mesh disagree on; None where none do.
+    The outer (replicate) dims of a hybrid mesh hold the same rows at every coordinate, so
+    coordinate 0 stands for them all."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as local_shape
+
+    *outer, inner_size = dp_shape
+    for tp_coordinate in range(tp_size):
+        tp_local, _ = local_shape(shape, (tp_size,), [tp_coordinate], tp_placements)
+        for dp_coordinate in range(inner_size):
+            at = [0] * len(outer) + [dp_coordinate]
+            ours, _ = local_shape(tp_local, dp_shape, at, dp_placements)
+            theirs, _ = local_shape(shape, (*dp_shape, tp_size), [*at, tp_coordinate], placements)
+            if tuple(ours) != tuple(theirs):
+                return (*at, tp_coordinate), tuple(ours), tuple(theirs)
+    return None
 
 
 def _tp_mesh_of(
@@ -1382,7 +1431,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     # before any collective: a rank that differs would leave its peers waiting
     check_ranks_agree(model, [m for m in (mesh, tp_mesh) if m is not None], opts)
     if opts.secondary_shard:
-        _flat_mesh(mesh)  # a 1-D mesh is an error here, before anything changes
+        _flat_mesh(mesh, beside_tp=tp_mesh is not None)  # a 1-D mesh is an error here, before anything changes
     if not (mesh.size() == 1 and opts.param_dtype is None and tp_mesh is None):  # (else nothing is sharded)
         _refuse_hooked_parameters(model)
         _refuse_unsupported_parameters(model)
