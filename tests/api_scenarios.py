@@ -315,7 +315,19 @@ def scenarios(rank: int, world: int) -> dict:
         for m, o in ((twin, twin_opt), (ref_twin, ref_twin_opt)):
             for _ in range(2):
                 m(x, y).backward(), o.step(), o.zero_grad()
-        return {"stale": got, "twin": (forward(twin), forward(ref_twin), forward(model))}
+        untrained = forward(model)
+        # a deepcopy while the gradients are views of the reduce-scatter's bucket (after a
+        # backward: it raised "invalid python storage"): the copy holds the same gradients, apart
+        model(x, y).backward()
+        try:
+            held = copy.deepcopy(model)
+            pairs = list(zip(model.parameters(), held.parameters()))
+            grads = all(torch.equal(p.grad.to_local(), q.grad.to_local()) for p, q in pairs)
+            apart = all(p.grad.to_local().data_ptr() != q.grad.to_local().data_ptr() for p, q in pairs)
+            held_grads = grads and apart
+        except RuntimeError as e:
+            held_grads = str(e)
+        return {"stale": got, "twin": (forward(twin), forward(ref_twin), untrained), "held_grads": held_grads}
 
     def share_memory():
         """model.share_memory() on shards (torch 2.13 crashes on a DTensor's): the local shards

@@ -140,10 +140,13 @@ def test_writes_to_shards_that_no_refresh_followed_stop_the_next_forward(results
     loss is the reference's (the model before the DCP-restored step, the EMA of a plain model).
     The EMA copy is a deepcopy on every rank, which torch's deepcopy of a DTensor fails on
     every rank but the first at stage 1; a deepcopy also trains as the reference's does (torch
-    copies no tensor hooks, and the copy's gradients stayed pending: its loss never moved)."""
+    copies no tensor hooks, and the copy's gradients stayed pending: its loss never moved). A
+    deepcopy taken after a backward holds the model's gradients in tensors of its own (it raised
+    "invalid python storage": the gradients are views of the reduce-scatter's bucket)."""
     for r in _get(results, "stale_whole_copies"):
         trained, want, untrained = r["twin"]
         assert abs(trained - want) <= 1e-6 * abs(want) and abs(trained - untrained) > 1e-3, r["twin"]
+        assert r["held_grads"] is True, r["held_grads"]  # a deepcopy taken with gradients held
         for label, (stale, refreshed, want) in r["stale"].items():
             assert isinstance(stale, str) and "changed in place since zerofx last refreshed" in stale, (label, stale)
             assert stale.startswith("wte.weight, "), (label, stale)

@@ -407,7 +407,8 @@ def _deepcopy_keeping_views(self: nn.Module, memo: dict) -> nn.Module:
     - it cannot copy a DTensor whose local shard starts past its storage's first element (at
       stages 1 and 2 without mixed precision, every rank's but the first: the shard is a view
       of its rows of the whole copy), failing with "Attempted to call copy_() on an invalid
-      python storage" on those ranks only.
+      python storage" on those ranks only; gradients likewise (views of a reduce-scatter's
+      bucket, at every stage).
 
     So every zerofx parameter of the model (its states lead from any module to all of them) is
     copied here first, through its local shard and in the same memo, which keeps the copy's
@@ -431,8 +432,14 @@ def _deepcopy_keeping_views(self: nn.Module, memo: dict) -> nn.Module:
         memo[id(param)] = new
         copied.append((param, new))
     for param, new in copied:  # after every parameter is in the memo: zerofx's states lead to all of them
-        if param.grad is not None:
-            new.grad = copy.deepcopy(param.grad, memo)
+        grad = param.grad
+        if isinstance(grad, DTensor) and id(grad) not in memo:  # a view of a reduce-scatter's bucket
+            spec = dict(shape=grad.shape, stride=grad.stride(), run_check=False)
+            memo[id(grad)] = DTensor.from_local(
+                _copy_local(grad._local_tensor, memo), grad.device_mesh, grad.placements, **spec
+            )
+        if grad is not None:
+            new.grad = copy.deepcopy(grad, memo)
         new.__dict__.update(copy.deepcopy(param.__dict__, memo))
         new._local_tensor.__dict__.update(copy.deepcopy(param._local_tensor.__dict__, memo))
     # every twin, also when the parameters were copied before the model in the same deepcopy
