@@ -387,6 +387,34 @@ def _one_rank_fails(rank: int, world: int, folder: str) -> dict:
     zerofx.checkpoint._identity = real_identity
     zerofx.checkpoint.load(folder / "good", model, opt)  # every rank can load again
     step(model, opt)
+    # saves whose rank-0-only steps fail (NOTE: a save that fails on rank 0), each followed by a
+    # step, as a loop that logs a failed save and trains on: the temporary folder under a file
+    # (rank 1 waited in save's barrier while rank 0 went into the step), then the completion
+    import torch.distributed as dist
+
+    def any_error(f) -> str:
+        try:
+            f()
+        except Exception as e:  # noqa: BLE001 - rank 0 raises the OSError itself
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    if rank == 0:
+        (folder / "a_file").write_text("")
+    dist.barrier()
+    out["save_mkdir"] = any_error(lambda: zerofx.checkpoint.save(folder / "a_file" / "ckpt", model, opt))
+    step(model, opt)
+    real_complete = zerofx.checkpoint._complete
+    if rank == 0:
+
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        zerofx.checkpoint._complete = disk_full
+    out["save_complete"] = any_error(lambda: zerofx.checkpoint.save(folder / "good", model, opt))
+    zerofx.checkpoint._complete = real_complete
+    step(model, opt)
+    out["good_after"] = zerofx.checkpoint.load(folder / "good", model, opt) is not None  # the old one, intact
     return out
 
 
@@ -396,7 +424,10 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
     failure after the read marked only the failing rank, so the next forward ran its gathers on
     one rank and refused on the other. The ranks now agree at each stage of a load: every rank
     raises, naming the rank that failed, and marks what the read may have overwritten; so does a
-    checkpoint that one rank sees replaced after its read (rank 0 waited in the next collective)."""
+    checkpoint that one rank sees replaced after its read (rank 0 waited in the next collective).
+    A save whose rank-0-only steps fail (making the temporary folder, completing the checkpoint)
+    fails on every rank, and the ranks train on together (rank 1 had waited in save's barrier
+    while rank 0 went into the next step, until the timeout)."""
     r0, r1 = run_ranks(_one_rank_fails, 2, str(tmp_path), timeout=300)
     assert "refused on rank 1: checkpoint" in r0["missing_on_one"] and "does not exist" in r0["missing_on_one"]
     assert "elsewhere does not exist" in r1["missing_on_one"], r1["missing_on_one"]
@@ -412,6 +443,14 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
         assert r["before_read_forward"] == r["model_check_forward"] == "no error"
         assert "partly overwritten" in r["after_read"]
         assert "into this model failed part-way" in r["after_read_forward"], r["after_read_forward"]
+        assert r["good_after"], r
+    assert "Not a directory" in r0["save_mkdir"], r0["save_mkdir"]
+    assert (
+        r1["save_mkdir"].startswith("ZeroFXError: zerofx.checkpoint.save failed on rank 0: ")
+        and "Not a directory" in (r1["save_mkdir"])
+    ), r1["save_mkdir"]
+    assert "No space left on device" in r0["save_complete"], r0["save_complete"]
+    assert r1["save_complete"].startswith("ZeroFXError: zerofx.checkpoint.save failed on rank 0: "), r1["save_complete"]
 
 
 def _saved_during(monkeypatch, owner, name: str, call: int, path: Path, replacement: nn.Module) -> None:

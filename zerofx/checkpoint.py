@@ -187,9 +187,10 @@ def _problem(e: Exception) -> str:
     return (str(e) if isinstance(e, ZeroFXError) else _reason(e)) or type(e).__name__
 
 
-def _on_every_rank_or_none(check: Any) -> Any:
+def _on_every_rank_or_none(check: Any, failed_as: str = "refused") -> Any:
     """``check()`` (this rank's own look at the files and the optimizer), then every rank raises
-    if any rank's check did: its own error, or the first failing rank's, named."""
+    if any rank's check did: its own error, or the first failing rank's, named (``failed_as``
+    on rank N: ...). A collective, so also a barrier."""
     failed: Exception | None = None
     try:
         result = check()
@@ -199,7 +200,7 @@ def _on_every_rank_or_none(check: Any) -> Any:
     if failed is not None:
         raise failed
     if first is not None:
-        raise ZeroFXError(f"refused on rank {first[0]}: {first[1]}")
+        raise ZeroFXError(f"{failed_as} on rank {first[0]}: {first[1]}")
     return result
 
 
@@ -320,38 +321,52 @@ def save(
             raise ZeroFXError(f"zerofx.checkpoint.save: {vars(what)[_FAILED]} (nothing was written)")
     _refuse_replacing(path)
     tmp = path.parent / same_on_every_rank(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
-    if _rank() == 0:
-        tmp.mkdir(parents=True)
-    _barrier()
+    failed_as = "zerofx.checkpoint.save failed"
+    # rank 0's own steps fail on every rank (NOTE: a save that fails on rank 0): a peer that went on
+    # would wait in its next collective for a rank 0 that raised
+    _on_every_rank_or_none(lambda: tmp.mkdir(parents=True) if _rank() == 0 else None, failed_as)
     state = _state(model, optimizer, _left_unstepped)
     dcp.save(state, checkpoint_id=str(tmp))
     _barrier()  # every rank's shards and DCP's metadata are on disk
-    if _rank() == 0:
-        runtime = runtime_of(model)
-        scaler = runtime.scaler.state_dict() if runtime is not None and runtime.scaler is not None else None
-        marker = {
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "loss_scaler": scaler,
-            "extra": json.loads(extra_json),
-            "hf_config": _hf_config(model),
-            "aliases": _tied_keys(model, state["model"]),  # NOTE: tied parameters in a checkpoint
-            "save_id": uuid.uuid4().hex,  # NOTE: a checkpoint replaced while it is read
-        }
-        with open(tmp / COMPLETE_MARKER, "w") as f:
-            json.dump(marker, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
-            os.replace(path, old)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    _on_every_rank_or_none(lambda: _complete(path, tmp, model, state, extra_json) if _rank() == 0 else None, failed_as)
     return path
+
+
+# NOTE: a save that fails on rank 0
+# Making the temporary folder and completing the checkpoint (marker, renames) are rank 0's alone.
+# Behind a plain barrier, a failure there (the parent a file, a full disk, no permission) raised on
+# rank 0 only: the other ranks got gloo's "connection reset", or, in a loop that logs a failed
+# save and trains on, waited in save's barrier while rank 0 waited in the next forward's
+# collective, until the process group's timeout. Both steps now end in an agreement: every rank
+# raises, naming rank 0's error. A failed completion leaves the old checkpoint as it was (the
+# renames come last) and the temporary folder behind, as a failed DCP write does.
+
+
+def _complete(path: Path, tmp: Path, model: nn.Module, state: dict, extra_json: str) -> None:
+    """Rank 0's end of ``save``: the completion marker, then the new folder in ``path``'s place."""
+    runtime = runtime_of(model)
+    scaler = runtime.scaler.state_dict() if runtime is not None and runtime.scaler is not None else None
+    marker = {
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "loss_scaler": scaler,
+        "extra": json.loads(extra_json),
+        "hf_config": _hf_config(model),
+        "aliases": _tied_keys(model, state["model"]),  # NOTE: tied parameters in a checkpoint
+        "save_id": uuid.uuid4().hex,  # NOTE: a checkpoint replaced while it is read
+    }
+    with open(tmp / COMPLETE_MARKER, "w") as f:
+        json.dump(marker, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _check_complete(path: Path) -> dict[str, Any]:
