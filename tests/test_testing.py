@@ -314,3 +314,7 @@ def test_verify_on_one_rank_says_nothing_is_sharded():
     assert r["ok"] and not r["sharded"], r
     assert "at world size 1 zerofx shards nothing (the model stays whole): its compiled training" in r["text"], r
     assert "sharded training matches" not in r["text"], r
+    out = _cli("tests.verify_models:mlp", "--world-size", "1", "--steps", "1")  # the CLI's text too
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "at world size 1 zerofx shards nothing" in out.stdout, out.stdout
+    assert "sharded training matches" not in out.stdout, out.stdout

@@ -815,7 +815,7 @@ def _verify_rank(spec: str, kwargs: dict) -> dict:
 
 def format_json_report(r: dict) -> str:
     """The text form of a ``VerifyReport.to_json()`` dict (what crosses the process boundary)."""
-    rep = VerifyReport(r["rank"], r["world_size"], problem=r["problem"])
+    rep = VerifyReport(r["rank"], r["world_size"], problem=r["problem"], sharded=r.get("sharded", True))
     for s in r["steps"]:
         step = StepReport(s["step"], s["loss"], s["ref_loss"], bounded=s["bounded"])
         step.divergences = [Divergence(**{**d, "index": tuple(d["index"])}) for d in s["divergences"]]
