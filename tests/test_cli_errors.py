@@ -316,6 +316,18 @@ def test_plan_outputs_the_filesystem_refuses_are_said_before_planning(flag, wher
     assert list(tmp_path.iterdir()) == []
 
 
+def test_plan_without_ranks_names_the_flags(monkeypatch, capsys):
+    """Neither --world-size nor --mesh: the planner's "give mesh_shape or world_size" named its
+    Python keywords, not the command's flags."""
+    from zerofx import planner
+
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: pytest.fail("planned"))
+    assert main(["plan", "gpt2"]) == 1
+    _one_line(
+        capsys.readouterr().err, "zerofx plan: give the ranks: --world-size N (-n N) or --mesh, e.g. --mesh 128x8"
+    )
+
+
 @pytest.mark.parametrize("size", ["1.5", "2.5b", "1000.5B"])
 def test_plan_refuses_a_device_memory_that_is_not_whole_bytes(size, monkeypatch, capsys):
     """``--device-memory 1.5`` was planned as 1 byte (truncated): a byte count that is not whole is

@@ -153,7 +153,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "model state, activations, the peak and where it occurs, collective bytes per mesh dimension, "
         "a roofline step time, and with --device-memory the largest batch and sequence that fit. "
         f"MODEL: a built-in shape ({', '.join(BUILTIN_MODELS)}) or MODULE:FUNCTION returning an nn.Module "
-        "(called with --kwargs). Exit status 0; 1 for bad input; 3 when it does not fit --device-memory.",
+        "(called with --kwargs). Exit status 0; 1 for bad input (2 for a malformed command line, as argparse says); 3 when it does not fit --device-memory.",
     )
     plan.add_argument("model", metavar="MODEL")
     plan.add_argument("--world-size", "-n", type=int, default=None, help="ranks (default: the mesh's product)")
@@ -276,6 +276,8 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             mesh = tuple(int(n) for n in args.mesh.lower().split("x"))
         except ValueError:
             return fail(f"--mesh {args.mesh!r}: give sizes joined by x, e.g. 128x8")
+    elif args.world_size is None:  # (the planner's own message names its keywords)
+        return fail("give the ranks: --world-size N (-n N) or --mesh, e.g. --mesh 128x8")
     for flag, path in (("--json", args.json_path), ("--plot", args.plot_path)):
         problem = _unwritable(path) if path else None
         if problem:  # said before planning, which can take minutes
