@@ -230,7 +230,7 @@ def test_zero_plus_plus_quantization_keys_map_to_the_quantize_options():
         {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}}
     )
     assert t.options == {"stage": 3, "quantize_weights": "int8", "quantize_grads": "int8"}
-    assert any("quantize_grads='int4'" in w for w in t.warnings)
+    assert any("quantize_grads='int4'" in w for w in t.int8_grad_warnings)  # said where int8 stays
     off = from_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_weights": False}})
     assert off.options == {"stage": 3, "quantize_weights": None}
 
@@ -274,6 +274,17 @@ def test_zero_plus_plus_switches_take_a_keyword_format_and_refuse_one_against_an
         from_deepspeed({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
 
 
+def test_the_int4_advice_is_given_only_where_gradients_stay_int8(one_rank):
+    """zerofx.compile warned "pass quantize_grads='int4'" to a user who had."""
+    config = {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}
+    for keywords, advised in (({}, True), ({"quantize_grads": "int4"}, False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            zerofx.compile(nn.Linear(4, 4), one_rank, config=config, **keywords)
+        said = [str(w.message) for w in caught if "quantize_grads='int4' for half the bytes" in str(w.message)]
+        assert len(said) == int(advised), (keywords, said)
+
+
 def test_offload_tuning_keys_are_named_in_a_warning():
     """DeepSpeed's pinned and swap buffers and I/O pipelining keys under an offload section had no
     effect and no warning."""
@@ -283,6 +294,10 @@ def test_offload_tuning_keys_are_named_in_a_warning():
     )
     said = [w for w in t.warnings if "DeepSpeed keys zerofx does not follow" in w]
     assert len(said) == 1 and all(f"zero_optimization.offload_optimizer.{k}" in said[0] for k in keys), t.warnings
+    off = from_deepspeed(
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "pin_memory": True}}}
+    )
+    assert not [w for w in off.warnings if "pin_memory" in w], off.warnings  # (HF's templates: no offload, no noise)
 
 
 def test_auto_without_a_hidden_size_falls_back_to_zerofx_auto():

@@ -106,6 +106,9 @@ def _compile(
             warnings.warn(f"zerofx: DeepSpeed config: {line}", stacklevel=3)
         options = merge_with_keywords(translation, options)
         training = translation.training
+        if options.get("quantize_grads") == "int8":
+            for line in translation.int8_grad_warnings:
+                warnings.warn(f"zerofx: DeepSpeed config: {line}", stacklevel=3)
     opts = Options.from_kwargs(**options)
     if config is not None and opts.param_dtype is torch.bfloat16:  # bf16.enabled="auto", turned on
         for line in translation.bf16_warnings:

@@ -313,6 +313,8 @@ class DeepSpeedTranslation:
     # lines that hold only if the run trains in bf16: from bf16.enabled="auto", which a keyword
     # (param_dtype=torch.bfloat16) or the HF Trainer's --bf16 turns on; zerofx.compile warns them then
     bf16_warnings: list[str] = field(default_factory=list)
+    # lines that hold only if gradients stay int8 (no quantize_grads='int4' keyword)
+    int8_grad_warnings: list[str] = field(default_factory=list)
 
 
 def hidden_size_of(model: torch.nn.Module) -> int | None:
@@ -651,7 +653,7 @@ def from_deepspeed(
         )
     if quantized_grads:  # ZeRO++ qgZ
         opts["quantize_grads"] = "int8"
-        notes.append(
+        out.int8_grad_warnings.append(  # said only where no keyword picked int4 (zerofx.compile)
             "zero_quantized_gradients: zerofx sends int8 gradient blocks on every hop "
             "(quantize_grads='int8'); pass quantize_grads='int4' for half the bytes"
         )
@@ -833,8 +835,9 @@ def _offload(zero: dict, stage: int, opts: dict, notes: list[str]) -> None:
     for key in ("offload_optimizer", "offload_param"):
         if zero.get(key) is not None:  # null: DeepSpeed's own "no offload"
             _check_keys(zero[key], _OFFLOAD_KEYS, f"zero_optimization.{key}")
-            _not_followed(zero[key], _OFFLOAD_NOT_FOLLOWED, f"zero_optimization.{key}.", notes)
             device = zero[key].get("device", "none")
+            if device != "none":  # (tuning an offload that is off: no effect in DeepSpeed either)
+                _not_followed(zero[key], _OFFLOAD_NOT_FOLLOWED, f"zero_optimization.{key}.", notes)
             if device not in _TIERS:
                 raise ZeroFXError(
                     f"DeepSpeed config: zero_optimization.{key}.device={device!r}: choose none, cpu or nvme"
