@@ -402,28 +402,6 @@ def test_parallelize_keeps_frozen_parameters_frozen_and_refuses_unknown_plan_key
             parallelize(model, mesh, plan)
 
 
-def test_the_layout_check_finds_a_disagreement_at_any_rank_from_every_rank():
-    """zerofx's split of a TP share over the data-parallel ranks against DTensor's strided layout,
-    checked for every mesh coordinate (arithmetic only, the same on every rank): a column-parallel
-    (97, 16) weight over dp=4, tp=2 disagrees at dp coordinate 3 only (a check of the rank's own
-    rows raised on 2 of 8 ranks); 96 rows, or dp=2, agree everywhere."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    from zerofx.sharding import _layout_disagreement
-
-    strided = (_StridedShard(0, split_factor=2), Shard(0))
-    assert _layout_disagreement((97, 16), (4,), (Shard(0),), 2, (Shard(0),), strided) == (
-        (3, 0),
-        (10, 16),
-        (11, 16),
-    )
-    assert _layout_disagreement((96, 16), (4,), (Shard(0),), 2, (Shard(0),), strided) is None
-    assert _layout_disagreement((97, 16), (2,), (Shard(0),), 2, (Shard(0),), strided) is None
-    hybrid = (Replicate(), _StridedShard(0, split_factor=2), Shard(0))
-    assert _layout_disagreement((97, 16), (2, 2), (Replicate(), Shard(0)), 2, (Shard(0),), hybrid) is None
-
-
 def test_the_even_split_check_leaves_column_splits_alone_however_the_dim_is_written():
     """parallelize refuses an input that sequence parallelism would split unevenly (the 4-rank
     errors scenario: a sequence of 15 on wte), and nothing else: a column-wise layer's output
