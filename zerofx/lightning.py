@@ -109,6 +109,15 @@ def _no_sync_under(root: nn.Module) -> Generator[None, None, None]:
         yield
 
 
+def _refresh_whole_copies_under(roots: list[nn.Module]) -> None:
+    """Refresh the whole copies (stages 1-2) of every module zerofx sharded under ``roots``: after
+    writes to the shards that no load_state_dict of zerofx's saw (NOTE: stale whole copies)."""
+    for module in (found for root in roots for found in sharded_modules(root)):
+        runtime = runtime_of(module)
+        if runtime.whole_copies:
+            runtime.refresh()
+
+
 def _refuse_unsharded_trainable(owner: str, root: nn.Module, data_parallel_size: int) -> None:
     """Trainable parameters outside every zerofx model of ``root`` get no gradient reduction: on
     several data-parallel ranks each rank would train its own copy, silently (as under Lightning's
@@ -285,10 +294,7 @@ class ZeroFXStrategy(ModelParallelStrategy):
 
     def _refresh_whole_copies(self) -> None:
         self._zerofx_refresh_at_step = False
-        for module in sharded_modules(self.lightning_module):
-            runtime = runtime_of(module)
-            if runtime.whole_copies:
-                runtime.refresh()
+        _refresh_whole_copies_under([self.lightning_module])
 
     def _loop_starts(self) -> None:
         self._zerofx_refresh_at_step = True
@@ -440,13 +446,10 @@ class ZeroFXFabricStrategy(FabricModelParallelStrategy):
             if state.get(key) is not obj:  # the sharded path put the saved state dict in its place
                 obj.load_state_dict(state[key])
                 state[key] = obj
-        modules = [state] if isinstance(state, nn.Module) else []
+        roots = [state] if isinstance(state, nn.Module) else []
         if isinstance(state, dict):
-            modules = [obj for obj in state.values() if isinstance(obj, nn.Module)]
-        for module in (found for root in modules for found in sharded_modules(root)):
-            runtime = runtime_of(module)
-            if runtime.whole_copies:
-                runtime.refresh()
+            roots = [obj for obj in state.values() if isinstance(obj, nn.Module)]
+        _refresh_whole_copies_under(roots)
         return remaining
 
 

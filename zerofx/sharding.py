@@ -396,6 +396,12 @@ def _copy_local(local: torch.Tensor, memo: dict) -> torch.Tensor:
     return twin
 
 
+def _copy_over_storage(dt: DTensor, memo: dict) -> DTensor:
+    """A copy of ``dt`` whose local tensor is :func:`_copy_local`'s (over the copy of its storage)."""
+    spec = dict(shape=dt.shape, stride=dt.stride(), run_check=False)
+    return DTensor.from_local(_copy_local(dt._local_tensor, memo), dt.device_mesh, dt.placements, **spec)
+
+
 def _deepcopy_keeping_views(self: nn.Module, memo: dict) -> nn.Module:
     """``copy.deepcopy`` of a module with zerofx parameters (``AveragedModel``, an EMA or
     teacher copy). torch's own gets two things wrong here:
@@ -424,20 +430,13 @@ def _deepcopy_keeping_views(self: nn.Module, memo: dict) -> nn.Module:
     for param in (state.param for state in states):
         if id(param) in memo or not isinstance(param, DTensor):
             continue
-        local = _copy_local(param._local_tensor, memo)
-        spec = dict(shape=param.shape, stride=param.stride(), run_check=False)
-        new = nn.Parameter(
-            DTensor.from_local(local, param.device_mesh, param.placements, **spec), requires_grad=param.requires_grad
-        )
+        new = nn.Parameter(_copy_over_storage(param, memo), requires_grad=param.requires_grad)
         memo[id(param)] = new
         copied.append((param, new))
     for param, new in copied:  # after every parameter is in the memo: zerofx's states lead to all of them
         grad = param.grad
         if isinstance(grad, DTensor) and id(grad) not in memo:  # a view of a reduce-scatter's bucket
-            spec = dict(shape=grad.shape, stride=grad.stride(), run_check=False)
-            memo[id(grad)] = DTensor.from_local(
-                _copy_local(grad._local_tensor, memo), grad.device_mesh, grad.placements, **spec
-            )
+            memo[id(grad)] = _copy_over_storage(grad, memo)
         if grad is not None:
             new.grad = copy.deepcopy(grad, memo)
         new.__dict__.update(copy.deepcopy(param.__dict__, memo))
@@ -1049,7 +1048,7 @@ def _on_dp_and_tp(
     # collective for peers that raised. (Checking every coordinate on every rank instead costs
     # DTensor's strided arithmetic dp x tp times: over a minute per shape at 1024 x 8.)
     uneven = isinstance(inner, _StridedShard) and shape[0] % (tp_mesh.size() * dp_mesh.size(dp_mesh.ndim - 1)) != 0
-    first = _lowest_rank_where(mine, [dp_mesh, tp_mesh]) if uneven else (dist.get_rank() if mine else None)
+    first = _lowest_rank_where(mine, [dp_mesh, tp_mesh] if uneven else [])
     if first is not None:
         where = f"this rank ({dist.get_rank()})" if mine else f"rank {first} (not this one)"
         raise ZeroFXError(
@@ -1065,8 +1064,8 @@ def _on_dp_and_tp(
 def _lowest_rank_where(flag: bool, meshes: list[DeviceMesh]) -> int | None:
     """The lowest global rank of ``meshes`` (a grid: the data-parallel mesh and the TP one) where
     ``flag`` holds, the same on every rank of them (a MIN all-reduce along each dimension's group:
-    over a grid they reach every rank); None where it holds nowhere. On a fake process group
-    (zerofx.plan) this rank's own flag decides."""
+    over a grid they reach every rank); None where it holds nowhere. With no meshes, or on a fake
+    process group (zerofx.plan), this rank's own flag decides."""
     groups = [mesh.get_group(d) for mesh in meshes for d in range(mesh.ndim) if mesh.size(d) > 1]
     rank, world = dist.get_rank(), dist.get_world_size()
     if not groups or any(dist.get_backend(g) == "fake" for g in groups):
