@@ -328,6 +328,18 @@ def test_plan_without_ranks_names_the_flags(monkeypatch, capsys):
     )
 
 
+@pytest.mark.parametrize("command", [["plan", "gpt2", "-n", "2"], ["demo"], ["verify", "m:f"], ["convert", "a", "b"]])
+def test_an_unknown_flag_is_the_subcommands_error_with_its_usage(command, capsys):
+    """argparse reported an unknown flag under the top-level usage (``usage: zerofx [-h]
+    {demo,verify,convert,plan} ...``), which lists none of the subcommand's flags."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--bogus", "1"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: zerofx {command[0]} "), err
+    assert err.rstrip().endswith(f"zerofx {command[0]}: error: unrecognized arguments: --bogus 1"), err
+
+
 @pytest.mark.parametrize("size", ["1.5", "2.5b", "1000.5B"])
 def test_plan_refuses_a_device_memory_that_is_not_whole_bytes(size, monkeypatch, capsys):
     """``--device-memory 1.5`` was planned as 1 byte (truncated): a byte count that is not whole is

@@ -88,7 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="cast on the way")
     convert.add_argument("--config", default=None, help="config.json to write alongside (HF)")
     _add_plan_parser(sub)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    # Every error from here on is the subcommand's, with its usage: argparse would report an
+    # unknown flag with the top-level usage, which lists no flag of any subcommand.
+    parser = sub.choices[args.command]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
 
     if args.command == "demo":
         _check_demo_sizes(parser, args, d.heads)
