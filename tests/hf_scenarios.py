@@ -646,4 +646,17 @@ def _rank0_only_saving(accelerator, model) -> dict:
         written = load_file(f"{folder}/whole/model.safetensors")
         common = written.keys() & whole.keys()  # (HF may name a tied weight by either of its names)
         out["whole_written"] = len(common) >= len(whole) - 1 and all(torch.equal(written[k], whole[k]) for k in common)
+    # accelerate's whole-model paths, on every rank: get_state_dict and save_model wrote rank 0's shards
+    given = accelerator.get_state_dict(model)
+    whole = _full_state(model)  # (save_pretrained may have dropped a tied weight's second name from the last)
+    out["get_state_dict_whole"] = given.keys() == whole.keys() and all(
+        type(given[k]) is torch.Tensor and torch.equal(given[k], whole[k]) for k in whole
+    )
+    accelerator.save_model(model, f"{folder}/saved")  # (each rank's own folder: the main process writes)
+    if dist.get_rank() == 0:
+        written = load_file(f"{folder}/saved/model.safetensors")
+        common = written.keys() & whole.keys()
+        out["save_model_written"] = len(common) >= len(whole) - 1 and all(
+            torch.equal(written[k], whole[k]) for k in common
+        )
     return out

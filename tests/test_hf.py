@@ -566,6 +566,10 @@ def test_accelerate_loop_trains_like_the_plain_loop(tmp_path):
             assert "from the main process only" in saving[name] and "zerofx.checkpoint.save" in saving[name], saving
         assert "the parameters are zerofx shards" in saving["save_pretrained"], saving
     assert per_rank[0]["saving"]["whole_written"]
+    # accelerate's get_state_dict / save_model: the whole tensors on every rank, and in the file
+    for rank, got in enumerate(per_rank):
+        assert got["saving"]["get_state_dict_whole"], (rank, got["saving"])
+    assert per_rank[0]["saving"]["save_model_written"], per_rank[0]["saving"]
 
 
 def test_accelerate_prepare_needs_a_zerofx_model():

@@ -337,6 +337,27 @@ def _refuse_rank0_state(models: list, *_: Any) -> None:
             )
 
 
+def _gather_state_dicts(accelerator: Any) -> None:
+    """``accelerator.get_state_dict`` (and so ``accelerator.save_model``) of a zerofx model: every
+    entry whole, on the CPU, on every rank, as accelerate's FSDP2 branch returns a full state dict;
+    a collective (an all-gather per sharded entry), so called on every rank, as under FSDP2.
+    accelerate's own branch for such a model is ``model.state_dict()``: the sharded DTensors, of
+    which ``save_model`` wrote rank 0's shards, and a load of that file gave every rank those rows
+    without an error. Other models go to accelerate's method."""
+    accelerate_get_state_dict = accelerator.get_state_dict
+
+    def get_state_dict(model: Any, unwrap: bool = True) -> dict:
+        inner = accelerator.unwrap_model(model)
+        if not is_sharded(inner):
+            return accelerate_get_state_dict(model, unwrap)
+        return {
+            key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+            for key, value in inner.state_dict().items()
+        }
+
+    accelerator.get_state_dict = get_state_dict
+
+
 def prepare(accelerator: Any, *objects: Any) -> Any:
     """``accelerator.prepare(*objects)`` for objects that include zerofx models: those are
     registered with the accelerator (``accumulate`` and ``unwrap_model`` know them) but neither
@@ -350,7 +371,8 @@ def prepare(accelerator: Any, *objects: Any) -> Any:
     only, which for sharded parameters are rank 0's shards, and its load gives every rank those
     rows, silently. Save with ``zerofx.checkpoint.save(folder, model, optimizer)`` on every rank
     (and ``zerofx.checkpoint.load``); the RNG and data-loader state are accelerate's to save as
-    before."""
+    before. ``accelerator.get_state_dict`` and ``accelerator.save_model`` of a zerofx model give
+    and write its whole tensors: collectives, called on every rank (as under FSDP2)."""
     if not objects:
         raise ZeroFXError("zerofx.hf.prepare(accelerator, *objects) needs at least one object to prepare")
     models = [i for i, obj in enumerate(objects) if is_sharded(obj)]
@@ -362,6 +384,7 @@ def prepare(accelerator: Any, *objects: Any) -> Any:
     if not getattr(accelerator, "_zerofx_state_hooks", False):
         accelerator.register_save_state_pre_hook(_refuse_rank0_state)
         accelerator.register_load_state_pre_hook(_refuse_rank0_state)
+        _gather_state_dicts(accelerator)
         accelerator._zerofx_state_hooks = True
     prepared = list(objects)
     for i in models:  # evaluation_mode: no DDP wrap (the model reduces its own gradients)
