@@ -66,6 +66,10 @@ CONFIGS = [
     ("hf-llama", 2, {"stage": 3}),
     ("hf-llama", 4, {"stage": 2}),
     ("hf-llama", 2, {"stage": 3, "activation_budget": 0}),
+    # bf16 logits the caller holds while the backward rebuilds their fp32 copy; stage 1's boundary
+    # reduce while the caller still holds them
+    ("hf-llama", 2, {"stage": 3, "param_dtype": "bf16"}),
+    ("hf-llama", 2, {"stage": 1, "param_dtype": "bf16"}),
     # ZeRO++: quantize / dequantize hold an fp32 buffer of the bucket while they run (cost_model.py,
     # NOTE: op workspace)
     ("gpt", 2, {"stage": 3, "param_dtype": "bf16", "quantize_weights": "int8", "quantize_grads": "int8"}),

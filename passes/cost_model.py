@@ -274,12 +274,24 @@ def saved_values(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     return [o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node)]
 
 
-def borrowed_inputs(fw_gm: fx.GraphModule, saved: list[fx.Node]) -> frozenset[str]:
+def borrowed_inputs(fw_gm: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs: int = 0) -> frozenset[str]:
     """Names of the ``saved`` values that are ``fw_gm``'s own inputs or views of them (parameter
-    shards, user data): the backward's inputs of those names free nothing when it drops them
-    (``BORROWED_INPUTS``; the partition keeps forward node names for backward inputs)."""
-    input_keys = {storage_key(n) for n in fw_gm.graph.nodes if n.op == "placeholder"}
-    return frozenset(n.name for n in saved if storage_key(n) in input_keys)
+    shards, user data), or that share a buffer with one of its first ``num_fwd_outputs`` outputs
+    (what the caller gets: a model's returned logits, which the backward may also read): the
+    backward's inputs of those names free nothing when it drops them, their owner holds them
+    (``BORROWED_INPUTS``; the partition keeps forward node names for backward inputs).
+
+    The caller is taken to hold what a forward returned until that frame's backward returns
+    (``predict_step_peak`` counts a forward's outputs until then), as a loop that keeps the
+    model's output object through ``loss.backward()`` does. Freeing a saved output at its last use
+    in the backward as well counted it gone while the caller still held it: an HF causal LM at
+    bf16, whose backward rebuilds the fp32 log-probabilities from the bf16 logits it returned,
+    was planned one logits buffer short (B x S x vocab x 2 bytes)."""
+    held = {storage_key(n) for n in fw_gm.graph.nodes if n.op == "placeholder"}
+    if num_fwd_outputs:
+        (outputs,) = [n.args[0] for n in fw_gm.graph.nodes if n.op == "output"]
+        held |= {storage_key(o) for o in outputs[:num_fwd_outputs] if isinstance(o, fx.Node)}
+    return frozenset(n.name for n in saved if storage_key(n) in held)
 
 
 def saved_activation_bytes(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> int:
@@ -468,6 +480,18 @@ class NodeFacts:
             {n: tensor_bytes(n.meta.get("val"), symbolic) for n in nodes if n.op == "placeholder"},
             {n: tuple(dict.fromkeys(root[i] for i in n.all_input_nodes)) for n in nodes},
         )
+
+
+def returned_bytes(fw_gm: fx.GraphModule, num_fwd_outputs: int, symbolic: bool = False) -> Any:
+    """Bytes of the buffers a forward graph allocated for what it returns to its caller (its first
+    ``num_fwd_outputs`` outputs, not what it saves for the backward), each buffer once: a model's
+    logits and cache, which a caller holding the output object still holds when the backward
+    has freed everything else the forward made (stage 1's boundary reduce runs then)."""
+    facts = NodeFacts.of(fw_gm, symbolic)
+    (outputs,) = [n.args[0] for n in fw_gm.graph.nodes if n.op == "output"]
+    roots = dict.fromkeys(facts.root[o] for o in outputs[:num_fwd_outputs] if isinstance(o, fx.Node))
+    zero: Any = sympy.Integer(0) if symbolic else 0
+    return sum((facts.allocated[r] for r in roots if r.op == "call_function"), zero)
 
 
 def _last_uses(nodes: list[fx.Node], input_roots: dict[fx.Node, tuple[fx.Node, ...]]) -> dict[fx.Node, int]:

@@ -104,6 +104,8 @@ class CompileState:
     # every frame this backend compiled, in order: graph_id -> the size symbols of its inputs
     # (empty: static shapes); its length is how many times this compile compiled
     size_symbols: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # graph_id -> how many of its forward's outputs its caller gets (AOTAutograd's num_fwd_outputs)
+    num_fwd_outputs: dict[str, int] = field(default_factory=dict)
 
     def frames(self) -> list[str]:
         """The graph ids of the frames with a backward, in the order they were compiled (run)."""
@@ -171,7 +173,7 @@ class _FrameCompiler:
         return _backward_in_lockstep(run, collectives, self) if collectives else run
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
-        self.num_fwd_outputs = num_fwd_outputs
+        self.num_fwd_outputs = self.state.num_fwd_outputs[self.graph_id] = num_fwd_outputs
         joint = self._run(joint, "joint")
         plan = joint.meta.get(ACTIVATION_PLAN)
         cut = partition_by_plan(joint, num_fwd_outputs, kwargs.get("static_lifetime_input_indices"))
@@ -191,7 +193,7 @@ class _FrameCompiler:
                     f"({', '.join(name for name, _ in secondary)})",
                 )
         saved = saved_values(fw, num_fwd_outputs)
-        self.borrowed_inputs = borrowed_inputs(fw, saved)
+        self.borrowed_inputs = borrowed_inputs(fw, saved, num_fwd_outputs)
         activation_bytes = saved_activation_bytes(fw, num_fwd_outputs)
         if self.recorder is not None:
             self.recorder.note(

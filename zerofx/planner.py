@@ -1134,7 +1134,12 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...], given: dict) ->
         duck = fx_config.use_duck_shape
         fx_config.use_duck_shape = False  # batch and seq get symbols of their own even when equal
         try:
-            loss = loss_of(model(*args, **kwargs))
+            # Each backward compiled with its forward, not lazily at its first run: the lazy compile
+            # deep-copies the backward graph where it runs, here under the fake mode, where a
+            # constant the trace lifted into it (a real tensor: T5's relative position buckets)
+            # cannot be copied (torch copies it with the fake mode unset when it compiles eagerly).
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                loss = loss_of(model(*args, **kwargs))
             if loss is None:
                 raise ZeroFXError(
                     "zerofx.plan: the model's output holds no tensor that requires grad: no backward to plan"
@@ -1416,7 +1421,7 @@ def _memory(compiled, symbolic, batch, seq, static, memory, boundary=0, accumula
     the last micro-batch, the bytes of whole gradients held from the first to the last) when
     micro-batches accumulate (NOTE: planning gradient accumulation); ``boundary``: the transient of
     the reduce at the end of the last backward."""
-    from zerofx.passes.cost_model import memory_timeline, predict_step_peak, tangent_bytes
+    from zerofx.passes.cost_model import memory_timeline, predict_step_peak, returned_bytes, tangent_bytes
 
     first_frames, frames, accumulated = accumulation
     frames = frames or compiled.frames()
@@ -1450,9 +1455,13 @@ def _memory(compiled, symbolic, batch, seq, static, memory, boundary=0, accumula
     fw_out, live = micro_batch(frames, live)
     if accumulated:  # the last backward's whole gradients were added to those held, in place
         live = sympy.Integer(accumulated) if symbolic else accumulated
-    if boundary:  # the end-of-backward reduce of pending gradients, outside the graphs
+    if boundary:  # the end-of-backward reduce of pending gradients, outside the graphs, ...
+        held = sum(  # ... before backward() returns: the caller still holds what the forwards returned
+            (returned_bytes(graphs[(gid, "forward")], compiled.num_fwd_outputs[gid], symbolic) for gid in frames),
+            sympy.Integer(0) if symbolic else 0,
+        )
         labels.append("boundary reduce (eager buckets)")
-        values.append(live + boundary)
+        values.append(live + held + boundary)
     if not symbolic:
         graphs_peak = predict_step_peak(compiled.memory_estimates, frames)
         if first_frames:  # the last micro-batch's graphs on top of the whole gradients held

@@ -97,8 +97,9 @@ ACTIVATION_PLAN = MetaKey(
 BORROWED_INPUTS = MetaKey(
     "zerofx_borrowed_inputs",
     "a backward graph's inputs that are the forward's own inputs or views of them (parameter shards, "
-    "user data): the backward dropping them frees nothing, their owner holds them; the backend writes "
-    "it at the partition, the memory simulation reads it",
+    "user data) or share a buffer with an output the caller gets (returned logits): the backward "
+    "dropping them frees nothing, their owner holds them; the backend writes it at the partition, "
+    "the memory simulation reads it",
     on="graph",
 )
 
