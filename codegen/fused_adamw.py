@@ -114,11 +114,7 @@ def adamw_step(
     # each parameter's tensors in its storage order: a Shard(k) shard is a dense permuted view
     ordered = [in_storage_order(*(local(t) for t in ts)) for ts in zip(*lists)]
     for o in ordered:
-        if not all(t.is_contiguous() for t in o[:1] + o[2:]):  # updated in place: no copy can stand in
-            raise ZeroFXError(
-                f"FusedAdamW: a parameter of shape {tuple(o[0].shape)} (strides {o[0].stride()}) or its "
-                "optimizer state is not dense (e.g. a slice of a larger tensor); use torch.optim.AdamW for it"
-            )
+        _refuse_not_dense(o[0], o[2:])
     params, grads, exp_avgs, exp_avg_sqs = ([o[k] for o in ordered] for k in range(4))
     # a gradient laid out otherwise than its parameter is only read: a copy in the parameter's
     # storage order keeps every element paired with its parameter's
@@ -161,6 +157,16 @@ def adamw_step(
     )
 
 
+def _refuse_not_dense(param: torch.Tensor, state: list[torch.Tensor]) -> None:
+    """A parameter and its state, in the parameter's storage order, are updated in place: each
+    must be one dense block (no copy can stand in)."""
+    if not all(t.is_contiguous() for t in (param, *state)):
+        raise ZeroFXError(
+            f"FusedAdamW: a parameter of shape {tuple(param.shape)} (strides {param.stride()}) or its "
+            "optimizer state is not dense (e.g. a slice of a larger tensor); use torch.optim.AdamW for it"
+        )
+
+
 class FusedAdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` with one Triton kernel per group of shards (see the module docstring).
 
@@ -177,7 +183,11 @@ class FusedAdamW(torch.optim.Optimizer):
         *,
         amsgrad: bool = False,
         maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
     ):
+        # foreach / fused: torch's AdamW's choice of implementation, accepted so that its
+        # arguments carry over; here every group is one launch whatever they say
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError(f"FusedAdamW: a tensor lr must hold one element, got shape {tuple(lr.shape)}")
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -200,7 +210,9 @@ class FusedAdamW(torch.optim.Optimizer):
     def _refuse_what_it_cannot_step(self) -> None:
         """Before any state changes: parameters the kernel cannot update as torch's AdamW would.
         Its arithmetic is fp32 (registers and scalar arguments), so an fp64 parameter would be
-        rounded to fp32 at every step; a device Triton cannot launch on would fail inside Triton."""
+        rounded to fp32 at every step; a device Triton cannot launch on would fail inside Triton;
+        a parameter (or state) that is not one dense block cannot be updated in place (refused
+        here, not at its group's launch, after earlier groups stepped and every step count grew)."""
         from zerofx.codegen.triton_runtime import launch_problem
 
         devices = set()
@@ -215,6 +227,9 @@ class FusedAdamW(torch.optim.Optimizer):
                         f"FusedAdamW computes in fp32: a float64 parameter (shape {tuple(p.shape)}) would be rounded "
                         "to fp32 at every step; use torch.optim.AdamW for fp64 parameters"
                     )
+                state = [local(v) for k, v in self.state.get(p, {}).items() if k != "step"]
+                ordered = in_storage_order(local(p), *state)
+                _refuse_not_dense(ordered[0], ordered[1:])
                 devices.add(p.device)
         for device in devices:
             problem = launch_problem(device)

@@ -34,11 +34,16 @@ log = logging.getLogger(__name__)
 
 
 def graph_device(gm: fx.GraphModule) -> torch.device | None:
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            return val.device
-    return None
+    """The device the graph's kernels would run on: the first non-CPU device any of its tensors
+    is on, else the CPU (None: no tensors). Not simply the first tensor's: a GPU graph may take a
+    CPU scalar first (a loss scale, a step count), and was judged a CPU graph (its kernels not
+    launched, the warning pointing at TRITON_INTERPRET). Nodes that mix devices are
+    ``can_lower``'s to refuse, one by one."""
+    devices = {val.device for n in gm.graph.nodes if isinstance(val := n.meta.get("val"), torch.Tensor)}
+    if not devices:
+        return None
+    accelerators = sorted((d for d in devices if d.type != "cpu"), key=str)
+    return accelerators[0] if accelerators else torch.device("cpu")
 
 
 def _log_unlowerable(gm: fx.GraphModule) -> None:
@@ -114,7 +119,8 @@ def compile_triton(gm: fx.GraphModule, ctx: PassContext | None = None, recorder:
         why = (
             "its sizes are symbolic (dynamo compiled it for changing shapes: zerofx.compile's default dynamic='auto' "
             "does so after the first shape change), and the Triton kernels are emitted per static shape; pass "
-            "dynamic=False to compile each shape with kernels"
+            "dynamic=False to compile each shape with kernels (up to torch._dynamo.config.recompile_limit shapes "
+            "per frame, 8 by default; later shapes run eagerly)"
         )
         if ("symbolic", ctx.graph_id) not in _WARNED:
             _WARNED.add(("symbolic", ctx.graph_id))

@@ -248,6 +248,19 @@ def test_ops_mixing_devices_are_not_fused():
     assert can_lower(same) and not can_lower(mixed)
 
 
+def test_a_gpu_graph_that_takes_a_cpu_scalar_first_is_a_gpu_graph():
+    """The graph's device was its first tensor's: a CUDA graph whose first input is a CPU scalar
+    (a loss scale, a step count) was judged a CPU graph, its kernels not launched."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        s, x = torch.empty(()), torch.empty(4, 8, device="cuda")  # fake: no GPU needed
+    gm = make_fx(lambda s, x: torch.softmax(x * s, -1) + 1.0, tracing_mode="fake")(s, x)
+    assert triton_codegen.graph_device(gm) == torch.device("cuda", 0)
+    with mode:
+        c = torch.empty(3)
+    assert triton_codegen.graph_device(make_fx(lambda c: c * 2, tracing_mode="fake")(c)) == torch.device("cpu")
+
+
 def test_a_composite_whose_rows_are_too_long_for_a_kernel_stays_native():
     """A vocab-sized log_softmax cannot become a row kernel (MAX_ROW): opened, it would only be
     six unfused ATen ops instead of one native kernel, so it stays whole (forward and backward)."""

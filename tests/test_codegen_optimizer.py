@@ -35,6 +35,8 @@ def _pair(seed: int = 0):
         dict(),
         dict(weight_decay=0.1, amsgrad=True),
         dict(maximize=True, betas=(0.3, 0.95), eps=1e-6),  # a lerp weight >= 0.5 takes ATen's other branch
+        dict(foreach=True),  # torch's implementation choices carry over (a TypeError before)
+        dict(fused=True, weight_decay=0.1),
     ],
 )
 def test_matches_torch_adamw_step_for_step(options):
@@ -93,13 +95,22 @@ def test_a_gradient_laid_out_otherwise_than_a_contiguous_parameter_is_paired_by_
     torch.testing.assert_close(ours[0], ref[0], **TOL)
 
 
-def test_a_parameter_that_is_not_dense_is_a_clear_error():
+def test_a_parameter_that_is_not_dense_is_a_clear_error_before_any_state_changes():
+    """Refused at its group's launch, the error came after an earlier group had stepped and every
+    parameter's step count had grown: a loop that caught it and moved to torch's AdamW carried a
+    wrong bias correction. Refused before any state changes, as fp64 parameters are."""
     from zerofx.errors import ZeroFXError
 
+    first = torch.nn.Parameter(torch.randn(4))
     p = torch.nn.Parameter(torch.randn(6, 8)[:, :5])
-    p.grad = torch.randn(6, 5)
+    last = torch.nn.Parameter(torch.randn(3))
+    for t in (first, p, last):
+        t.grad = torch.randn_like(t)
+    before = first.detach().clone()
+    opt = FusedAdamW([{"params": [first]}, {"params": [p, last]}], lr=1e-2)
     with pytest.raises(ZeroFXError, match="not dense"):
-        FusedAdamW([p], lr=1e-2).step()
+        opt.step()
+    assert torch.equal(first, before) and not opt.state
 
 
 def test_a_float64_parameter_is_refused_before_any_state_changes():
