@@ -548,6 +548,23 @@ def test_plain_options_keep_torchs_scaler(one_rank):
     assert _scales(scaler, [T, F, T, T, F, F, F])[0] == [32768.0] * 2 + [16384.0, 8192.0, 8192.0, 16384.0, 16384.0]
 
 
+def test_an_fp16_loss_is_warned_about_once_since_its_gradient_is_the_scale(one_rank):
+    """An fp16 loss (a model taking cross-entropy on fp16 logits) starts the backward from the
+    scale in fp16: 2^16 is inf there, so the first step and one after every growth past 2^15
+    overflowed whatever the gradients were, silently. One warning says so and what to do; an
+    fp32 loss gets none."""
+    scaler = make_loss_scaler(zerofx.Options(loss_scale="dynamic"), one_rank)
+    loss = torch.tensor(2.0, dtype=torch.float16, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"the loss is fp16.*a scale of 2\^16 or more is inf there.*in fp32"):
+        scaler.scale(loss).backward()
+    assert loss.grad.isinf()  # what the warning is about: 65536 in fp16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.scale(loss)  # once per scaler
+        fresh = make_loss_scaler(zerofx.Options(loss_scale="dynamic"), one_rank)
+        fresh.scale(torch.tensor(2.0, requires_grad=True))  # an fp32 loss
+
+
 @pytest.mark.parametrize("hysteresis", [1, 2], ids=["torch_schedule", "deepspeed_schedule"])
 def test_a_fused_adam_steps_after_unscale(one_rank, hysteresis):
     """scaler.unscale_ (before clipping), then scaler.step on AdamW(fused=True), the HF Trainer's

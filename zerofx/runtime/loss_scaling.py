@@ -25,6 +25,7 @@ Its state (the scale and the good-step count, and the hysteresis left) is saved 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -71,6 +72,32 @@ class ZeroFXGradScaler(ShardedGradScaler):
     0-d step counts) can take a step after ``unscale_``: torch 2.13's raised "output with shape []
     doesn't match the broadcast shape [1]" there, which is where the HF Trainer's default optimizer
     (fused AdamW) steps when it clips. The flags are the same values, already all-reduced."""
+
+    _warned_fp16_loss = False
+
+    def scale(self, outputs: Any) -> Any:
+        """torch's, plus one warning the first time the loss is fp16 (a model that takes its loss
+        on fp16 logits under ``param_dtype=fp16``). The backward starts from the loss's gradient,
+        which is the scale itself, in the loss's dtype: 2^16 or more is inf in fp16 (its largest
+        value is 65504), so every step at such a scale overflows whatever the gradients are: the
+        first step at the default 2^16 and one after every growth past 2^15 are skipped (as under
+        DeepSpeed, and torch's GradScaler). Not capped here, to keep DeepSpeed's schedule (NOTE:
+        DeepSpeed's scale schedule); the warning says how to avoid it."""
+        if (
+            not self._warned_fp16_loss
+            and self._enabled
+            and isinstance(outputs, torch.Tensor)
+            and outputs.dtype == torch.float16
+        ):
+            self._warned_fp16_loss = True
+            warnings.warn(
+                "zerofx loss scaling: the loss is fp16, and the backward starts from its gradient, the scale, in "
+                "fp16: a scale of 2^16 or more is inf there, so such steps always overflow and are skipped (the "
+                "first at the default initial_loss_scale 2^16, and one after each growth past 2^15). Compute the "
+                "loss in fp32 (e.g. cross_entropy(logits.float(), ...), as HF models do) to use every scale",
+                stacklevel=2,
+            )
+        return super().scale(outputs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)
