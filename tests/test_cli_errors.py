@@ -340,6 +340,53 @@ def test_an_unknown_flag_is_the_subcommands_error_with_its_usage(command, capsys
     assert err.rstrip().endswith(f"zerofx {command[0]}: error: unrecognized arguments: --bogus 1"), err
 
 
+def test_plan_names_its_own_flags_for_ranks_and_budgets(monkeypatch, capsys):
+    """``--world-size -2`` was answered with the planner's "mesh (-2,): give (world,) or ...",
+    ``--activation-budget 10MB`` with argparse's "invalid <lambda> value"; a budget may be a size
+    now (10MiB = 10485760 bytes), and 0 stays 0."""
+    from zerofx import planner
+
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: pytest.fail("planned"))
+    assert main(["plan", "gpt2", "--world-size", "-2"]) == 1
+    _one_line(capsys.readouterr().err, "zerofx plan: --world-size -2: give at least 1 rank")
+    with pytest.raises(SystemExit):
+        main(["plan", "gpt2", "-n", "2", "--activation-budget", "10MX"])
+    assert "argument --activation-budget: '10MX' is neither bytes (e.g. 1048576, 10MiB, 3GB) nor a fraction" in (
+        capsys.readouterr().err
+    )
+    budgets = []
+
+    def planned(*args, **kwargs):
+        budgets.append(kwargs["activation_budget"])
+        raise _Planned
+
+    monkeypatch.setattr(planner, "plan", planned)
+    for given in ("10MiB", "0", "0.5", "3GB"):
+        with pytest.raises(_Planned):
+            main(["plan", "gpt2", "-n", "2", "--activation-budget", given])
+    assert budgets == [10 * 2**20, 0, 0.5, 3 * 10**9], budgets
+
+
+class _Planned(Exception):
+    """Raised by a stand-in planner: the command got as far as planning."""
+
+
+def test_plan_asks_whether_a_device_memory_without_a_unit_meant_gib(monkeypatch, capsys):
+    """``--device-memory 80`` is 80 bytes (documented), and the plan only said "device memory
+    0.00 MiB: DOES NOT FIT"; below a MiB without a unit it asks whether GiB was meant."""
+    from zerofx import planner
+
+    def planned(*args, **kwargs):
+        raise _Planned
+
+    monkeypatch.setattr(planner, "plan", planned)
+    for memory, asked in (("80", True), ("80GiB", False), ("2097152", False)):
+        with pytest.raises(_Planned):  # asked, not refused: planned all the same
+            main(["plan", "gpt2", "-n", "2", "--device-memory", memory])
+        err = capsys.readouterr().err
+        assert ("is 80 bytes (no unit); did you mean 80GiB?" in err) is asked, (memory, err)
+
+
 @pytest.mark.parametrize("size", ["1.5", "2.5b", "1000.5B"])
 def test_plan_refuses_a_device_memory_that_is_not_whole_bytes(size, monkeypatch, capsys):
     """``--device-memory 1.5`` was planned as 1 byte (truncated): a byte count that is not whole is

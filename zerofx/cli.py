@@ -6,6 +6,7 @@ import argparse
 import decimal
 import fractions
 import math
+import re
 import sys
 
 from zerofx.demo import DemoConfig, check_plotting, run_demo
@@ -190,9 +191,9 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--stage", type=int, choices=(1, 2, 3), default=None, help="ZeRO stage (default 3)")
     plan.add_argument(
         "--activation-budget",
-        type=lambda t: int(t) if t.isdigit() else float(t),
+        type=_activation_budget,
         default=None,
-        help="zerofx's activation_budget: bytes (an integer) or a fraction in (0, 1]",
+        help="zerofx's activation_budget: bytes (an integer or a size, e.g. 10MiB) or a fraction in (0, 1]",
     )
     plan.add_argument(
         "--checkpoint-modules",
@@ -283,6 +284,8 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             return fail(f"--mesh {args.mesh!r}: give sizes joined by x, e.g. 128x8")
     elif args.world_size is None:  # (the planner's own message names its keywords)
         return fail("give the ranks: --world-size N (-n N) or --mesh, e.g. --mesh 128x8")
+    if args.world_size is not None and args.world_size < 1:
+        return fail(f"--world-size {args.world_size}: give at least 1 rank")
     for flag, path in (("--json", args.json_path), ("--plot", args.plot_path)):
         problem = _unwritable(path) if path else None
         if problem:  # said before planning, which can take minutes
@@ -309,6 +312,12 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         memory = parse_size(args.device_memory) if args.device_memory else None
     except ValueError as e:
         return fail(f"--device-memory: {e}")
+    if memory is not None and memory < 2**20 and args.device_memory.strip().isdigit():  # a unit left out?
+        print(
+            f"zerofx plan: --device-memory {args.device_memory} is {memory} bytes (no unit); "
+            f"did you mean {args.device_memory.strip()}GiB?",
+            file=sys.stderr,
+        )
     try:
         inputs_fn = planner.import_callable(args.inputs, "--inputs") if args.inputs else None
         result = planner.plan(
@@ -406,6 +415,20 @@ def _uncreatable(path: str) -> str | None:
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def _activation_budget(text: str) -> int | float:
+    """``--activation-budget``: bytes (``1048576``, ``10MiB``, ``3GB``) or a fraction (``0.5``)."""
+    if text.strip().isdigit():  # 0 included: save nothing the backward can rebuild
+        return int(text)
+    if re.fullmatch(r"\s*\d*\.\d*\s*", text) and text.strip() != ".":
+        return float(text)
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither bytes (e.g. 1048576, 10MiB, 3GB) nor a fraction in (0, 1] (e.g. 0.5)"
+        ) from None
 
 
 def parse_size(text: str) -> int:
