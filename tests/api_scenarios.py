@@ -342,6 +342,67 @@ def scenarios(rank: int, world: int) -> dict:
         shared = all(p.to_local().is_shared() for p in model.parameters())
         return {"shared": shared, "loss": mean_over_ranks(model(x[mine], y[mine])), "want": ref(x, y).item()}
 
+    def submodule_load():
+        """At stages 1 and 2, a new head loaded into a submodule mid-training
+        (``model.layers[2].load_state_dict``): the loss after it, against the plain model's
+        (the forward refused the whole copies as changed in place before)."""
+        from tests.models import MLP
+
+        got = {}
+        gen = torch.Generator().manual_seed(3)
+        x, y = torch.randn(4 * world, 16, generator=gen), torch.randn(4 * world, 8, generator=gen)
+        mine = slice(4 * rank, 4 * rank + 4)
+        head = torch.nn.Linear(32, 8, bias=False)
+        for stage in (1, 2):
+            torch.manual_seed(0)
+            ref = MLP()
+            model = zerofx.compile(copy.deepcopy(ref), mesh, stage=stage)
+            opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+            model(x[mine], y[mine]).backward()
+            ref(x, y).backward()
+            for opt in opts:
+                opt.step(), opt.zero_grad()
+            model.layers[2].load_state_dict(head.state_dict())
+            ref.layers[2].load_state_dict(head.state_dict())
+            try:
+                got[f"stage{stage}"] = (mean_over_ranks(model(x[mine], y[mine])), ref(x, y).item())
+            except Exception as e:  # dynamo wraps what a backend raises
+                got[f"stage{stage}"] = str(e)
+            torch._dynamo.reset()
+        return got
+
+    def penalty_outside_forward():
+        """A loss that adds an L2 penalty over model.parameters() (the DTensor shards) outside
+        forward, at stages 1 and 3: what backward raised (an AOTAutograd internal error before);
+        the same penalty over full_tensor() trains as the plain model does."""
+        from tests.models import MLP
+
+        got = {}
+        gen = torch.Generator().manual_seed(4)
+        x, y = torch.randn(4 * world, 16, generator=gen), torch.randn(4 * world, 8, generator=gen)
+        mine = slice(4 * rank, 4 * rank + 4)
+        for stage in (1, 3):
+            torch.manual_seed(0)
+            ref = MLP()
+            model = zerofx.compile(copy.deepcopy(ref), mesh, stage=stage)
+            try:
+                (model(x[mine], y[mine]) + 1e-2 * sum(p.pow(2).sum() for p in model.parameters())).backward()
+                got[f"stage{stage}"] = "no error"
+            except zerofx.ZeroFXError as e:
+                got[f"stage{stage}"] = str(e)
+            model.zero_grad()
+            loss = model(x[mine], y[mine]) + 1e-2 * sum(p.full_tensor().pow(2).sum() for p in model.parameters())
+            loss.backward()
+            want = ref(x, y) + 1e-2 * sum(p.pow(2).sum() for p in ref.parameters())
+            want.backward()
+            worst = max(
+                (p.grad.to_local() - reference_shard(q.grad, rank, world)).abs().max().item()
+                for p, q in zip(model.parameters(), ref.parameters())
+            )
+            got[f"whole_stage{stage}"] = (mean_over_ranks(loss), want.item(), worst)
+            torch._dynamo.reset()
+        return got
+
     def unfrozen_later():
         """A parameter frozen when the model is sharded and unfrozen after a step (a fine-tuning
         schedule) through its module attribute, at stage 1 and inside a no_sync window at stage
@@ -519,6 +580,8 @@ def scenarios(rank: int, world: int) -> dict:
     attempt("stale_whole_copies", stale_whole_copies)
     attempt("share_memory", share_memory)
     attempt("unfrozen_later", unfrozen_later)
+    attempt("submodule_load", submodule_load)
+    attempt("penalty_outside_forward", penalty_outside_forward)
     attempt("routed_experts", routed_experts)
     attempt("lockstep_twin", lockstep_twin)
     attempt("ranks_disagree", lambda: ranks_disagree(rank, world, mesh))
@@ -530,8 +593,9 @@ def accumulation_windows(rank: int, mesh) -> dict:
     """Per stage, against DDP's arithmetic (the mean of the ranks' gradients): an accumulation
     window abandoned after one no_sync micro-batch and dropped by zero_grad (the model's, and an
     adopted optimizer's) leaves nothing in the next step; a step right after a no_sync backward
-    is refused; gradient hooks registered after compile run once per reduction, on the reduced
-    gradient, with and without a no_sync window; hooks registered before compile are refused."""
+    is refused; gradient hooks registered after compile (on the parameter, or through its module
+    attribute) run once per reduction, on the reduced gradient, with and without a no_sync window;
+    hooks registered before compile are refused."""
     out = {}
     xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(3)]
 
@@ -573,8 +637,11 @@ def accumulation_windows(rank: int, mesh) -> dict:
         opt.zero_grad()
         calls = []
         for name, p in model.named_parameters():
-            p.register_hook(lambda g: g * 0.5)
-            p.register_post_accumulate_grad_hook(lambda p, name=name: calls.append(name))
+            # the weight's through its module attribute, as users write it (a copy gathered for
+            # that read: its hooks were dropped, silently, or torch's non-leaf error)
+            target = model.weight if name == "weight" else p
+            target.register_hook(lambda g: g * 0.5)
+            target.register_post_accumulate_grad_hook(lambda p, name=name: calls.append(name))
         hooked = {}
         for window in (False, True):
             calls.clear()

@@ -229,6 +229,24 @@ def test_lockstep_checks_of_a_mesh_on_nccl_run_on_gloo_groups_of_the_same_ranks(
         assert r["raised"] is not None and "rank(s) [0]: digest 0; rank(s) [1]: digest 1" in r["raised"], r
 
 
+def test_a_submodule_loaded_mid_training_refreshes_its_whole_copies(results):
+    for r in _get(results, "submodule_load"):
+        assert set(r) == {"stage1", "stage2"}, r
+        for stage, got in r.items():
+            assert isinstance(got, tuple), (stage, got)
+            assert abs(got[0] - got[1]) <= 1e-6 * abs(got[1]), (stage, got)
+
+
+def test_a_penalty_over_the_shards_outside_forward_is_a_clear_error(results):
+    for r in _get(results, "penalty_outside_forward"):
+        for stage in (1, 3):
+            message = r[f"stage{stage}"]
+            assert "the loss's gradient reaches the zerofx-compiled forward as a DTensor" in message, (stage, message)
+            assert "p.full_tensor()" in message, message
+            got, want, worst = r[f"whole_stage{stage}"]
+            assert abs(got - want) <= 1e-6 * abs(want) and worst <= 1e-6, (stage, got, want, worst)
+
+
 def test_share_memory_moves_the_shards_and_the_model_still_trains(results):
     for r in _get(results, "share_memory"):
         assert r["shared"], r

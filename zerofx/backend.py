@@ -387,7 +387,10 @@ def _frame_runner(compiled: Callable, example_inputs: list[Any], frame: _FrameCo
     - unless every rank is about to run a forward with the same collectives over the same
       parameters (zerofx/runtime/lockstep.py). The parameters are the ones this call is given:
       dynamo passes them as inputs, so one compiled frame runs every module of its shape (the
-      ``Linear.forward`` of every expert when the caller's frame is not compiled).
+      ``Linear.forward`` of every expert when the caller's frame is not compiled);
+
+    and, for a frame that trains, a backward that reaches its outputs with a DTensor gradient
+    (``_refuse_dtensor_gradient``).
     """
     runtimes = {}
     for x in example_inputs:
@@ -404,7 +407,8 @@ def _frame_runner(compiled: Callable, example_inputs: list[Any], frame: _FrameCo
         bool(collectives)
         or (frame.trains and any(example_inputs[i]._zerofx_state.runtime.stage != 1 for i in positions))
     )
-    if not refs and not checked:
+    trains = frame.trains
+    if not refs and not checked and not trains:
         return compiled
     digests: dict[tuple[str, ...], int] = {}  # the parameters' names -> the digest to compare
 
@@ -419,9 +423,29 @@ def _frame_runner(compiled: Callable, example_inputs: list[Any], frame: _FrameCo
             if digest is None:
                 digest = digests[reads] = digest_of("forward", collectives, reads)
             lockstep.check(digest, lambda: _describe_forward(graph_id, collectives, reads))
-        return compiled(*args, **kwargs)
+        outputs = compiled(*args, **kwargs)
+        if trains and torch.is_grad_enabled() and isinstance(outputs, (list, tuple)):
+            for out in outputs:
+                if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+                    out.register_hook(_refuse_dtensor_gradient)
+        return outputs
 
     return run
+
+
+def _refuse_dtensor_gradient(grad: torch.Tensor) -> None:
+    """Gradient hook of a training frame's outputs. A loss that adds to the model's output a term
+    computed from ``model.parameters()`` outside forward (an L2 penalty: those are this rank's
+    DTensor shards) is a DTensor, and so is the gradient it sends into the compiled frame, which
+    AOTAutograd traced with plain tensors: it failed there with "we guessed its metadata
+    incorrectly ... must implement __coerce_same_metadata_as_tangent__"."""
+    if isinstance(grad, DTensor):
+        raise ZeroFXError(
+            "the loss's gradient reaches the zerofx-compiled forward as a DTensor: the loss combines the model's "
+            "output with a term computed from DTensor values outside forward (e.g. a penalty over "
+            "model.parameters(), which are this rank's shards). Compute that term inside forward, or from whole "
+            "values: p.full_tensor(), or the parameters read through their modules (model.fc.weight)"
+        )
 
 
 def _state_of(x: Any) -> Any:

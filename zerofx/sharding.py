@@ -53,6 +53,7 @@ from zerofx.errors import ZeroFXError, some_names
 from zerofx.ir.collectives import name_mesh_dims
 from zerofx.ir.layout import local_rows, row_offset, rows_back, rows_first, shard_dim
 from zerofx.options import Options
+from zerofx.runtime import eager_buckets
 from zerofx.runtime.accumulation import no_sync
 from zerofx.runtime.local_step import install as install_local_step
 from zerofx.runtime.lockstep import make_lockstep
@@ -191,6 +192,10 @@ class GatheredCopy(torch.Tensor):
             flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
             param.requires_grad_(flag)
             return target if name == "requires_grad_" else None
+        if param is not None and name in ("register_hook", "register_post_accumulate_grad_hook"):
+            # ``module.weight.register_hook(fn)``: meant for the parameter's gradient; on this read's
+            # copy, which no graph reads, it never ran (a gradient hook) or was torch's non-leaf error
+            return getattr(param, name)(*args[1:], **kwargs)
         if writes:
             copy = target if isinstance(target, GatheredCopy) else kwargs["out"]
             raise ZeroFXError(
@@ -782,7 +787,28 @@ def _expect_loading(model: nn.Module, runtime: ModelRuntime) -> None:
 def _refresh_after_load(model: nn.Module, incompatible: Any) -> None:
     """Stages 1 and 2: ``load_state_dict`` renews the whole copies (a module-level function, not
     a closure over the runtime, so that a deepcopy of the model refreshes its own)."""
-    runtime_of(model).refresh()
+    runtime = runtime_of(model)
+    runtime.loading_whole_model = False
+    runtime.refresh()
+
+
+def _loading_whole_model(model: nn.Module, *args: Any) -> None:
+    """Pre-hook of the model's ``load_state_dict``: its post-hook refreshes every whole copy, so
+    the submodules' hooks, which run during the same load, leave theirs to it."""
+    runtime_of(model).loading_whole_model = True
+
+
+def _refresh_submodule_after_load(module: nn.Module, incompatible: Any) -> None:
+    """Stages 1 and 2: a submodule's own ``load_state_dict`` (a new head, a pretrained backbone
+    loaded into ``model.encoder``) renews the whole copies of its parameters, as the model's
+    does (a collective: on every rank, as the load itself); the model's load renews them all
+    at its end instead. Before, the next forward refused them as "changed in place", naming
+    ``model.load_state_dict`` among what refreshes by itself."""
+    states = [
+        s for p in module.parameters() if (s := getattr(p, "_zerofx_state", None)) is not None and s.full is not None
+    ]
+    if states and not states[0].runtime.loading_whole_model:
+        eager_buckets.refresh(states)
 
 
 def _check_whole_copies(model: nn.Module, args: Any) -> None:
@@ -1477,7 +1503,13 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     if not on_meta:  # built on meta, the shards hold nothing yet: every loader refreshes after loading
         runtime.refresh()
     if runtime.whole_copies:
+        model.register_load_state_dict_pre_hook(_loading_whole_model)
         model.register_load_state_dict_post_hook(_refresh_after_load)
+        for module in model.modules():
+            if module is not model and any(
+                getattr(p, "_zerofx_state", None) is not None for p in module._parameters.values()
+            ):
+                module.register_load_state_dict_post_hook(_refresh_submodule_after_load)
         model.register_forward_pre_hook(_check_whole_copies)
     if any(s.shard_group.size > 1 or s.replicate_group is not None for s in runtime.states):
         model.register_forward_pre_hook(_refuse_added_parameters)

@@ -474,6 +474,7 @@ class ModelRuntime:
     unloaded: set = field(default_factory=set)  # built on meta: names not loaded yet (zerofx/sharding.py)
     unloaded_hook: Any = None  # the forward pre-hook that refuses to run while ``unloaded``
     hash_checked: bool = False  # uncompiled forwards compare shard hashes (NOTE: stale whole copies)
+    loading_whole_model: bool = False  # inside model.load_state_dict: it refreshes every whole copy at its end
     warned_unquantized: bool = False  # said once that no_sync's reduction ignores quantize_grads
     lockstep: Any = None  # the lockstep checks' groups (zerofx/runtime/lockstep.py); None: one rank, fake groups
 
