@@ -167,6 +167,12 @@ def _child_failed(tmp_path: Path, exitcode: int, message: str | None):
         ),
         (-9, None, "rank 1: Signal 9 (SIGKILL) received by PID 4242"),
         (1, None, "rank 1: exit code 1"),
+        (  # dynamo's wrapper of an error in zerofx's compile: its first line named no cause
+            1,
+            "BackendCompilerFailed: backend='backend' raised:\nZeroFXError: l.weight: the compiled forward changes "
+            "the parameter in place\n\nSet TORCHDYNAMO_VERBOSE=1 for more",
+            "rank 1: ZeroFXError: l.weight: the compiled forward changes the parameter in place",
+        ),
     ],
 )
 def test_verify_names_the_failed_ranks_error(exitcode, message, said, tmp_path, monkeypatch, capsys):

@@ -250,6 +250,8 @@ def explain(
     recorder and with the options it was compiled with (``options`` given here override them;
     ``dump_dir`` is this call's own); its own compiled call is left as it was.
     """
+    if not isinstance(model, nn.Module):
+        raise ZeroFXError(f"zerofx.explain takes an nn.Module, got {type(model).__name__}")
     runtime = runtime_of(model)
     compiled_with = runtime.compiled.options if runtime is not None and runtime.compiled is not None else None
     if compiled_with is not None:  # what runs is what is explained
@@ -258,7 +260,7 @@ def explain(
         opts = Options.from_kwargs(**options)
     _check_explain_layout(options, opts, runtime)
     check_module_patterns(opts.checkpoint_modules, model)
-    recorder = Recorder(dump_dir=opts.dump_dir)
+    recorder = Recorder(dump_dir=opts.dump_dir, summary_name="explain.txt")  # its frames' own summary
     if runtime is not None and runtime.state_report:
         recorder.note("model", "state", runtime.state_report)
     if runtime is not None and runtime.checkpoint_report:

@@ -31,6 +31,7 @@ import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -80,10 +81,10 @@ def recorder_for(options: Options) -> Recorder | None:
     """One recorder per dump folder per process, so every frame lands in one summary."""
     if options.dump_dir is None:
         return None
-    key = str(options.dump_dir)
+    key = str(Path(options.dump_dir).resolve())  # "dump" and its absolute path are one folder
     with _lock:
         if key not in _recorders:
-            _recorders[key] = Recorder(dump_dir=key)
+            _recorders[key] = Recorder(dump_dir=options.dump_dir)
         return _recorders[key]
 
 

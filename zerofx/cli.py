@@ -523,7 +523,12 @@ def _rank_failure(e: BaseException) -> str:
 
 
 def _first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+    """The error's first line; for an error dynamo wraps (``BackendCompilerFailed: backend=...
+    raised:``, with the cause on the next line: a ZeroFXError from zerofx's compile) the cause's."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith("raised:"):
+        return lines[1]
+    return lines[0] if lines else ""
 
 
 def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -16,16 +16,24 @@ shards are uneven)::
     frame0_backward/...
 
 ``frame<K>`` is the K-th graph zerofx compiled in this process (one per dynamo frame; a graph
-break makes two). The same summary is what ``zerofx.explain`` prints.
+break makes two). The same summary is what ``zerofx.explain`` prints (its own frames, in
+``explain.txt`` beside ``summary.txt`` when it dumps too). A process's first write to a rank's
+folder removes what an earlier run left there (its ``frame*`` folders and summaries), so the
+files are this run's alone. A write that fails (a folder that cannot be made, a full disk) ends
+the dump with one warning; training goes on.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
+import re
+import shutil
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 from torch import fx
@@ -93,15 +101,61 @@ class PassRecord:
         return "\n".join(lines)
 
 
+# rank folders this process has cleared of an earlier run's files (the first write to each)
+_CLEARED: set[Path] = set()
+_RUN_FILES = re.compile(r"frame\d+_\w+|summary\.txt|explain\.txt")
+
+
+def _clear_earlier_run(folder: Path) -> None:
+    """Remove from ``folder`` (a rank's, which zerofx owns) the files and folders an earlier run
+    wrote there, once per process: left beside this run's, an old ``08_elide.py`` read as the last
+    pass of a graph this run never bucketed, and old frames as graphs it compiled."""
+    key = folder.resolve()
+    if key in _CLEARED:
+        return
+    _CLEARED.add(key)
+    if not folder.is_dir():
+        return
+    for child in folder.iterdir():
+        if _RUN_FILES.fullmatch(child.name):
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
 @dataclass
 class Recorder:
-    """Observer for ``run_pipeline`` that keeps every pass's result and, optionally, writes it."""
+    """Observer for ``run_pipeline`` that keeps every pass's result and, optionally, writes it
+    (``summary_name``: the summary's file; explain's recorder writes its own)."""
 
     dump_dir: str | os.PathLike | None = None
     records: list[PassRecord] = field(default_factory=list)
     notes: dict[str, list[str]] = field(default_factory=dict)
     kernel_sources: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     plans: dict[str, dict] = field(default_factory=dict)  # graph id -> its checkpoint plan's numbers
+    summary_name: str = "summary.txt"
+    write_failed: bool = False  # a write failed: the dump stopped (``_files``)
+
+    @property
+    def writes(self) -> bool:
+        return self.dump_dir is not None and not self.write_failed
+
+    def _files(self, write: Callable[[Path], None]) -> None:
+        """Run ``write`` on this rank's folder. A failure (a folder that cannot be made, a full
+        disk) ends the dump with one warning instead of the compile it runs in: it failed the
+        frame's compile (FileExistsError, "No space left on device"), on one rank only where only
+        that rank's folder was at fault, and never named the dump."""
+        if not self.writes:
+            return
+        try:
+            folder = self._rank_dir()
+            _clear_earlier_run(folder)
+            write(folder)
+        except OSError as e:
+            self.write_failed = True
+            warnings.warn(
+                f"zerofx dump: cannot write under dump_dir {str(self.dump_dir)!r} ({e}); the dump stops here and "
+                "training goes on (zerofx.explain reports every pass without writing)",
+                stacklevel=3,
+            )
 
     def __call__(
         self, ctx: PassContext, pass_name: str, before: fx.GraphModule | None, after: fx.GraphModule, seconds: float
@@ -112,7 +166,7 @@ class Recorder:
         collectives = [
             _collective_line(n) for n in after.graph.nodes if n.target in COLLECTIVE_OPS and n.name not in before_names
         ]
-        code = _graph_code(after) if self.dump_dir is not None else ""  # only files need the code
+        code = _graph_code(after) if self.writes else ""  # only files need the code
         record = PassRecord(
             ctx.graph_id,
             ctx.kind,
@@ -126,32 +180,34 @@ class Recorder:
             list(ctx.messages) if before is not None else [],
         )
         self.records.append(record)
-        if self.dump_dir is not None:
-            self._write(record)
+        self._files(lambda folder: self._write(folder, record))
 
     def note(self, graph_id: str, kind: str, text: str) -> None:
         """Attach a line to a graph's summary (e.g. what the partitioner saved)."""
         self.notes.setdefault(f"{graph_id}_{kind}", []).append(text)
-        if self.dump_dir is not None:
-            self._write_summary()
+        self._files(self._write_summary)
 
     def kernels(self, graph_id: str, kind: str, sources: list[tuple[str, str]]) -> None:
         """Keep the generated kernel sources of a graph (written as ``kernels/NN_<name>.py``)."""
         self.kernel_sources[f"{graph_id}_{kind}"] = list(sources)
-        if self.dump_dir is None:
-            return
-        folder = self._rank_dir() / f"{graph_id}_{kind}" / "kernels"
-        folder.mkdir(parents=True, exist_ok=True)
-        for i, (name, source) in enumerate(sources):
-            (folder / f"{i:02d}_{name}.py").write_text(source)
+
+        def write(rank_dir: Path) -> None:
+            folder = rank_dir / f"{graph_id}_{kind}" / "kernels"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i, (name, source) in enumerate(sources):
+                (folder / f"{i:02d}_{name}.py").write_text(source)
+
+        self._files(write)
 
     def kernel_failed(self, graph_id: str, kind: str, name: str, error: str) -> None:
         """A kernel fell back to ATen at run time: say so next to its source."""
-        if self.dump_dir is None:
-            return
-        folder = self._rank_dir() / f"{graph_id}_{kind}" / "kernels"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{name}.FAILED.txt").write_text(error + "\n")
+
+        def write(rank_dir: Path) -> None:
+            folder = rank_dir / f"{graph_id}_{kind}" / "kernels"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{name}.FAILED.txt").write_text(error + "\n")
+
+        self._files(write)
 
     def summary(self) -> str:
         out: list[str] = []
@@ -173,8 +229,8 @@ class Recorder:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return Path(self.dump_dir) / f"rank{rank}"
 
-    def _write(self, record: PassRecord) -> None:
-        folder = self._rank_dir() / f"{record.graph_id}_{record.kind}"
+    def _write(self, rank_dir: Path, record: PassRecord) -> None:
+        folder = rank_dir / f"{record.graph_id}_{record.kind}"
         folder.mkdir(parents=True, exist_ok=True)
         same_graph = [r for r in self.records if (r.graph_id, r.kind) == (record.graph_id, record.kind)]
         index = len(same_graph) - 1
@@ -189,9 +245,8 @@ class Recorder:
                 path.name,
             )
             (folder / f"{index:02d}_{record.pass_name}.diff").write_text("".join(diff))
-        self._write_summary()
+        self._write_summary(rank_dir)
 
-    def _write_summary(self) -> None:
-        folder = self._rank_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "summary.txt").write_text(self.summary() + "\n")
+    def _write_summary(self, rank_dir: Path) -> None:
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        (rank_dir / self.summary_name).write_text(self.summary() + "\n")
