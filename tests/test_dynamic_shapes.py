@@ -11,6 +11,7 @@ steps. Rank side: tests/shapes_scenarios.py.
 from __future__ import annotations
 
 import pytest
+import torch
 
 import zerofx
 from tests.multirank import run_ranks, scenario_results
@@ -101,3 +102,24 @@ def test_each_compiled_model_has_its_own_recompile_limit(tmp_path):
             for model in models:
                 model(torch.randn(rows, 16), torch.randn(rows, 8)).backward()
         assert [len(runtime_of(m).compiled.size_symbols) for m in models] == [limit, limit]
+
+
+def test_a_second_model_compiled_in_the_process_starts_with_static_shapes(tmp_path):
+    """Every model's entry shared one (file, line, name), under which dynamo's automatic dynamic
+    shapes remember what changed: a GPT compiled after an MLP (other input sizes) had its first
+    compile made symbolic, though its shapes never changed (its dump said "dynamic sizes")."""
+    from tests.multirank import one_rank_mesh
+    from zerofx.models import GPT, GPTConfig
+    from zerofx.sharding import runtime_of
+
+    with one_rank_mesh(str(tmp_path)) as mesh:
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+        first = zerofx.compile(mlp, mesh, param_dtype=torch.bfloat16)
+        first(torch.randn(3, 4)).float().sum().backward()
+        cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=32)
+        second = zerofx.compile(GPT(cfg), mesh, param_dtype=torch.bfloat16)
+        x = torch.randint(0, 64, (2, 16))
+        second(x, x).float().backward()
+        symbols = [runtime_of(m).compiled.size_symbols for m in (first, second)]
+    assert [list(s.values()) for s in symbols] == [[()], [()]], symbols

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import warnings
 from dataclasses import dataclass
@@ -48,13 +49,19 @@ def _enter(fn):
     Each call gets its own copy of the code object: dynamo keeps its compiled graphs, and
     counts recompiles against ``recompile_limit``, per code object, so without the copy every
     model compiled in a process would share one cache and one limit (a second model's
-    shapes would push the first into eager execution)."""
+    shapes would push the first into eager execution). The copy has a name of its own too:
+    dynamo's automatic dynamic shapes remember which input sizes changed per (file, line,
+    name), so a second model compiled in the process had its first compile made symbolic by the
+    first model's other input sizes (its graphs symbolic although its shapes never changed)."""
 
     def zerofx_entry(*args, **kwargs):
         return fn(*args, **kwargs)
 
-    zerofx_entry.__code__ = zerofx_entry.__code__.replace()
+    zerofx_entry.__code__ = zerofx_entry.__code__.replace(co_name=f"zerofx_entry_{next(_entries)}")
     return zerofx_entry
+
+
+_entries = itertools.count()
 
 
 def compile(model: nn.Module, mesh: DeviceMesh | None = None, *, config: Any = None, **options: Any) -> nn.Module:
