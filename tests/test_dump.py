@@ -76,3 +76,16 @@ def test_explain_of_something_that_is_not_a_module_says_so():
     """It raised AttributeError: 'function' object has no attribute 'named_modules'."""
     with pytest.raises(zerofx.ZeroFXError, match="zerofx.explain takes an nn.Module, got function"):
         zerofx.explain(lambda x: x, torch.randn(2))
+
+
+def test_explain_leaves_buffers_and_random_state_as_they_were():
+    """Its step moved batch norm's running statistics and step count and the global random
+    generator: a run that explained first trained otherwise than without it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Dropout(0.5), nn.Linear(3, 2))
+    x = torch.randn(8, 4)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    zerofx.explain(model, x)
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers()), dict(model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), rng)

@@ -246,7 +246,8 @@ def explain(
     Runs one forward and, with ``backward=True``, a backward so that backward graphs are
     compiled too: of the output's ``loss`` (an attribute or key, as HF's outputs have), else of
     the first tensor in the output that requires grad (summed unless a scalar); with none, no
-    backward. The model's gradients are left as they were (those it produces are dropped), and
+    backward. The model's gradients, buffers (batch norm's running statistics) and the random
+    generators are left as they were (what the step produces is dropped), and
     a backward inside an accumulation window (``zerofx.no_sync``, or one not reduced yet) is an
     error: it would join the window's reduction. On a sharded model this is a collective:
     every rank calls it. Returns the report it printed.
@@ -306,6 +307,11 @@ def explain(
     had_grad = {p: p.grad for p in model.parameters()}
     for p in had_grad:
         p.grad = None
+    # and what the step writes besides gradients: buffers (batch norm's running statistics, its
+    # step count) and the random generators (dropout): a run that explains first then trains as
+    # the same run without it
+    had_buffers = {b: b.detach().clone() for b in model.buffers()}
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
     # NOTE: a compiled model's own frames. A module's compiled call (``_compiled_call_impl``, set
     # by zerofx.compile) runs under its own backend, which has no recorder: at a graph break
     # dynamo resumes the frames after it there, and the report would miss them (or every frame,
@@ -327,6 +333,12 @@ def explain(
             m._compiled_call_impl = call
         for p, g in had_grad.items():
             p.grad = g
+        with torch.no_grad():
+            for b, value in had_buffers.items():
+                b.copy_(value)
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state_all(rng[1])
     if not recorder.records:
         raise ZeroFXError(
             f"zerofx.explain: no graph of {type(model).__name__} was compiled, so there is nothing to report: "
