@@ -36,9 +36,8 @@ log = logging.getLogger(__name__)
 def graph_device(gm: fx.GraphModule) -> torch.device | None:
     """The device the graph's kernels would run on: the first non-CPU device any of its tensors
     is on, else the CPU (None: no tensors). Not simply the first tensor's: a GPU graph may take a
-    CPU scalar first (a loss scale, a step count), and was judged a CPU graph (its kernels not
-    launched, the warning pointing at TRITON_INTERPRET). Nodes that mix devices are
-    ``can_lower``'s to refuse, one by one."""
+    CPU scalar first (a loss scale, a step count). Nodes that mix devices are ``can_lower``'s to
+    refuse, one by one."""
     devices = {val.device for n in gm.graph.nodes if isinstance(val := n.meta.get("val"), torch.Tensor)}
     if not devices:
         return None

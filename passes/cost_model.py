@@ -283,10 +283,10 @@ def borrowed_inputs(fw_gm: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs
 
     The caller is taken to hold what a forward returned until that frame's backward returns
     (``predict_step_peak`` counts a forward's outputs until then), as a loop that keeps the
-    model's output object through ``loss.backward()`` does. Freeing a saved output at its last use
-    in the backward as well counted it gone while the caller still held it: an HF causal LM at
-    bf16, whose backward rebuilds the fp32 log-probabilities from the bf16 logits it returned,
-    was planned one logits buffer short (B x S x vocab x 2 bytes)."""
+    model's output object through ``loss.backward()`` does; freeing a saved output at its last
+    use in the backward as well would count it gone while the caller holds it (an HF causal LM at
+    bf16 rebuilds its fp32 log-probabilities from the bf16 logits it returned). A caller that
+    drops the output first (the HF Trainer) is planned high by that buffer, never low."""
     held = {storage_key(n) for n in fw_gm.graph.nodes if n.op == "placeholder"}
     if num_fwd_outputs:
         (outputs,) = [n.args[0] for n in fw_gm.graph.nodes if n.op == "output"]

@@ -649,9 +649,12 @@ def _rank0_only_saving(accelerator, model) -> dict:
     # accelerate's whole-model paths, on every rank: get_state_dict and save_model wrote rank 0's shards
     given = accelerator.get_state_dict(model)
     whole = _full_state(model)  # (save_pretrained may have dropped a tied weight's second name from the last)
-    out["get_state_dict_whole"] = given.keys() == whole.keys() and all(
-        type(given[k]) is torch.Tensor and torch.equal(given[k], whole[k]) for k in whole
-    )
+    if dist.get_rank() == 0:  # the main process: whole tensors; the others nothing (as FSDP2's)
+        out["get_state_dict_whole"] = given.keys() == whole.keys() and all(
+            type(given[k]) is torch.Tensor and torch.equal(given[k], whole[k]) for k in whole
+        )
+    else:
+        out["get_state_dict_whole"] = given == {}
     accelerator.save_model(model, f"{folder}/saved")  # (each rank's own folder: the main process writes)
     if dist.get_rank() == 0:
         written = load_file(f"{folder}/saved/model.safetensors")

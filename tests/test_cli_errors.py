@@ -367,10 +367,10 @@ def test_plan_names_its_own_flags_for_ranks_and_budgets(monkeypatch, capsys):
         raise _Planned
 
     monkeypatch.setattr(planner, "plan", planned)
-    for given in ("10MiB", "0", "0.5", "3GB"):
+    for given in ("10MiB", "0", "0.5", "3GB", "5e-1"):
         with pytest.raises(_Planned):
             main(["plan", "gpt2", "-n", "2", "--activation-budget", given])
-    assert budgets == [10 * 2**20, 0, 0.5, 3 * 10**9], budgets
+    assert budgets == [10 * 2**20, 0, 0.5, 3 * 10**9, 0.5], budgets
 
 
 class _Planned(Exception):

@@ -123,3 +123,17 @@ def test_a_second_model_compiled_in_the_process_starts_with_static_shapes(tmp_pa
         second(x, x).float().backward()
         symbols = [runtime_of(m).compiled.size_symbols for m in (first, second)]
     assert [list(s.values()) for s in symbols] == [[()], [()]], symbols
+
+
+def test_explain_compiles_what_a_model_with_changing_shapes_runs(tmp_path):
+    """Explain compiles the model's call again; with an entry of its own name it compiled static
+    graphs where the model, whose sizes had changed, runs symbolic ones."""
+    from tests.multirank import one_rank_mesh
+
+    with one_rank_mesh(str(tmp_path)) as mesh:
+        torch.manual_seed(0)
+        model = zerofx.compile(torch.nn.Linear(8, 8), mesh, param_dtype=torch.bfloat16)
+        for length in (4, 6):
+            model(torch.randn(2, length, 8)).float().relu().sum().backward()
+        report = zerofx.explain(model, torch.randn(2, 10, 8))
+    assert "dynamic sizes" in report, report

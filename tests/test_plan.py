@@ -701,6 +701,7 @@ def test_refuses_to_run_inside_a_process_group():
 SMALL_LLAMA = dict(vocab_size=512, d_model=128, n_head=4, n_kv_head=2, ffn_hidden=352)
 
 
+@pytest.mark.slow  # two minutes on CI's cores; by-depth planning stays covered there (MoE, split dims)
 def test_planning_by_depth_matches_tracing_every_block():
     """NOTE: planning by depth: 5 blocks planned from traces of 3 and 4 equal the full trace."""
     kwargs = {**SMALL_LLAMA, "n_layer": 5}

@@ -460,3 +460,12 @@ def test_an_hf_model_whose_sequence_length_changes_is_told_to_compile_per_shape(
         assert "compile it with dynamic=False" in got["auto"], got
         assert isinstance(got["False"], list) and len(got["False"]) == 2, got
         assert all(math.isfinite(v) for v in got["False"]), got
+
+
+def test_frames_whose_outputs_are_dtensors_train_like_the_plain_model():
+    """A DTensor activation crossing a graph break, and logits left sharded for loss_parallel:
+    their gradients are DTensors, as AOTAutograd traced them (a check meant for a plain output's
+    DTensor gradient once refused them)."""
+    for rank, r in enumerate(run_ranks(tp_scenarios.dtensor_frame_outputs, 2)):
+        for case, (got, want, worst) in r.items():
+            assert abs(got - want) <= 1e-6 * abs(want) and worst <= 1e-6, (rank, case, got, want, worst)

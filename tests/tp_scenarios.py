@@ -816,3 +816,63 @@ def hf_lengths(rank: int, world: int) -> dict:
         except Exception as e:  # noqa: BLE001 - the test reads the message
             got[str(dynamic)] = f"{type(e).__name__}: {e}"
     return got
+
+
+class _BreakBetweenTP(torch.nn.Module):
+    """A column-parallel Linear whose DTensor output crosses a graph break into a row-parallel one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 12)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(torch.relu(h))
+
+
+def dtensor_frame_outputs(rank: int, world: int) -> dict:
+    """Frames whose outputs are DTensors (an activation crossing a graph break; logits under
+    loss_parallel), whose gradients are DTensors too: the loss and the gradients of a plain
+    twin, per rank, on a (1, world) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
+
+    import zerofx
+    from zerofx.tensor_parallel import parallelize
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    x, y = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 3, 7, 11])
+    out = {}
+    for case in ("graph_break", "loss_parallel"):
+        torch.manual_seed(0)
+        if case == "graph_break":
+            build = _BreakBetweenTP
+            plan = {"a": ColwiseParallel(use_local_output=False), "b": RowwiseParallel(input_layouts=Shard(-1))}
+        else:  # logits left sharded over the classes
+            build = lambda: torch.nn.Sequential(  # noqa: E731
+                torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8), torch.nn.Linear(8, 12)
+            )
+            plan = {
+                "0": ColwiseParallel(),
+                "2": RowwiseParallel(),
+                "3": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+            }
+        model, twin = build(), build()
+        twin.load_state_dict(model.state_dict())
+        parallelize(model, mesh["tp"], plan)
+        model = zerofx.compile(model, mesh["dp"])
+        with loss_parallel() if case == "loss_parallel" else contextlib.nullcontext():
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+        want = torch.nn.functional.cross_entropy(twin(x), y)
+        want.backward()
+        got = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        worst = max(
+            (p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), twin.parameters())
+        )
+        out[case] = (got.item(), want.item(), worst)
+        torch._dynamo.reset()
+    return out

@@ -41,7 +41,7 @@ def _dp_size(mesh: Any, options: dict[str, Any]) -> int | None:
         return None
 
 
-def _enter(fn):
+def _enter(fn, name: str | None = None):
     """A frame outside torch/ around ``fn``: dynamo does not start tracing in torch.nn's own
     frames, so compiling ``Module._call_impl`` directly would skip torch containers such as
     ``nn.Sequential`` and only compile their children.
@@ -51,13 +51,14 @@ def _enter(fn):
     model compiled in a process would share one cache and one limit (a second model's
     shapes would push the first into eager execution). The copy has a name of its own too:
     dynamo's automatic dynamic shapes remember which input sizes changed per (file, line,
-    name), so a second model compiled in the process had its first compile made symbolic by the
-    first model's other input sizes (its graphs symbolic although its shapes never changed)."""
+    name), and one model's sizes must not make another's first compile symbolic.
+    ``name``: a name given before (explain's, to compile what the model runs: with the sizes its
+    entry saw change, symbolic)."""
 
     def zerofx_entry(*args, **kwargs):
         return fn(*args, **kwargs)
 
-    zerofx_entry.__code__ = zerofx_entry.__code__.replace(co_name=f"zerofx_entry_{next(_entries)}")
+    zerofx_entry.__code__ = zerofx_entry.__code__.replace(co_name=name or f"zerofx_entry_{next(_entries)}")
     return zerofx_entry
 
 
@@ -168,7 +169,9 @@ def _compile(
     dynamic = None if opts.codegen.dynamic == "auto" else opts.codegen.dynamic  # None: torch's automatic
     # the guard filter comes with the plain inputs: plain_graph_inputs=False is the build before both
     guards = {"guard_filter_fn": _guard_filter(model)} if runtime.options.plain_graph_inputs else None
-    compiled = torch.compile(_enter(model._call_impl), backend=backend, dynamic=dynamic, options=guards)
+    entry = _enter(model._call_impl)
+    runtime.compiled.entry_name = entry.__code__.co_name
+    compiled = torch.compile(entry, backend=backend, dynamic=dynamic, options=guards)
     model._compiled_call_impl = compiled
     return model
 
@@ -296,7 +299,8 @@ def explain(
 
     cost = runtime.compiled.cost if compiled_with is not None else None  # (calibrated, where it was)
     # the model's own call, as zerofx.compile compiles it: its module paths are the model's
-    compiled = torch.compile(_enter(model._call_impl), backend=make_backend(opts, recorder, cost=cost))
+    entry = _enter(model._call_impl, runtime.compiled.entry_name if compiled_with is not None else None)
+    compiled = torch.compile(entry, backend=make_backend(opts, recorder, cost=cost))
     if backward and runtime is not None and (runtime.pending or not runtime.sync):
         raise ZeroFXError(
             "zerofx.explain(backward=True) inside an accumulation window (zerofx.no_sync) would reduce the "

@@ -105,6 +105,8 @@ class CompileState:
     # every frame this backend compiled, in order: graph_id -> the size symbols of its inputs
     # (empty: static shapes); its length is how many times this compile compiled
     size_symbols: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # the code name of zerofx.compile's entry (zerofx/api.py ``_enter``), which explain reuses
+    entry_name: str | None = None
     # graph_id -> how many of its forward's outputs its caller gets (AOTAutograd's num_fwd_outputs)
     num_fwd_outputs: dict[str, int] = field(default_factory=dict)
 
@@ -426,8 +428,8 @@ def _frame_runner(compiled: Callable, example_inputs: list[Any], frame: _FrameCo
             lockstep.check(digest, lambda: _describe_forward(graph_id, collectives, reads))
         outputs = compiled(*args, **kwargs)
         if trains and torch.is_grad_enabled() and isinstance(outputs, (list, tuple)):
-            for out in outputs:
-                if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            for out in outputs:  # (a DTensor output, tensor parallelism's, was traced with a DTensor gradient)
+                if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) and out.grad_fn is not None:
                     out.register_hook(_refuse_dtensor_gradient)
         return outputs
 
@@ -435,11 +437,10 @@ def _frame_runner(compiled: Callable, example_inputs: list[Any], frame: _FrameCo
 
 
 def _refuse_dtensor_gradient(grad: torch.Tensor) -> None:
-    """Gradient hook of a training frame's outputs. A loss that adds to the model's output a term
-    computed from ``model.parameters()`` outside forward (an L2 penalty: those are this rank's
-    DTensor shards) is a DTensor, and so is the gradient it sends into the compiled frame, which
-    AOTAutograd traced with plain tensors: it failed there with "we guessed its metadata
-    incorrectly ... must implement __coerce_same_metadata_as_tangent__"."""
+    """Gradient hook of a training frame's plain-tensor outputs. A loss that adds to the model's
+    output a term computed from ``model.parameters()`` outside forward (an L2 penalty: those are
+    this rank's DTensor shards) is a DTensor, and so is the gradient it sends into the compiled
+    frame, where AOTAutograd, which traced a plain gradient, fails with an internal error."""
     if isinstance(grad, DTensor):
         raise ZeroFXError(
             "the loss's gradient reaches the zerofx-compiled forward as a DTensor: the loss combines the model's "

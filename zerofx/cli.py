@@ -6,7 +6,6 @@ import argparse
 import decimal
 import fractions
 import math
-import re
 import sys
 
 from zerofx.demo import DemoConfig, check_plotting, run_demo
@@ -421,8 +420,10 @@ def _activation_budget(text: str) -> int | float:
     """``--activation-budget``: bytes (``1048576``, ``10MiB``, ``3GB``) or a fraction (``0.5``)."""
     if text.strip().isdigit():  # 0 included: save nothing the backward can rebuild
         return int(text)
-    if re.fullmatch(r"\s*\d*\.\d*\s*", text) and text.strip() != ".":
-        return float(text)
+    try:
+        return float(text)  # a fraction (0.5, 5e-1); the planner refuses what is not in (0, 1]
+    except ValueError:
+        pass
     try:
         return parse_size(text)
     except ValueError:

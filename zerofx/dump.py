@@ -140,9 +140,8 @@ class Recorder:
 
     def _files(self, write: Callable[[Path], None]) -> None:
         """Run ``write`` on this rank's folder. A failure (a folder that cannot be made, a full
-        disk) ends the dump with one warning instead of the compile it runs in: it failed the
-        frame's compile (FileExistsError, "No space left on device"), on one rank only where only
-        that rank's folder was at fault, and never named the dump."""
+        disk) ends the dump with one warning: a debug aid must not fail the compile it runs in
+        (on one rank only, where only that rank's folder is at fault)."""
         if not self.writes:
             return
         try:

@@ -338,22 +338,25 @@ def _refuse_rank0_state(models: list, *_: Any) -> None:
 
 
 def _gather_state_dicts(accelerator: Any) -> None:
-    """``accelerator.get_state_dict`` (and so ``accelerator.save_model``) of a zerofx model: every
-    entry whole, on the CPU, on every rank, as accelerate's FSDP2 branch returns a full state dict;
-    a collective (an all-gather per sharded entry), so called on every rank, as under FSDP2.
-    accelerate's own branch for such a model is ``model.state_dict()``: the sharded DTensors, of
-    which ``save_model`` wrote rank 0's shards, and a load of that file gave every rank those rows
-    without an error. Other models go to accelerate's method."""
+    """``accelerator.get_state_dict`` (and so ``accelerator.save_model``) of a zerofx model: its
+    entries whole, on the CPU, on the main process, and ``{}`` elsewhere, as accelerate's FSDP2
+    branch gives them (``full_state_dict`` with ``cpu_offload``); a collective (an all-gather per
+    sharded entry), so called on every rank, as under FSDP2. accelerate's own branch for such a
+    model is ``model.state_dict()``: the sharded DTensors, of which ``save_model`` writes rank 0's
+    shards. Other models go to accelerate's method."""
     accelerate_get_state_dict = accelerator.get_state_dict
 
     def get_state_dict(model: Any, unwrap: bool = True) -> dict:
         inner = accelerator.unwrap_model(model)
         if not is_sharded(inner):
             return accelerate_get_state_dict(model, unwrap)
-        return {
-            key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
-            for key, value in inner.state_dict().items()
-        }
+        whole = {}
+        for key, value in inner.state_dict().items():
+            if isinstance(value, DTensor):
+                value = value.full_tensor()  # on every rank: a collective
+            if accelerator.is_main_process:
+                whole[key] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
+        return whole
 
     accelerator.get_state_dict = get_state_dict
 
@@ -372,7 +375,8 @@ def prepare(accelerator: Any, *objects: Any) -> Any:
     rows, silently. Save with ``zerofx.checkpoint.save(folder, model, optimizer)`` on every rank
     (and ``zerofx.checkpoint.load``); the RNG and data-loader state are accelerate's to save as
     before. ``accelerator.get_state_dict`` and ``accelerator.save_model`` of a zerofx model give
-    and write its whole tensors: collectives, called on every rank (as under FSDP2)."""
+    (on the main process) and write its whole tensors: collectives, called on every rank (as under
+    FSDP2)."""
     if not objects:
         raise ZeroFXError("zerofx.hf.prepare(accelerator, *objects) needs at least one object to prepare")
     models = [i for i, obj in enumerate(objects) if is_sharded(obj)]

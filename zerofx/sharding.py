@@ -802,8 +802,7 @@ def _refresh_submodule_after_load(module: nn.Module, incompatible: Any) -> None:
     """Stages 1 and 2: a submodule's own ``load_state_dict`` (a new head, a pretrained backbone
     loaded into ``model.encoder``) renews the whole copies of its parameters, as the model's
     does (a collective: on every rank, as the load itself); the model's load renews them all
-    at its end instead. Before, the next forward refused them as "changed in place", naming
-    ``model.load_state_dict`` among what refreshes by itself."""
+    at its end instead."""
     states = [
         s for p in module.parameters() if (s := getattr(p, "_zerofx_state", None)) is not None and s.full is not None
     ]

@@ -511,6 +511,7 @@ class ModelRuntime:
 
     def refresh(self) -> None:
         """Bring every whole copy up to date with its shard (stages 1 and 2; a collective)."""
+        self.loading_whole_model = False  # (a load that raised before its end left it set)
         eager_buckets.refresh(self.states)
 
     def check_whole_copies(self, uncompiled: bool = False) -> None:
@@ -518,6 +519,7 @@ class ModelRuntime:
         ``uncompiled``: before an uncompiled forward, which also compares the shards' contents."""
         if torch.compiler.is_compiling():
             return  # traced inside the caller's own torch.compile region: checked by no one
+        self.loading_whole_model = False  # no load runs inside a forward (one that raised left it set)
         states = self.whole_copies
         stale = [s.qualname for s in states if s.versions() != s.synced_version]
         if uncompiled and not self.hash_checked:
