@@ -812,32 +812,41 @@ def test_compared_alternatives_drop_what_their_stage_forbids():
     assert {c["stage"]: c for c in _alternatives({"stage": 1}) if "stage" in c}[3] == {"stage": 3}
 
 
-def _measured_step_peak(rank, world, options):
+def _largest_step_peak(rank, model, tokens, step, steps):
     """One rank's step peak (forward + backward above the step's start, the allocator's view),
-    the largest of three steps after one warm-up AdamW step (as benchmarks/plan_accuracy.py)."""
+    the largest over ``steps`` steps after the first (as benchmarks/plan_accuracy.py), with an
+    AdamW step between them: ``step(model, tokens(gen))`` runs one and returns what the caller
+    holds through its backward."""
     import torch.distributed as dist
 
     from zerofx.measure.allocations import AllocationTrace
 
-    torch.set_num_threads(1)
-    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    model = zerofx.compile(build(), mesh, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)
     peaks = []
-    for step in range(4):
-        tokens = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len), generator=gen)
+    for i in range(steps):
+        batch = tokens(gen)
         dist.barrier()
         with AllocationTrace() as trace:
             t0 = trace.mark()
-            model(tokens, tokens).backward()
+            held = step(model, batch)
             t1 = trace.mark()
-        if step:
+        del held
+        if i:
             peaks.append(trace.peak_between(t0, t1) - trace.live_at(t0))
         opt.step()
         opt.zero_grad()
     return max(peaks)
+
+
+def _measured_step_peak(rank, world, options):
+    """``_largest_step_peak`` of the test GPT, three steps after a warm-up one."""
+    torch.set_num_threads(1)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = zerofx.compile(build(), mesh, **options)
+    tokens = lambda gen: torch.randint(0, CFG.vocab_size, (4, CFG.seq_len), generator=gen)  # noqa: E731
+    return _largest_step_peak(rank, model, tokens, lambda m, t: m(t, t).backward(), steps=4)
 
 
 def test_quantized_collectives_plan_the_step_peak_a_real_step_measures():
@@ -890,32 +899,19 @@ HF_MODELS = {"llama": _hf_llama, "t5": _hf_t5}
 
 
 def _measured_hf_step_peak(rank, world, name, options):
-    """``_measured_step_peak`` of ``HF_MODELS[name]``, its output object held through the backward
-    as the plan assumes (and benchmarks/plan_accuracy.py measures)."""
-    import torch.distributed as dist
+    """``_largest_step_peak`` of ``HF_MODELS[name]``, two steps after a warm-up one, its output
+    object held through the backward as the plan assumes (and benchmarks/plan_accuracy.py measures)."""
 
-    from zerofx.measure.allocations import AllocationTrace
+    def step(model, tokens):
+        out = model(input_ids=tokens, labels=tokens)
+        out.loss.backward()
+        return out
 
     torch.set_num_threads(1)
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
     model = zerofx.compile(HF_MODELS[name](), mesh, **options)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(rank)
-    peaks = []
-    for step in range(3):
-        tokens = torch.randint(0, 512, (4, 32), generator=gen)
-        dist.barrier()
-        with AllocationTrace() as trace:
-            t0 = trace.mark()
-            out = model(input_ids=tokens, labels=tokens)
-            out.loss.backward()
-            t1 = trace.mark()
-        del out
-        if step:
-            peaks.append(trace.peak_between(t0, t1) - trace.live_at(t0))
-        opt.step()
-        opt.zero_grad()
-    return max(peaks)
+    tokens = lambda gen: torch.randint(0, 512, (4, 32), generator=gen)  # noqa: E731
+    return _largest_step_peak(rank, model, tokens, step, steps=3)
 
 
 @pytest.mark.parametrize("stage", [3, 1])
