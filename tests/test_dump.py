@@ -38,6 +38,21 @@ def test_an_earlier_runs_files_are_removed_and_nothing_else(tmp_path):
     assert any(n.endswith("_forward") for n in names) and any(n.endswith("_backward") for n in names), names
 
 
+def test_a_restarted_worker_keeps_the_failed_attempts_dump(tmp_path, monkeypatch):
+    """torchrun's elastic agent restarts failed workers in the same folder: the restarted run
+    cleared the dump of the attempt that failed, the one the user needs."""
+    rank_dir = tmp_path / "rank0"
+    (rank_dir / "frame0_forward").mkdir(parents=True)
+    (rank_dir / "summary.txt").write_text("the failed attempt's summary")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    _step(torch.compile(_model(), backend=make_backend(Options(dump_dir=str(tmp_path)))), 3)
+    assert (rank_dir / "summary.txt").read_text() == "the failed attempt's summary"
+    assert (rank_dir / "frame0_forward").is_dir()
+    restarted = tmp_path / "restart2" / "rank0"
+    assert "frame" in (restarted / "summary.txt").read_text()
+    assert any(p.name.endswith("_backward") for p in restarted.iterdir())
+
+
 def test_a_dump_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path):
     """A rank folder that became a file (or a full disk) failed the frame's compile with
     FileExistsError / "No space left on device", on that rank alone, never naming the dump."""

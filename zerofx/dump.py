@@ -1,7 +1,8 @@
 """Debug dumps: what every pass did to every graph, as files (``ZEROFX_DUMP``) or a report.
 
 Layout written under ``<dump_dir>/rank<R>/`` (one folder per rank: graphs differ by rank when
-shards are uneven)::
+shards are uneven; ``<dump_dir>/restart<N>/rank<R>/`` in a worker torchrun restarted, so a
+failed attempt's dump survives the next)::
 
     summary.txt                     every graph, every pass: node deltas, collectives (dtype on
                                     the wire, bytes; quantized ones also the bytes before), saved values
@@ -121,6 +122,19 @@ def _clear_earlier_run(folder: Path) -> None:
             shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 
+def rank_folder(dump_dir: str | os.PathLike) -> Path:
+    """This rank's folder under ``dump_dir``: ``rank<R>``, or ``restart<N>/rank<R>`` in a
+    worker torchrun's elastic agent restarted (``TORCHELASTIC_RESTART_COUNT`` N > 0), so that
+    the restarted run, which clears its folder of an earlier run's files, keeps the dump of the
+    attempt that failed."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    base = Path(dump_dir)
+    if restart.isdigit() and int(restart) > 0:
+        base = base / f"restart{int(restart)}"
+    return base / f"rank{rank}"
+
+
 @dataclass
 class Recorder:
     """Observer for ``run_pipeline`` that keeps every pass's result and, optionally, writes it
@@ -225,8 +239,7 @@ class Recorder:
         return "\n".join(out)
 
     def _rank_dir(self) -> Path:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        return Path(self.dump_dir) / f"rank{rank}"
+        return rank_folder(self.dump_dir)
 
     def _write(self, rank_dir: Path, record: PassRecord) -> None:
         folder = rank_dir / f"{record.graph_id}_{record.kind}"
