@@ -345,7 +345,8 @@ def scenarios(rank: int, world: int) -> dict:
     def submodule_load():
         """At stages 1 and 2, a new head loaded into a submodule mid-training
         (``model.layers[2].load_state_dict``): the loss after it, against the plain model's
-        (the forward refused the whole copies as changed in place before)."""
+        (the forward refused the whole copies as changed in place before); and the all-gathers
+        a load into ``model.layers`` (three Linears) refreshes with (one per Linear before)."""
         from tests.models import MLP
 
         got = {}
@@ -368,6 +369,9 @@ def scenarios(rank: int, world: int) -> dict:
                 got[f"stage{stage}"] = (mean_over_ranks(model(x[mine], y[mine])), ref(x, y).item())
             except Exception as e:  # dynamo wraps what a backend raises
                 got[f"stage{stage}"] = str(e)
+            with zerofx.CollectiveCounter() as comm:  # a load into a module over three Linears
+                model.layers.load_state_dict(ref.layers.state_dict())
+            got[f"gathers_stage{stage}"] = comm.calls["all_gather"]
             torch._dynamo.reset()
         return got
 

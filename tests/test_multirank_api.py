@@ -231,10 +231,12 @@ def test_lockstep_checks_of_a_mesh_on_nccl_run_on_gloo_groups_of_the_same_ranks(
 
 def test_a_submodule_loaded_mid_training_refreshes_its_whole_copies(results):
     for r in _get(results, "submodule_load"):
-        assert set(r) == {"stage1", "stage2"}, r
-        for stage, got in r.items():
+        assert set(r) == {"stage1", "stage2", "gathers_stage1", "gathers_stage2"}, r
+        for stage in ("stage1", "stage2"):
+            got = r[stage]
             assert isinstance(got, tuple), (stage, got)
             assert abs(got[0] - got[1]) <= 1e-6 * abs(got[1]), (stage, got)
+            assert r[f"gathers_{stage}"] == 1, r  # one bucketed refresh for the whole load
 
 
 def test_a_penalty_over_the_shards_outside_forward_is_a_clear_error(results):

@@ -784,29 +784,31 @@ def _expect_loading(model: nn.Module, runtime: ModelRuntime) -> None:
     model.register_load_state_dict_post_hook(loaded)
 
 
-def _refresh_after_load(model: nn.Module, incompatible: Any) -> None:
-    """Stages 1 and 2: ``load_state_dict`` renews the whole copies (a module-level function, not
-    a closure over the runtime, so that a deepcopy of the model refreshes its own)."""
-    runtime = runtime_of(model)
-    runtime.loading_whole_model = False
-    runtime.refresh()
-
-
-def _loading_whole_model(model: nn.Module, *args: Any) -> None:
-    """Pre-hook of the model's ``load_state_dict``: its post-hook refreshes every whole copy, so
-    the submodules' hooks, which run during the same load, leave theirs to it."""
-    runtime_of(model).loading_whole_model = True
-
-
-def _refresh_submodule_after_load(module: nn.Module, incompatible: Any) -> None:
-    """Stages 1 and 2: a submodule's own ``load_state_dict`` (a new head, a pretrained backbone
-    loaded into ``model.encoder``) renews the whole copies of its parameters, as the model's
-    does (a collective: on every rank, as the load itself); the model's load renews them all
-    at its end instead."""
-    states = [
+def _whole_copy_states(module: nn.Module) -> list:
+    return [
         s for p in module.parameters() if (s := getattr(p, "_zerofx_state", None)) is not None and s.full is not None
     ]
-    if states and not states[0].runtime.loading_whole_model:
+
+
+def _begin_load(module: nn.Module, *args: Any) -> None:
+    """Pre-hook of ``load_state_dict`` on the model and on every submodule holding parameters
+    with whole copies (stages 1 and 2): the outermost module a load starts from (the model, a
+    new head loaded into ``model.head``, a pretrained backbone into ``model.encoder``) is the
+    one whose post-hook refreshes. torch runs every submodule's hooks within one load, the
+    post-hooks innermost first: refreshing in each would all-gather once per module, and
+    twice for a module's children."""
+    states = _whole_copy_states(module)
+    if states and states[0].runtime.loading_root is None:
+        states[0].runtime.loading_root = module
+
+
+def _end_load(module: nn.Module, incompatible: Any) -> None:
+    """Post-hook beside ``_begin_load``: the load's outermost module renews the whole copies of
+    every parameter it holds (a collective: on every rank, as the load itself; one bucketed
+    all-gather per group and dtype)."""
+    states = _whole_copy_states(module)
+    if states and states[0].runtime.loading_root is module:
+        states[0].runtime.loading_root = None
         eager_buckets.refresh(states)
 
 
@@ -1502,13 +1504,10 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
     if not on_meta:  # built on meta, the shards hold nothing yet: every loader refreshes after loading
         runtime.refresh()
     if runtime.whole_copies:
-        model.register_load_state_dict_pre_hook(_loading_whole_model)
-        model.register_load_state_dict_post_hook(_refresh_after_load)
-        for module in model.modules():
-            if module is not model and any(
-                getattr(p, "_zerofx_state", None) is not None for p in module._parameters.values()
-            ):
-                module.register_load_state_dict_post_hook(_refresh_submodule_after_load)
+        for module in model.modules():  # module-level hooks: a deepcopy of the model refreshes its own
+            if _whole_copy_states(module):
+                module.register_load_state_dict_pre_hook(_begin_load)
+                module.register_load_state_dict_post_hook(_end_load)
         model.register_forward_pre_hook(_check_whole_copies)
     if any(s.shard_group.size > 1 or s.replicate_group is not None for s in runtime.states):
         model.register_forward_pre_hook(_refuse_added_parameters)

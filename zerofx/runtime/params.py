@@ -474,7 +474,7 @@ class ModelRuntime:
     unloaded: set = field(default_factory=set)  # built on meta: names not loaded yet (zerofx/sharding.py)
     unloaded_hook: Any = None  # the forward pre-hook that refuses to run while ``unloaded``
     hash_checked: bool = False  # uncompiled forwards compare shard hashes (NOTE: stale whole copies)
-    loading_whole_model: bool = False  # inside model.load_state_dict: it refreshes every whole copy at its end
+    loading_root: Any = None  # the module a running load_state_dict started from: it refreshes (zerofx/sharding.py)
     warned_unquantized: bool = False  # said once that no_sync's reduction ignores quantize_grads
     lockstep: Any = None  # the lockstep checks' groups (zerofx/runtime/lockstep.py); None: one rank, fake groups
 
@@ -511,7 +511,7 @@ class ModelRuntime:
 
     def refresh(self) -> None:
         """Bring every whole copy up to date with its shard (stages 1 and 2; a collective)."""
-        self.loading_whole_model = False  # (a load that raised before its end left it set)
+        self.loading_root = None  # (a load that raised before its end left it set)
         eager_buckets.refresh(self.states)
 
     def check_whole_copies(self, uncompiled: bool = False) -> None:
@@ -519,7 +519,7 @@ class ModelRuntime:
         ``uncompiled``: before an uncompiled forward, which also compares the shards' contents."""
         if torch.compiler.is_compiling():
             return  # traced inside the caller's own torch.compile region: checked by no one
-        self.loading_whole_model = False  # no load runs inside a forward (one that raised left it set)
+        self.loading_root = None  # no load runs inside a forward (one that raised left it set)
         states = self.whole_copies
         stale = [s.qualname for s in states if s.versions() != s.synced_version]
         if uncompiled and not self.hash_checked:
