@@ -390,7 +390,7 @@ def _save_aliasing_shards(self: nn.Module, destination: dict, prefix: str, keep_
 def _copy_local(local: torch.Tensor, memo: dict) -> torch.Tensor:
     """A copy of a local shard over the copy of its storage (torch's storage deepcopy memoizes
     storages, so a shard and the whole copy it is a view of stay aliased), without its
-    attributes: the local optimizer step leaves zerofx's state on it, which leads to parameters
+    attributes: zerofx's state, set on it while a local optimizer step runs, leads to parameters
     not copied yet."""
     if id(local) in memo:
         return memo[id(local)]

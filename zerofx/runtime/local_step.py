@@ -382,6 +382,9 @@ def _on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         locals_ = {}
         for p, local in local_of.items():
             local.grad = None
+            # the shard is also the state_dict's value at stages 1-2 (_save_aliasing_shards): left
+            # on it, the state pickled with it (process groups: torch.save failed from step 2 on)
+            local.__dict__.pop("_zerofx_state", None)
             locals_[local] = p
         for key, entry in local_state.items():
             p = locals_.get(key)
