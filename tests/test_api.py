@@ -807,6 +807,37 @@ def test_a_retained_graph_backpropagates_twice_after_the_first_step(one_rank):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_a_deleted_model_takes_its_compiled_graphs_with_it(one_rank, param_dtype):
+    """dynamo keeps a frame's compiled graphs in the frame's globals and drops them only when the
+    code they were compiled to dies, which a cycle through C fields never lets happen: every
+    model's graphs (and what they hold) stayed alive for the life of the process, and a job
+    building models in a loop (a sweep, a notebook) grew by every model (NOTE: compiled graphs
+    die with the model, zerofx/api.py)."""
+    import gc
+    import weakref
+
+    from torch import fx
+
+    def graph_modules() -> list:  # (a dead weakref.proxy raises on isinstance)
+        return [o for o in gc.get_objects() if type(o) not in weakref.ProxyTypes and isinstance(o, fx.GraphModule)]
+
+    gc.collect()
+    before = {id(g) for g in graph_modules()}
+    base = nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 4))
+    model = zerofx.compile(base, one_rank, param_dtype=param_dtype)
+    x, y = torch.randn(3, 12), torch.randn(3, 4)
+    nn.functional.mse_loss(model(x), y).backward()
+    made = [g for g in graph_modules() if id(g) not in before]
+    assert len(made) >= 2  # the compile made graphs: the check below can fail
+    alive = [weakref.ref(g) for g in made]
+    del made, model, base  # (compile returns the model it was given)
+    gc.collect()  # the model, whose entry's end drops dynamo's caches of it
+    gc.collect()  # and then the graphs they held
+    assert [r for r in alive if r() is not None] == []
+    torch._dynamo.reset()
+
+
 class _Outputs(nn.Module):
     """A model whose output is a dict with a loss, or a tuple starting with None, taking keywords."""
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import itertools
 import re
+import types
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -58,8 +61,35 @@ def _enter(fn, name: str | None = None):
     def zerofx_entry(*args, **kwargs):
         return fn(*args, **kwargs)
 
-    zerofx_entry.__code__ = zerofx_entry.__code__.replace(co_name=name or f"zerofx_entry_{next(_entries)}")
-    return zerofx_entry
+    code = zerofx_entry.__code__.replace(co_name=name or f"zerofx_entry_{next(_entries)}")
+    # globals of its own, for what dynamo stores there (NOTE: compiled graphs die with the model)
+    scope = {"__builtins__": builtins, "__name__": __name__}
+    entry = types.FunctionType(code, scope, code.co_name, None, zerofx_entry.__closure__)
+    weakref.finalize(entry, _forget_compiled, code, scope).atexit = False
+    return entry
+
+
+# NOTE: compiled graphs die with the model
+# dynamo keeps a frame's compiled graphs in the frame's globals (``__compiled_fn_*``), with a
+# hook that removes them once the code object it compiled to dies. That may never happen: the
+# compiled code hangs off the entry's code object (its cache entries), and dynamo's map from
+# compiled code back to the code it came from holds the entry's code strongly, a cycle through C
+# fields the garbage collector cannot see (and with param_dtype set, something outside Python
+# still held the compiled code after its cache entries were gone). Every model's graphs (and what
+# they hold: constants, the backend's state) stayed alive for the life of the process, growing a
+# sweep or a notebook by every model it built. Each entry has globals of its own, and when the
+# entry dies (with the model that holds it) the cache entries of its code are dropped and the
+# compiled graphs in its globals let go (set to None: dynamo's hook deletes the names if it ever
+# runs). Frames dynamo compiles apart from the entry (a module's ``forward`` after a graph break
+# inside it) live on that module class's code, shared by its instances, as under torch.compile:
+# at most ``recompile_limit`` of them per code object.
+
+
+def _forget_compiled(code: types.CodeType, scope: dict) -> None:
+    torch._dynamo.reset_code(code)
+    for name in list(scope):
+        if name.startswith(("__compiled_fn", "__resume")):
+            scope[name] = None
 
 
 _entries = itertools.count()
