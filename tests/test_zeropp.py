@@ -167,6 +167,16 @@ def test_hpz_backward_gathers_inside_the_inner_dimension_only(runs):
         assert plain["secondary_bytes"] == 0
 
 
+def test_hpz_backward_gathers_inside_the_inner_dimension_in_an_accumulation_window_too(runs):
+    """Under zerofx.no_sync (every micro-batch but the last of a window), the backward re-gathered
+    over the whole mesh: hpZ saved nothing on what accumulation runs most."""
+    for rank, result in enumerate(runs(4)):
+        hpz = result["hpz_mlp_no_sync"]
+        secondary = [_secondary_numel(shape, 2, rank % 2) for shape in MLP_SHAPES]
+        assert hpz["by_dim"]["backward_no_sync"] == {("all_gather", "inner"): _wire(None, secondary, 2)}
+        assert hpz["by_dim"]["backward"] == result["hpz_mlp"]["by_dim"]["backward"]  # the window's last
+
+
 def test_hpz_trains_bit_for_bit_like_zero3_over_every_rank(runs):
     for result in runs(4):
         for plain, hpz in (

@@ -30,6 +30,10 @@ def _dims(mesh, model) -> dict[str, str]:
 
 
 def train(mesh, case_name: str, options: dict, steps: int) -> dict:
+    """``options["no_sync_first"]``: each step starts with a micro-batch under zerofx.no_sync
+    (its backward's collectives counted as the phase "backward_no_sync")."""
+    options = dict(options)
+    no_sync_first = options.pop("no_sync_first", False)
     rank, world = dist.get_rank(), dist.get_world_size()
     case = CASES[case_name]
     torch.manual_seed(0)
@@ -44,7 +48,12 @@ def train(mesh, case_name: str, options: dict, steps: int) -> dict:
     for step in range(steps):
         x, y = case.batch(PER_RANK * world, gen)
         mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        fw, bw = zerofx.CollectiveCounter(), zerofx.CollectiveCounter()
+        fw, bw, early = zerofx.CollectiveCounter(), zerofx.CollectiveCounter(), zerofx.CollectiveCounter()
+        if no_sync_first:
+            with zerofx.no_sync(model):
+                early_loss = model(x[mine], y[mine])
+                with early:
+                    early_loss.backward()
         with fw:
             loss = model(x[mine], y[mine])
         with bw:
@@ -55,7 +64,7 @@ def train(mesh, case_name: str, options: dict, steps: int) -> dict:
         dist.all_reduce(total)
         out["losses"].append(total.item() / world)
         if step == 0:
-            for phase, c in (("forward", fw), ("backward", bw)):
+            for phase, c in (("forward", fw), ("backward", bw), ("backward_no_sync", early)):
                 out["comm"][phase] = dict(c.bytes)
                 by_dim: Counter = Counter()
                 for (kind, group), nbytes in c.by_group.items():
@@ -195,6 +204,7 @@ W4 = {
     "flat_mlp": ("mlp", dict(BYTES), 3),
     "hpz_mlp": ("mlp", dict(BYTES, secondary_shard=True), 3),
     "hpz_mlp_off": ("mlp", dict(BYTES, secondary_shard=True, disable_passes=("secondary",)), 3),
+    "hpz_mlp_no_sync": ("mlp", dict(BYTES, secondary_shard=True, no_sync_first=True), 2),
     "flat_gpt": ("gpt", {}, 3),
     "hpz_gpt": ("gpt", dict(secondary_shard=True), 3),
     "hpz_gpt_all": ("gpt", dict(secondary_shard=True, quantize_weights="int8", quantize_grads="int4"), 3),
