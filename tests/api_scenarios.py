@@ -572,6 +572,17 @@ def scenarios(rank: int, world: int) -> dict:
             "shared": again.groups == [twin],
         }
 
+    def outside_mesh():
+        """A mesh over rank 0 alone (torch lets a mesh leave ranks out): zerofx.compile on rank 1
+        raised a bare IndexError from deep inside, and the ranks of the mesh went on alone."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        try:
+            zerofx.compile(torch.nn.Linear(4, 4), DeviceMesh("cpu", [0]))
+        except Exception as e:
+            return {"raised": f"{type(e).__name__}: {e}"}
+        return {"raised": None}
+
     attempt("explain", explain)
     attempt("explain_whole_copies", explain_whole_copies)
     attempt("two_step_pairing", two_step_pairing)
@@ -590,6 +601,7 @@ def scenarios(rank: int, world: int) -> dict:
     attempt("lockstep_twin", lockstep_twin)
     attempt("ranks_disagree", lambda: ranks_disagree(rank, world, mesh))
     attempt("accumulation_windows", lambda: accumulation_windows(rank, mesh))
+    attempt("outside_mesh", outside_mesh)
     return out
 
 

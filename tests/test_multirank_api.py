@@ -229,6 +229,15 @@ def test_lockstep_checks_of_a_mesh_on_nccl_run_on_gloo_groups_of_the_same_ranks(
         assert r["raised"] is not None and "rank(s) [0]: digest 0; rank(s) [1]: digest 1" in r["raised"], r
 
 
+def test_a_rank_outside_the_mesh_is_told_so(results):
+    rank0, rank1 = _get(results, "outside_mesh")
+    assert rank0["raised"] is None, rank0  # the mesh's own rank shards alone
+    assert rank1["raised"] == (
+        "ZeroFXError: this rank (1) is not in the mesh (ranks [0]): call zerofx.compile only on the ranks of its "
+        "mesh, or build the mesh over every rank"
+    ), rank1
+
+
 def test_a_submodule_loaded_mid_training_refreshes_its_whole_copies(results):
     for r in _get(results, "submodule_load"):
         assert set(r) == {"stage1", "stage2", "gathers_stage1", "gathers_stage2"}, r

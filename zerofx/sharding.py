@@ -99,6 +99,11 @@ def resolve_mesh(model: nn.Module, mesh: DeviceMesh | None, on_meta: bool = Fals
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise ZeroFXError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.get_coordinate() is None:  # (torch lets a mesh leave ranks out; they have nothing to shard over)
+        raise ZeroFXError(
+            f"this rank ({dist.get_rank()}) is not in the mesh (ranks {mesh.mesh.flatten().tolist()}): call "
+            "zerofx.compile only on the ranks of its mesh, or build the mesh over every rank"
+        )
     if mesh.ndim not in (1, 2):
         raise ZeroFXError(
             f"mesh: zerofx shards over a 1-D mesh (shard) or a 2-D mesh (replicate, shard) for hybrid "
