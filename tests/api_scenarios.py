@@ -78,7 +78,8 @@ class _KeptReferences(torch.nn.Module):
         return torch.nn.functional.mse_loss(x @ self.ws[0].t() @ self.ws[1].t() @ self.ws[2].t(), y)
 
 
-def scenarios(rank: int, world: int) -> dict:
+def scenarios(rank: int, world: int, folder: str) -> dict:
+    """``folder``: shared by the ranks, for checkpoints."""
     mesh = init_device_mesh("cpu", (world,))
     out: dict = {}
 
@@ -583,7 +584,36 @@ def scenarios(rank: int, world: int) -> dict:
             return {"raised": f"{type(e).__name__}: {e}"}
         return {"raised": None}
 
+    def dcp_gathers():
+        """torch's DCP state-dict helpers resolve each parameter's name by getattr on its module,
+        which zerofx's module attribute answers with the whole parameter, gathered: at stage 3
+        get_state_dict gathered the whole model twice, zerofx.checkpoint.save three times and
+        load seven, for names alone. The all-gathers of each (one for a read, as the control)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from tests.models import MLP
+
+        torch.manual_seed(0)
+        model = zerofx.compile(MLP(), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(3)
+        model(torch.randn(4, 16, generator=gen), torch.randn(4, 8, generator=gen)).backward()
+        opt.step()
+        where = f"{folder}/dcp_gathers"
+        calls = {}
+        for name, fn in (
+            ("read", lambda: model.layers[0].weight),
+            ("get_state_dict", lambda: get_state_dict(model, opt)),
+            ("save", lambda: zerofx.checkpoint.save(where, model, opt)),
+            ("load", lambda: zerofx.checkpoint.load(where, model, opt)),
+        ):
+            with zerofx.CollectiveCounter() as comm:
+                fn()
+            calls[name] = comm.calls["all_gather"]
+        return calls
+
     attempt("explain", explain)
+    attempt("dcp_gathers", dcp_gathers)
     attempt("explain_whole_copies", explain_whole_copies)
     attempt("two_step_pairing", two_step_pairing)
     attempt("eager_sharded", eager_sharded)

@@ -14,8 +14,8 @@ WORLD = 2
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(scenarios, WORLD)
+def results(tmp_path_factory):
+    return run_ranks(scenarios, WORLD, str(tmp_path_factory.mktemp("api_scenarios")))
 
 
 def _get(results, name):
@@ -227,6 +227,11 @@ def test_lockstep_checks_of_a_mesh_on_nccl_run_on_gloo_groups_of_the_same_ranks(
     for r in _get(results, "lockstep_twin"):
         assert r["twin"] and r["backend"] == "gloo" and r["shared"], r
         assert r["raised"] is not None and "rank(s) [0]: digest 0; rank(s) [1]: digest 1" in r["raised"], r
+
+
+def test_checkpoints_and_torchs_state_dict_helpers_gather_no_parameter(results):
+    for r in _get(results, "dcp_gathers"):
+        assert r == {"read": 1, "get_state_dict": 0, "save": 0, "load": 0}, r
 
 
 def test_a_rank_outside_the_mesh_is_told_so(results):

@@ -36,6 +36,7 @@ import copy
 import functools
 import logging
 import math
+import sys
 import types
 import warnings
 import weakref
@@ -260,6 +261,17 @@ def _as_gathered_copy(value: torch.Tensor, qualname: str, param: nn.Parameter | 
     return copy
 
 
+def _resolving_names() -> bool:
+    """Whether the caller's caller is torch's DCP state-dict helpers' name resolution
+    (``torch.distributed.checkpoint.state_dict._get_fqns``), which walks a parameter's dotted
+    name by ``getattr`` and keeps only the names: each read through the property below was a
+    whole-parameter all-gather, so ``get_state_dict`` gathered the whole model twice and
+    ``zerofx.checkpoint.load`` seven times, for nothing (FSDP2's parameters are plain attributes)."""
+    helpers = sys.modules.get("torch.distributed.checkpoint.state_dict")
+    names = getattr(helpers, "_get_fqns", None)
+    return names is not None and sys._getframe(2).f_code is getattr(names, "__code__", None)
+
+
 def _gathered_property(name: str) -> property:
     def gathered(self: nn.Module) -> torch.Tensor:
         state = self._zerofx_params[name]
@@ -271,6 +283,8 @@ def _gathered_property(name: str) -> property:
             # torch; only writing into ``_parameters`` directly could leave one there for good
             return held
         if not torch.compiler.is_compiling():
+            if _resolving_names():
+                return held  # the shard itself: the caller wants the name, not the values
             state.check_uncompiled_read()
         value = state.forward_value(self._parameters[name])
         if torch.compiler.is_compiling() or type(value) is not torch.Tensor:
