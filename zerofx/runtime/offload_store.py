@@ -247,7 +247,6 @@ def place_model_state(model: torch.nn.Module, options) -> str:
                 "a file can hold; shard with the same option (zerofx.shard(model, mesh, stage=..., "
                 "offload_optimizer='disk')) or let zerofx.compile shard the model"
             )
-        store = DiskStore(options.offload_dir)
         for p in params:
             if _local(p).device.type != "cpu":
                 raise ZeroFXError(
@@ -255,7 +254,20 @@ def place_model_state(model: torch.nn.Module, options) -> str:
                     f"which the device reads directly only on CPU; this model is on "
                     f"{_local(p).device}: use offload_optimizer='host'"
                 )
-            store.adopt(p)
+        failed = None
+        try:  # a rank's own disk (full, removed) fails there alone: every rank stops, none goes on to wait
+            store = DiskStore(options.offload_dir)
+            for p in params:
+                store.adopt(p)
+        except (OSError, ZeroFXError) as e:
+            failed = e
+        if _any_rank_failed(_agree_groups(params), failed is not None) or failed is not None:
+            if failed is not None:
+                raise failed
+            raise ZeroFXError(
+                "offload_optimizer='disk': another rank could not put its parameter shards in files under its "
+                "offload_dir, so zerofx.compile stopped on every rank (that rank's error says why)"
+            )
     for p in params:
         _param_store[p] = (tier, store, window)
     for state in runtime.whole_copies:
