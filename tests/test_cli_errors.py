@@ -334,6 +334,19 @@ def test_plan_without_ranks_names_the_flags(monkeypatch, capsys):
     )
 
 
+@pytest.mark.parametrize("command", [["demo"], ["verify", "tests.verify_models:mlp"]])
+def test_demo_and_verify_under_torchrun_say_they_start_their_own_ranks(command, monkeypatch, capsys):
+    """Under torchrun every worker started its own --world-size ranks: the run and its report
+    twice (or N times), each writing the same --json and dump files."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1234")
+    with pytest.raises(SystemExit) as exit_:
+        main(command)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"zerofx {command[0]}: error: zerofx {command[0]} starts its own ranks (--world-size); run it as a " in err
+    assert err.rstrip().endswith("not under torchrun"), err
+
+
 @pytest.mark.parametrize("command", [["plan", "gpt2", "-n", "2"], ["demo"], ["verify", "m:f"], ["convert", "a", "b"]])
 def test_an_unknown_flag_is_the_subcommands_error_with_its_usage(command, capsys):
     """argparse reported an unknown flag under the top-level usage (``usage: zerofx [-h]

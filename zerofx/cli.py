@@ -6,6 +6,7 @@ import argparse
 import decimal
 import fractions
 import math
+import os
 import sys
 
 from zerofx.demo import DemoConfig, check_plotting, run_demo
@@ -94,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = sub.choices[args.command]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command in ("demo", "verify") and "TORCHELASTIC_RUN_ID" in os.environ:
+        # every torchrun worker would start its own --world-size ranks: N copies of the run, each
+        # printing its report and writing the same --json and dump files
+        parser.error(
+            f"zerofx {args.command} starts its own ranks (--world-size); run it as a plain command, not under torchrun"
+        )
 
     if args.command == "demo":
         _check_demo_sizes(parser, args, d.heads)
