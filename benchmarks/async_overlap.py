@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): this 
 
     import_checkout()
 
-from benchmarks._launch import launch_local, median_time  # noqa: E402
+from benchmarks._launch import launch_local, median_time, positive_int  # noqa: E402
 from zerofx.ir.collectives import all_gather  # noqa: E402
 
 F = torch.ops._c10d_functional
@@ -74,10 +74,10 @@ def _rank_main(args) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--world-size", type=positive_int, default=2)
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16])
     parser.add_argument("--matmuls", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=positive_int, default=7)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = launch_local(_rank_main, args.world_size, args)[0]

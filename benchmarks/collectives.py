@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): this 
 
     import_checkout()
 
-from benchmarks._launch import launch_local, markdown_table, median_time, write_json  # noqa: E402
+from benchmarks._launch import launch_local, markdown_table, median_time, positive_int, write_json  # noqa: E402
 
 SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)  # input bytes (fp32)
 KINDS = ("reduce_scatter", "all_to_all+sum", "pair_reduce_scatter", "all_reduce", "all_gather", "pair_exchange")
@@ -99,8 +99,8 @@ def run_world(world: int, sizes: tuple[int, ...], repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--world-sizes", type=positive_int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=positive_int, default=30)
     parser.add_argument("--json", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     rows = []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -35,7 +36,7 @@ if __package__ in (None, ""):  # run as a script (python benchmarks/x.py): this 
 
     import_checkout()
 
-from benchmarks._launch import launch_local, markdown_table, write_json  # noqa: E402
+from benchmarks._launch import launch_local, markdown_table, positive_int, write_json  # noqa: E402
 
 WAYS = ("per-step", "gathered", "unsharded")
 
@@ -108,7 +109,7 @@ def _rank_main(hidden: int, layers: int, vocab: int, batch: int, prompt: int, ne
                     start = time.perf_counter()
                     fns[way]()
                     times[way].append(_slowest(time.perf_counter() - start))
-        out = {w: sorted(ts)[len(ts) // 2] for w, ts in times.items()}
+        out = {w: statistics.median(ts) for w, ts in times.items()}
         out["gathered_bytes"] = held["nbytes"]
         out["params"] = sum(p.numel() for p in reference.parameters())
         return out
@@ -118,14 +119,14 @@ def _rank_main(hidden: int, layers: int, vocab: int, batch: int, prompt: int, ne
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
+    parser.add_argument("--world-sizes", type=positive_int, nargs="+", default=[2])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--json", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     rows, lines = [], []

@@ -853,6 +853,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in args.sections.split(",") if n and n not in SECTIONS]
     if unknown:
         parser.error(f"--sections: unknown section(s) {', '.join(unknown)}: choose from {', '.join(SECTIONS)}")
+    if args.budget_s < MIN_SECTION_S:  # every section would be skipped: a run that checked nothing
+        parser.error(f"--budget-s: at least {MIN_SECTION_S:.0f} s (a section with less left is skipped)")
     if args.cpu_smoke:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.child:
@@ -889,7 +891,8 @@ def main(argv: list[str] | None = None) -> int:
         _write(args, env, results, started)  # a run cut short still leaves every section done so far
     print("\n" + _write(args, env, results, started))
     bad = [n for n, r in results.items() if r["status"] in ("failed", "degraded") and not r.get("expected")]
-    return 1 if bad else 0
+    ran = [n for n, r in results.items() if r["status"] != "skipped"]
+    return 1 if bad or not ran else 0  # nothing ran (the budget): not a pass
 
 
 if __name__ == "__main__":

@@ -460,9 +460,16 @@ def combine(size: str, world: int, launches: list[list[dict]], single: dict | No
     per_launch = [summarize(size, world, per_rank, single if i == 0 else None) for i, per_rank in enumerate(launches)]
     rows = []
     for row in per_launch[0]:
-        same = [r for rows_ in per_launch for r in rows_ if r["method"] == row["method"] and "error" not in r]
-        if "error" in row or len(same) != len(launches) or row["method"].startswith("single"):
+        if row["method"].startswith("single"):
             rows.append(row)
+            continue
+        mine = [r for rows_ in per_launch for r in rows_ if r["method"] == row["method"]]
+        same = [r for r in mine if "error" not in r]
+        if len(same) != len(launches):  # a launch it failed in: not a median over the others, unsaid
+            failed = [i + 1 for i, r in enumerate(mine) if "error" in r]
+            first = next(r for r in mine if "error" in r)
+            where = "" if len(launches) == 1 else f"launch(es) {failed} of {len(launches)}: "
+            rows.append({**first, "error": where + first["error"]})
             continue
         ratios = [r["ratio_to_fsdp2"] for r in same if r["ratio_to_fsdp2"] is not None]
         merged = dict(row)  # comm and state bytes do not change between launches
@@ -472,6 +479,10 @@ def combine(size: str, world: int, launches: list[list[dict]], single: dict | No
         merged["ratio_lo"], merged["ratio_hi"] = (min(ratios), max(ratios)) if ratios else (None, None)
         merged["launches"] = len(same)
         rows.append(merged)
+    fsdp2 = next((r for r in rows if r["method"] == "fsdp2" and "error" not in r), None)
+    for r in rows:  # against the FSDP2 row printed beside it (the median), not launch 1's
+        if r["method"].startswith("single"):
+            r["ratio_to_fsdp2"] = r["step_s"] / fsdp2["step_s"] if fsdp2 else None
     return rows
 
 

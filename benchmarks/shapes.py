@@ -106,7 +106,7 @@ def _rows(result: dict, lengths: list[int]) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--world-size", type=positive_int, default=2)
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 48, 64, 80, 96, 112, 128])
     parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--stage", type=int, default=3)

@@ -25,6 +25,13 @@ _CACHE_SWITCH_BEFORE = os.environ.get(_CACHE_SWITCH)  # at collection, before an
         ("peers.py", ["--from-json", "/no/such/rows.json"], ["--from-json", "/no/such/rows.json"]),
         ("step_breakdown.py", ["--methods", "ddp", "bogus"], ["--methods", "bogus", "zerofx_tuned"]),
         ("plan_accuracy.py", ["--only", "nosuch"], ["--only", "nosuch", "hf-llama"]),
+        ("gpu_check.py", ["--budget-s", "-5"], ["--budget-s", "at least 15 s"]),
+        ("generate.py", ["--repeats", "0"], ["--repeats", "positive"]),
+        ("generate.py", ["--world-sizes", "0"], ["--world-sizes", "positive"]),
+        ("collectives.py", ["--repeats", "0"], ["--repeats", "positive"]),
+        ("async_overlap.py", ["--repeats", "0"], ["--repeats", "positive"]),
+        ("shapes.py", ["--world-size", "0"], ["--world-size", "positive"]),
+        ("export_memory.py", ["--tensor-mib", "0"], ["--tensor-mib", "positive"]),
     ],
 )
 def test_a_script_refuses_a_bad_argument(script, args, says):
@@ -92,6 +99,31 @@ def test_methods_that_all_fail_to_set_up_are_error_rows():
         dist.destroy_process_group()
     assert list(out) == ["zerofx:bogus=1"]
     assert "bogus" in out["zerofx:bogus=1"]["error"], out
+
+
+def _launch_rows(fsdp2_s: float, zerofx: dict) -> list[dict]:
+    def result(step_s: float) -> dict:
+        return {"step_s": step_s, "compile_s": 1.0, "peak_bytes": 1, "state_bytes": 1, "comm_bytes": 1}
+
+    return [{"fsdp2": result(fsdp2_s), "zerofx": zerofx if "error" in zerofx else result(zerofx["step_s"])}] * 2
+
+
+def test_peers_rows_over_launches_say_a_failed_launch_and_rate_the_single_row_by_the_fsdp2_row_shown():
+    """A method that failed in a later launch was reported from the first launch alone (no range,
+    nothing said), and the single-process row's ratio was to the first launch's FSDP2, not the
+    median FSDP2 printed beside it."""
+    from benchmarks.peers import combine
+
+    launches = [
+        _launch_rows(0.100, {"step_s": 0.070}),
+        _launch_rows(0.200, {"error": "Traceback ...\nRuntimeError: boom"}),
+        _launch_rows(0.300, {"step_s": 0.290}),
+    ]
+    single = {"step_s": 0.150, "compile_s": 0.0, "peak_bytes": 1, "state_bytes": 1, "comm_bytes": 0, "batch": 8}
+    rows = {r["method"].split(" ")[0]: r for r in combine("tiny", 2, launches, single)}
+    assert rows["fsdp2"]["step_s"] == 0.200
+    assert rows["single"]["ratio_to_fsdp2"] == 0.150 / 0.200
+    assert "error" in rows["zerofx"] and "launch(es) [2] of 3" in rows["zerofx"]["error"], rows["zerofx"]
 
 
 def test_importing_compile_time_leaves_no_cache_switch_behind():
