@@ -346,8 +346,9 @@ def scenarios(rank: int, world: int, folder: str) -> dict:
     def submodule_load():
         """At stages 1 and 2, a new head loaded into a submodule mid-training
         (``model.layers[2].load_state_dict``): the loss after it, against the plain model's
-        (the forward refused the whole copies as changed in place before); and the all-gathers
-        a load into ``model.layers`` (three Linears) refreshes with (one per Linear before)."""
+        (the forward refused the whole copies as changed in place before); the all-gathers a
+        load into ``model.layers`` (three Linears) refreshes with (one per Linear before); and
+        the loss after a submodule load that raised part-way and then the model's own load."""
         from tests.models import MLP
 
         got = {}
@@ -373,6 +374,23 @@ def scenarios(rank: int, world: int, folder: str) -> dict:
             with zerofx.CollectiveCounter() as comm:  # a load into a module over three Linears
                 model.layers.load_state_dict(ref.layers.state_dict())
             got[f"gathers_stage{stage}"] = comm.calls["all_gather"]
+
+            def refuse(*_):
+                raise ValueError("a checkpoint of another version")
+
+            hook = model.layers[1].register_load_state_dict_pre_hook(refuse)
+            try:  # a load that raises part-way, then the model's own load of other weights
+                model.layers[1].load_state_dict(ref.layers[1].state_dict())
+            except ValueError:
+                pass
+            hook.remove()
+            torch.manual_seed(7)
+            other = MLP()
+            model.load_state_dict(other.state_dict())
+            try:
+                got[f"after_raise_stage{stage}"] = (mean_over_ranks(model(x[mine], y[mine])), other(x, y).item())
+            except Exception as e:
+                got[f"after_raise_stage{stage}"] = str(e)
             torch._dynamo.reset()
         return got
 

@@ -817,8 +817,14 @@ def _begin_load(module: nn.Module, *args: Any) -> None:
     post-hooks innermost first: refreshing in each would all-gather once per module, and
     twice for a module's children."""
     states = _whole_copy_states(module)
-    if states and states[0].runtime.loading_root is None:
-        states[0].runtime.loading_root = module
+    if not states:
+        return
+    runtime = states[0].runtime
+    root = runtime.loading_root
+    # a load from ``root`` visits only modules below it: one elsewhere means that load raised
+    # before its end (its post-hooks never ran), and this one starts a load of its own
+    if root is None or id(module) not in root[1]:
+        runtime.loading_root = (module, {id(m) for m in module.modules()})
 
 
 def _end_load(module: nn.Module, incompatible: Any) -> None:
@@ -826,7 +832,7 @@ def _end_load(module: nn.Module, incompatible: Any) -> None:
     every parameter it holds (a collective: on every rank, as the load itself; one bucketed
     all-gather per group and dtype)."""
     states = _whole_copy_states(module)
-    if states and states[0].runtime.loading_root is module:
+    if states and states[0].runtime.loading_root is not None and states[0].runtime.loading_root[0] is module:
         states[0].runtime.loading_root = None
         eager_buckets.refresh(states)
 

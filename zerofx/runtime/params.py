@@ -481,7 +481,9 @@ class ModelRuntime:
     unloaded: set = field(default_factory=set)  # built on meta: names not loaded yet (zerofx/sharding.py)
     unloaded_hook: Any = None  # the forward pre-hook that refuses to run while ``unloaded``
     hash_checked: bool = False  # uncompiled forwards compare shard hashes (NOTE: stale whole copies)
-    loading_root: Any = None  # the module a running load_state_dict started from: it refreshes (zerofx/sharding.py)
+    # the module a running load_state_dict started from (it refreshes) and the ids of the modules
+    # below it (zerofx/sharding.py, _begin_load)
+    loading_root: Any = None
     warned_unquantized: bool = False  # said once that no_sync's reduction ignores quantize_grads
     lockstep: Any = None  # the lockstep checks' groups (zerofx/runtime/lockstep.py); None: one rank, fake groups
 
