@@ -259,7 +259,7 @@ def place_model_state(model: torch.nn.Module, options) -> str:
             store = DiskStore(options.offload_dir)
             for p in params:
                 store.adopt(p)
-        except (OSError, ZeroFXError) as e:
+        except Exception as e:  # whatever it is: the other ranks must not go on to wait for this one
             failed = e
         if _any_rank_failed(_agree_groups(params), failed is not None) or failed is not None:
             if failed is not None:
