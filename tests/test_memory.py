@@ -245,32 +245,6 @@ def test_disk_store_gives_its_files_back_when_the_tensors_die(tmp_path):
     assert not _holds_a_file_under(tmp_path)
 
 
-def _file_pages_resident() -> int:
-    """Bytes of file-backed pages mapped into this process (``RssFile``)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
-
-
-def test_a_reloaded_activation_leaves_no_file_pages_in_the_process(tmp_path):
-    """Reading a disk-parked activation back faulted its file's pages into this process, where
-    they stayed resident beside the reloaded copy until the parked tensor died: a CPU step with
-    activations parked on disk peaked above the same step without."""
-
-    def round_trip(x):
-        parked = torch.ops.zerofx.offload(x, "disk", str(tmp_path))
-        return parked, torch.ops.zerofx.reload_wait(
-            torch.ops.zerofx.reload(parked, "disk", x.device, list(x.shape), [1])
-        )
-
-    round_trip(torch.randn(1024))  # the code it runs is mapped from files too: loaded before counting
-    x = torch.randn(4 * 2**20)  # 16 MiB
-    before = _file_pages_resident()
-    parked, y = round_trip(x)
-    assert torch.equal(y, x)
-    assert _file_pages_resident() - before < 4 * 2**20, (before, _file_pages_resident())  # 16 MiB before
-    assert torch.equal(parked, x)  # the parked tensor still reads its file's bytes
-
-
 def test_a_deleted_model_frees_its_shards_and_offload_files(one_rank, tmp_path):
     """Deleting a compiled model and its optimizer frees the model's runtime, its shards and its
     offload files (docs/memory.md), before the process exits. Hooks bound to the runtime on

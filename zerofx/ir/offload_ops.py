@@ -251,21 +251,6 @@ def _read_parked(parked: torch.Tensor, dst: torch.Tensor, written: Future | None
     if written is not None:
         written.result()
     dst.copy_(parked)
-    _unmap_pages(parked)
-
-
-_MADV_DONTNEED = 4  # <sys/mman.h> on Linux
-
-
-def _unmap_pages(parked: torch.Tensor) -> None:
-    """Drop the file pages the read just faulted into this process (``MADV_DONTNEED`` on the
-    parked tensor's own mapping, made by ``_map_file``; a shared file mapping keeps its contents
-    in the file). They counted in its resident memory beside the reloaded copy until the parked
-    tensor died: a CPU step with activations parked on disk peaked above the same step without."""
-    nbytes = parked.untyped_storage().nbytes()
-    if nbytes:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(parked.untyped_storage().data_ptr()), ctypes.c_size_t(nbytes), _MADV_DONTNEED)
 
 
 @torch.library.custom_op("zerofx::reload", mutates_args=())
