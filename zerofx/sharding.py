@@ -809,6 +809,15 @@ def _whole_copy_states(module: nn.Module) -> list:
     ]
 
 
+def _whole_copy_runtime(module: nn.Module) -> ModelRuntime | None:
+    """The runtime of the first parameter below ``module`` with a whole copy (None: none has
+    one): what every module a load visits needs, where only the load's root needs the list."""
+    first = next(
+        (s for p in module.parameters() if (s := getattr(p, "_zerofx_state", None)) and s.full is not None), None
+    )
+    return None if first is None else first.runtime
+
+
 def _begin_load(module: nn.Module, *args: Any) -> None:
     """Pre-hook of ``load_state_dict`` on the model and on every submodule holding parameters
     with whole copies (stages 1 and 2): the outermost module a load starts from (the model, a
@@ -816,10 +825,9 @@ def _begin_load(module: nn.Module, *args: Any) -> None:
     one whose post-hook refreshes. torch runs every submodule's hooks within one load, the
     post-hooks innermost first: refreshing in each would all-gather once per module, and
     twice for a module's children."""
-    states = _whole_copy_states(module)
-    if not states:
+    runtime = _whole_copy_runtime(module)
+    if runtime is None:
         return
-    runtime = states[0].runtime
     root = runtime.loading_root
     # a load from ``root`` visits only modules below it: one elsewhere means that load raised
     # before its end (its post-hooks never ran), and this one starts a load of its own
@@ -831,10 +839,10 @@ def _end_load(module: nn.Module, incompatible: Any) -> None:
     """Post-hook beside ``_begin_load``: the load's outermost module renews the whole copies of
     every parameter it holds (a collective: on every rank, as the load itself; one bucketed
     all-gather per group and dtype)."""
-    states = _whole_copy_states(module)
-    if states and states[0].runtime.loading_root is not None and states[0].runtime.loading_root[0] is module:
-        states[0].runtime.loading_root = None
-        eager_buckets.refresh(states)
+    runtime = _whole_copy_runtime(module)
+    if runtime is not None and runtime.loading_root is not None and runtime.loading_root[0] is module:
+        runtime.loading_root = None
+        eager_buckets.refresh(_whole_copy_states(module))
 
 
 def _check_whole_copies(model: nn.Module, args: Any) -> None:
@@ -1530,7 +1538,7 @@ def shard(model: nn.Module, mesh: DeviceMesh | None = None, options: Options | N
         runtime.refresh()
     if runtime.whole_copies:
         for module in model.modules():  # module-level hooks: a deepcopy of the model refreshes its own
-            if _whole_copy_states(module):
+            if _whole_copy_runtime(module) is not None:
                 module.register_load_state_dict_pre_hook(_begin_load)
                 module.register_load_state_dict_post_hook(_end_load)
         model.register_forward_pre_hook(_check_whole_copies)
