@@ -190,6 +190,22 @@ def scenarios(rank: int, world: int, folder: str) -> dict:
         zerofx.compile(meta, mesh)
         meta.load_state_dict(whole, assign=True)  # what loading code for meta-built models passes
         got["meta_assign"] = {"loss": meta(x, y).item()}
+        for label, options in (("meta_parts", {}), ("meta_parts_stage1", {"stage": 1})):
+            with torch.device("meta"):
+                meta = case.build()
+            zerofx.compile(meta, mesh, **options)
+            own = {k: v for k, v in whole.items() if "." not in k}  # the model's own parameters, first
+            meta.load_state_dict(own, strict=False)
+            children = list(meta.named_children())
+            for i, (name, child) in enumerate(children):  # part by part, each from the child itself
+                if i == len(children) - 1:  # before the last part: refused, naming what is missing
+                    try:
+                        meta(x, y)
+                        got[f"{label}_early"] = "ran"
+                    except zerofx.ZeroFXError as e:
+                        got[f"{label}_early"] = str(e)
+                child.load_state_dict({k[len(name) + 1 :]: v for k, v in whole.items() if k.startswith(name + ".")})
+            got[label] = {"loss": meta(x, y).item(), "last": children[-1][0]}
         wrong = {k: (v[:-1] if v.ndim == 2 else v) for k, v in whole.items()}
         try:
             model.load_state_dict(wrong)

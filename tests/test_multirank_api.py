@@ -107,6 +107,12 @@ def test_a_whole_plain_state_dict_loads_into_the_shards(results):
         for label in ("stage1", "stage2", "stage3", "meta", "stage1_assign", "stage3_assign", "meta_assign"):
             assert abs(got[label]["loss"] - want) <= 1e-6 * abs(want), (label, got[label]["loss"], want)
         assert "size mismatch" in got["mismatch"], got["mismatch"]
+        # built on meta and loaded part by part (model.encoder.load_state_dict(...)): each part
+        # counts as loaded, the model refuses to run until the last part is in, then matches
+        for label in ("meta_parts", "meta_parts_stage1"):
+            assert abs(got[label]["loss"] - want) <= 1e-6 * abs(want), (label, got[label], want)
+            early, last = got[f"{label}_early"], got[label]["last"]
+            assert "were never loaded" in early and f"{last}." in early, (label, early)
 
 
 def test_in_place_writes_to_a_gathered_weight_are_refused_not_lost(results):

@@ -801,6 +801,23 @@ def _expect_loading(model: nn.Module, runtime: ModelRuntime) -> None:
         mark_loaded(module, set(module.state_dict()) - set(incompatible.missing_keys))
 
     model.register_load_state_dict_post_hook(loaded)
+    owner = weakref.ref(model)
+    for path, module in model.named_modules():
+        if path:
+            module.register_load_state_dict_pre_hook(functools.partial(_note_part_loaded, owner, path))
+
+
+def _note_part_loaded(owner: weakref.ref, path: str, module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """``load_state_dict`` pre-hook of each submodule of a model built on meta: a load that
+    starts at the submodule (``model.encoder.load_state_dict(pretrained)``, a new head, a
+    model loaded part by part) marks the names it brings, under the submodule's path; the
+    model's own post-hook sees only loads that start at the model. Only where the load starts
+    (an empty ``prefix``), and only for the model this submodule was found in at sharding (a
+    deepcopy's hooks still name the original, whose module at ``path`` is then another)."""
+    model = owner()
+    if prefix or model is None or dict(model.named_modules()).get(path) is not module:
+        return
+    mark_loaded(model, {f"{path}.{key}" for key in state_dict})
 
 
 def _whole_copy_states(module: nn.Module) -> list:
