@@ -275,7 +275,10 @@ class _Writer:
             mean, var, dev = self._fresh("mean"), self._fresh("var"), self._fresh("dev")
             self.lines.append(f"{mean} = {total} / {n}.0  # {_comment(node)}")
             self.lines.append(f"{dev} = tl.where(mask, {src} - {mean}, 0.0)")
-            self.lines.append(f"{var} = tl.sum({dev} * {dev}, axis=1, keep_dims=True) / {float(n - correction)!r}")
+            # ATen divides by max(n - correction, 0): a correction past the row's length gives inf
+            # (or NaN), never a negative variance
+            divisor = float(max(n - correction, 0))
+            self.lines.append(f"{var} = tl.sum({dev} * {dev}, axis=1, keep_dims=True) / {divisor!r}")
             self.values[(node, 0)] = var
             self.values[(node, 1)] = mean
         else:  # pragma: no cover - REDUCTIONS and this switch are kept in step

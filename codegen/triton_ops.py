@@ -145,6 +145,42 @@ def _cast(n: fx.Node, x: Callable[[Any], str]) -> str:
     return f"{a}.to({TL_DTYPES[dst]}).to(tl.float32)"  # the graph asked for this rounding
 
 
+def _compare(symbol: str) -> Callable[[fx.Node, Callable[[Any], str]], str]:
+    """A comparison, computed in the dtype torch compares in. Torch compares a bf16 or fp16
+    tensor with a Python scalar (or a 0-dim fp32 tensor) after rounding the scalar to the
+    tensor's dtype: ``x > 0.1`` on bf16 compares with 0.10009765625. Registers hold fp32, so
+    both operands are rounded to that dtype first; a comparison's output is a boolean that no
+    store rounds back, and in fp32 ``bf16(0.1) > 0.1`` was True where torch says False. An
+    operand that is an unrounded chain of fused ops (``a * b + c``, rounded once here where eager
+    rounds after each op) can still differ in its last bit from eager's, as every fused value
+    does (module docstring)."""
+
+    def emit(n: fx.Node, x: Callable[[Any], str]) -> str:
+        a, b = n.args[0], n.args[1]
+        dtype = torch.result_type(*(_probe(v) for v in (a, b)))
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"({x(a)} {symbol} {x(b)})"
+        return f"({_rounded(a, x, dtype)} {symbol} {_rounded(b, x, dtype)})"
+
+    return emit
+
+
+def _probe(v: Any) -> Any:
+    """A comparison operand for ``torch.result_type``: a meta tensor of a node's shape and dtype."""
+    if isinstance(v, fx.Node):
+        val = v.meta["val"]
+        return torch.empty(val.shape, dtype=val.dtype, device="meta")
+    return v
+
+
+def _rounded(v: Any, x: Callable[[Any], str], dtype: torch.dtype) -> str:
+    if isinstance(v, bool) or (isinstance(v, fx.Node) and v.meta["val"].dtype == torch.bool):
+        return x(v)  # 0 or 1: exact in every dtype
+    if isinstance(v, fx.Node):
+        return f"{x(v)}.to({TL_DTYPES[dtype]}).to(tl.float32)"
+    return literal(float(torch.tensor(v, dtype=dtype)))
+
+
 def _cast_supported(n: fx.Node) -> bool:
     kw = dict(n.kwargs)
     kw.pop("dtype", None)
@@ -192,18 +228,18 @@ POINTWISE: dict[Any, Pointwise] = {
     aten.clamp.default: Pointwise(_clamp),
     aten.where.self: Pointwise(_args("tl.where({0}, {1}, {2})")),
     aten.masked_fill.Scalar: Pointwise(_args("tl.where({1}, {2}, {0})")),
-    aten.gt.Tensor: Pointwise(_args("({0} > {1})")),
-    aten.gt.Scalar: Pointwise(_args("({0} > {1})")),
-    aten.ge.Tensor: Pointwise(_args("({0} >= {1})")),
-    aten.ge.Scalar: Pointwise(_args("({0} >= {1})")),
-    aten.lt.Tensor: Pointwise(_args("({0} < {1})")),
-    aten.lt.Scalar: Pointwise(_args("({0} < {1})")),
-    aten.le.Tensor: Pointwise(_args("({0} <= {1})")),
-    aten.le.Scalar: Pointwise(_args("({0} <= {1})")),
-    aten.eq.Tensor: Pointwise(_args("({0} == {1})")),
-    aten.eq.Scalar: Pointwise(_args("({0} == {1})")),
-    aten.ne.Tensor: Pointwise(_args("({0} != {1})")),
-    aten.ne.Scalar: Pointwise(_args("({0} != {1})")),
+    aten.gt.Tensor: Pointwise(_compare(">")),
+    aten.gt.Scalar: Pointwise(_compare(">")),
+    aten.ge.Tensor: Pointwise(_compare(">=")),
+    aten.ge.Scalar: Pointwise(_compare(">=")),
+    aten.lt.Tensor: Pointwise(_compare("<")),
+    aten.lt.Scalar: Pointwise(_compare("<")),
+    aten.le.Tensor: Pointwise(_compare("<=")),
+    aten.le.Scalar: Pointwise(_compare("<=")),
+    aten.eq.Tensor: Pointwise(_compare("==")),
+    aten.eq.Scalar: Pointwise(_compare("==")),
+    aten.ne.Tensor: Pointwise(_compare("!=")),
+    aten.ne.Scalar: Pointwise(_compare("!=")),
     aten.logical_not.default: Pointwise(_args("({0} == 0)")),
     # operands may be floats (nonzero is true): & and | are only defined on int1
     aten.logical_and.default: Pointwise(_args("(({0} != 0) & ({1} != 0))")),

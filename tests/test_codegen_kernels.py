@@ -302,3 +302,37 @@ def test_pow_zero_of_inf_and_nan_is_one_and_tanh_is_accurate_near_zero():
     (ref,), (got,), _ = run_both(lambda t: torch.tanh(t * 1.0) * 1.0, t)
     torch.testing.assert_close(got, ref, rtol=4e-7, atol=0)  # relative: 2 / (1 + exp(-2x)) - 1 cancels near 0
     assert got[0, -1].item() == 0.0 and got[0, -1].signbit()  # tanh(-0.0) = -0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_comparisons_give_eagers_booleans(dtype):
+    """Torch compares a bf16 / fp16 tensor with a Python scalar (or a 0-dim fp32 tensor) in the
+    tensor's dtype: ``x > 0.1`` compares with 0.1 rounded to it. The kernel's fp32 registers
+    compared with 0.1 itself, so a value equal to the rounded threshold came out on the other
+    side (booleans that no store rounds back): the same booleans as eager, exactly."""
+    x = torch.tensor([0.1, 0.2, 0.3, 1 / 3, 0.7, 1.1, 100.3], dtype=dtype).repeat(5)
+    limit = torch.tensor(0.3)  # 0-dim fp32: rounded to the tensor's dtype, as the scalar
+
+    def fn(x, limit):
+        y = x * 1.0
+        return y == 0.1, y > 0.1, y >= 0.3, y <= 1 / 3, y != 0.7, y < limit, torch.where(x > 0.1, x, 0.0) * 2
+
+    ref, got, _ = run_both(fn, x, limit)
+    assert any(r.any() for r in ref[:-1]) and not all(r.all() for r in ref[:-1])  # thresholds that split
+    for r, g in zip(ref, got):
+        assert r.dtype == g.dtype and torch.equal(r, g), (r, g)
+
+
+def test_var_mean_with_a_correction_past_the_row_length_is_inf_as_aten():
+    """ATen divides by max(n - correction, 0): inf, never the negative variance that dividing
+    by n - correction gave."""
+    x = torch.tensor([[1.0, 2.0], [0.5, -1.0], [3.0, 3.5]])
+
+    def fn(x):
+        var, mean = aten.var_mean.correction(x * 1.0, [-1], correction=3, keepdim=True)
+        return var + 0, mean * 2
+
+    ref, got, _ = run_both(fn, x)
+    assert torch.isinf(ref[0]).all()
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, **REDUCTION)
