@@ -190,7 +190,8 @@ class FusedAdamW(torch.optim.Optimizer):
         # arguments carry over; here every group is one launch whatever they say
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError(f"FusedAdamW: a tensor lr must hold one element, got shape {tuple(lr.shape)}")
-        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+        # written so that NaN fails each test (NaN < 0 is False: a NaN lr turned every parameter NaN)
+        if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(
                 f"invalid AdamW hyperparameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}"
             )
@@ -246,7 +247,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 loss = closure()
         self._refuse_what_it_cannot_step()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            beta1, beta2 = map(float, group["betas"])  # torch's AdamW takes tensor betas too: their values now
             buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
             for p in group["params"]:
                 if p.grad is None:

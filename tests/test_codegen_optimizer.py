@@ -165,6 +165,27 @@ def test_a_tensor_lr_is_read_at_every_step():
         FusedAdamW(ours, lr=torch.ones(2))
 
 
+def test_tensor_betas_step_as_torch_and_nan_hyperparameters_are_refused():
+    """torch's AdamW takes betas as tensors (their values at each step); FusedAdamW accepted
+    them and then failed inside the kernel's launch, after counting the step. A NaN lr (or eps,
+    weight decay, beta) passed its ``< 0`` checks and turned every parameter NaN at the first
+    step; torch's AdamW refuses it."""
+    ours, ref = _pair()
+    opt = FusedAdamW(ours, lr=1e-2, betas=(torch.tensor(0.8), torch.tensor(0.99)))
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, betas=(torch.tensor(0.8), torch.tensor(0.99)))
+    for step in range(2):
+        for p, q in zip(ours, ref):
+            p.grad, q.grad = torch.ones_like(p) * (step + 1), torch.ones_like(q) * (step + 1)
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, **TOL)
+    nan = float("nan")
+    for bad in ({"lr": nan}, {"eps": nan}, {"weight_decay": nan}, {"betas": (nan, 0.999)}, {"betas": (0.9, nan)}):
+        with pytest.raises(ValueError, match="invalid AdamW hyperparameters"):
+            FusedAdamW(ours, **bad)
+
+
 def test_state_dict_moves_between_fused_and_torch():
     ours, ref = _pair()
     ref_opt = torch.optim.AdamW(ref, lr=1e-2)
