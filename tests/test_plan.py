@@ -26,6 +26,15 @@ def build():
     return GPT(CFG)
 
 
+def _raising_inputs(batch: int, seq: int) -> tuple:
+    raise ValueError("no data here")
+
+
+def _float_tokens(batch: int, seq: int) -> tuple:
+    """Inputs that do not fit the GPT: floats where it embeds token ids."""
+    return (torch.rand(batch, seq), torch.rand(batch, seq)), {}
+
+
 def _rank0_numel(world: int) -> int:
     params = {id(p): p for p in GPT(CFG).parameters()}.values()
     return sum(
@@ -643,6 +652,25 @@ def test_cli_plans_exactly_and_refuses_bad_input_before_planning(tmp_path, capsy
         (dict(model_fn=build, mesh_shape=(2,), device_memory="inf"), "'inf' is not a size"),
         (dict(model_fn=build, mesh_shape=(2,), device_memory="1e30TiB"), "'1e30TiB' is not a size"),
         (dict(model_fn=build, mesh_shape=(2,), device_memory="0.1"), "'0.1' is not a size"),
+        # a float mesh size was planned as its int() (2.7 as 2); a float or str batch, and an
+        # inputs function that raised, returned no tensor or did not fit the model, were tracebacks
+        (dict(model_fn=build, mesh_shape=(2.7,)), "mesh (2.7,): give (world,) or (replicate, shard) of ints"),
+        (dict(model_fn=build, mesh_shape=(2,), batch=1.5), "batch=1.5: give a number of sequences"),
+        (dict(model_fn=build, mesh_shape=(2,), batch="2"), "batch='2': give a number of sequences"),
+        (dict(model_fn=build, mesh_shape=(2,), global_batch=4.0), "global_batch=4.0: give a number of sequences"),
+        (dict(model_fn=build, mesh_shape=(2,), backend="mpi"), "backend='mpi': give 'nccl' (GPUs) or 'gloo'"),
+        (
+            dict(model_fn=build, mesh_shape=(2,), example_inputs_fn=_raising_inputs),
+            "the example inputs function '_raising_inputs' raised ValueError: no data here",
+        ),
+        (
+            dict(model_fn=build, mesh_shape=(2,), example_inputs_fn=lambda b, s: 5),
+            "the example inputs function '<lambda>' returned int 5 with no tensor in it",
+        ),
+        (
+            dict(model_fn=build, mesh_shape=(2,), seq=8, example_inputs_fn=_float_tokens),
+            "a training step of 'build' on the inputs of '_float_tokens' failed: RuntimeError: ",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_error(kwargs, message):

@@ -715,9 +715,9 @@ def plan(
         if world_size is None:
             raise ZeroFXError("zerofx.plan: give mesh_shape or world_size")
         mesh_shape = (world_size,)
-    mesh_shape = tuple(int(n) for n in mesh_shape)
-    if len(mesh_shape) not in (1, 2) or min(mesh_shape) < 1:
-        raise ZeroFXError(f"mesh {mesh_shape}: give (world,) or (replicate, shard), e.g. --mesh 128x8")
+    mesh_shape = tuple(mesh_shape)
+    if len(mesh_shape) not in (1, 2) or not all(_count(n) for n in mesh_shape):
+        raise ZeroFXError(f"mesh {mesh_shape}: give (world,) or (replicate, shard) of ints >= 1, e.g. --mesh 128x8")
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ZeroFXError(f"tensor_parallel={tensor_parallel!r}: give the tensor-parallel size, an int >= 1")
     if tensor_parallel > 1:  # the data-parallel dims: (shard,) or (replicate, shard) for hybrid sharding
@@ -739,6 +739,11 @@ def plan(
         raise ZeroFXError(
             f"grad_accumulation={grad_accumulation!r}: give the micro-batches per optimizer step, an int >= 1"
         )
+    for label, value in (("batch", batch), ("global_batch", global_batch)):
+        if value is not None and not _count(value):
+            raise ZeroFXError(f"{label}={value!r}: give a number of sequences, an int >= 1")
+    if backend not in (None, "nccl", "gloo"):
+        raise ZeroFXError(f"backend={backend!r}: give 'nccl' (GPUs) or 'gloo' (CPUs), or None for the device's")
     if global_batch is not None:
         dp = world // tensor_parallel  # the ranks of a tensor-parallel group share their sequences
         per = dp * grad_accumulation  # sequences of one micro-batch over all ranks, times the micro-batches
@@ -1125,7 +1130,7 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...], given: dict) ->
     hints = (max(batch, 2), max(seq, 3)) if symbolic else (batch, seq)
 
     def micro_step() -> None:
-        args, kwargs = _split(inputs_fn(*hints))
+        args, kwargs = _split(_example_inputs(inputs_fn, hints))
         if symbolic:
             for t in (*args, *kwargs.values()):
                 if isinstance(t, torch.Tensor) and t.dim() >= 2:
@@ -1145,6 +1150,13 @@ def _trace_step(req: _Request, mesh: Any, dims: tuple[str, ...], given: dict) ->
                     "zerofx.plan: the model's output holds no tensor that requires grad: no backward to plan"
                 )
             loss.backward()
+        except ZeroFXError:
+            raise
+        except Exception as e:
+            inner = _zerofx_cause(e)
+            if inner is not None:  # zerofx's own error, which dynamo wrapped
+                raise inner from None
+            raise _step_failure(e, name, inputs_fn) from e
         finally:
             fx_config.use_duck_shape = duck
 
@@ -1345,6 +1357,63 @@ def _settle_peak(p: Plan) -> None:
     if p.device_memory is not None and p.per_rank.optimizer_step_peak_bytes > p.device_memory:
         p.max_batch = 0 if p.max_batch is not None else None
         p.max_seq = 0 if p.max_seq is not None else None
+
+
+def _count(n: Any) -> bool:
+    """Whether ``n`` is an int >= 1 (not a bool, not a float that happens to be whole)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+
+def _example_inputs(inputs_fn: Callable, hints: tuple[int, int]) -> Any:
+    """``inputs_fn(batch, seq)``, its failure or a result holding no tensor being one clear error."""
+    name = getattr(inputs_fn, "__name__", type(inputs_fn).__name__)
+    try:
+        inputs = inputs_fn(*hints)
+    except ZeroFXError:
+        raise
+    except Exception as e:
+        raise ZeroFXError(f"zerofx.plan: the example inputs function {name!r} raised {type(e).__name__}: {e}") from e
+    args, kwargs = _split(inputs)
+    if not any(isinstance(t, torch.Tensor) for t in (*args, *kwargs.values())):
+        raise ZeroFXError(
+            f"zerofx.plan: the example inputs function {name!r} returned {type(inputs).__name__} {inputs!r:.80} "
+            "with no tensor in it: return (args, kwargs), a tuple of forward arguments, or a dict of keyword ones"
+        )
+    return inputs
+
+
+def _zerofx_cause(error: BaseException) -> ZeroFXError | None:
+    """The ZeroFXError ``error`` wraps (dynamo wraps what a backend raises while compiling), if any."""
+    seen, cause = set(), error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, ZeroFXError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or getattr(cause, "inner_exception", None)
+    return None
+
+
+def _step_failure(error: Exception, model_name: str, inputs_fn: Callable) -> ZeroFXError:
+    """The planned training step's failure (the model's forward on the example inputs, a shape
+    that does not fit) as one ZeroFXError naming the model and the inputs, with the error's
+    first line (the innermost cause's: dynamo's wrappers say only where it happened)."""
+    seen = set()
+    while error.__cause__ is not None and id(error) not in seen:
+        seen.add(id(error))
+        error = error.__cause__
+    text = str(error)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[1] if len(lines) > 1 and lines[0].endswith("raised:") else (lines[0] if lines else "")
+    what = f"{type(error).__name__}: {first[:400]}"
+    # dynamo's "RuntimeError when making fake tensor call" names the op's own error inside
+    found = re.search(r"got (\w+)\((['\"])(.*?)\2\)", text)
+    if found:
+        what = f"{found.group(1)}: {found.group(3)[:400]}"
+    inputs = getattr(inputs_fn, "__name__", type(inputs_fn).__name__)
+    return ZeroFXError(
+        f"zerofx.plan: a training step of {model_name!r} on the inputs of {inputs!r} failed: {what} "
+        "(zerofx.plan from Python shows the traceback)"
+    )
 
 
 def _split(inputs: Any) -> tuple[tuple, dict]:
