@@ -434,6 +434,44 @@ def test_the_even_split_check_leaves_column_splits_alone_however_the_dim_is_writ
         dist.destroy_process_group()
 
 
+def test_a_width_the_tp_size_does_not_divide_is_refused_naming_the_plan_key():
+    """A column-wise layer of 7 outputs over 2 ranks hands its row-wise successor pieces of 4
+    and 3, which torch rebuilds as if even: the first forward failed inside dynamo on a matmul's
+    "same reduction dim", naming neither the plan nor the module (one process, a fake group of
+    2). Gathered outputs (``Replicate``) are left alone, as are even widths."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from zerofx import ZeroFXError
+    from zerofx.tensor_parallel import parallelize
+
+    def mlp(hidden):
+        return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 8))
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        with pytest.raises(
+            ZeroFXError, match=r"^tensor-parallel plan key '0' \(ColwiseParallel\): 0's output width \(out_features=7\)"
+        ):
+            parallelize(mlp(7), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        with pytest.raises(ZeroFXError, match=r"key '2' \(RowwiseParallel\): 2's input width \(in_features=7\)"):
+            parallelize(mlp(7), mesh, {"2": RowwiseParallel()})
+        embedding = torch.nn.Sequential(torch.nn.Embedding(10, 5))
+        with pytest.raises(ZeroFXError, match=r"0's output width \(embedding_dim=5\) is not divisible by .* 2"):
+            parallelize(embedding, mesh, {"0": ColwiseParallel()})
+        gathered = parallelize(mlp(7), mesh, {"0": ColwiseParallel(output_layouts=Replicate())})
+        assert gathered(torch.randn(3, 8)).shape == (3, 8)
+        even = parallelize(mlp(6), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        assert even(torch.randn(3, 8)).shape == (3, 8)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_hf_plan_leaves_out_keys_of_modules_the_model_does_not_have():
     """A config's plan names every variant's modules (an MoE router a dense variant lacks):
     hf_plan leaves those out, with a warning, where a plan the user writes is refused."""

@@ -244,6 +244,49 @@ def _check_plan_keys(model: nn.Module, plan: dict[str, Any]) -> None:
             raise ZeroFXError(f"tensor-parallel plan key {key!r}: {why}")
 
 
+def _planned_modules(model: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
+    """The submodules plan ``key`` names (``parallelize_module``'s fnmatch of each token)."""
+    tokens = key.split(".")
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if name and len(name.split(".")) == len(tokens) and all(fnmatch(n, k) for n, k in zip(name.split("."), tokens))
+    ]
+
+
+def _check_even_widths(model: nn.Module, tp: int, plan: dict[str, Any]) -> None:
+    """The widths the plan splits into local activations: a column-wise layer whose output
+    stays split (``Shard(-1)``, handed on as a plain local tensor) and a row-wise one that takes
+    such an input (``Shard(-1)``) need a width the TP size divides. torch rebuilds the next
+    layer's input from the local pieces as if the split were even, so an uneven width (7 over 2
+    ranks: pieces of 4 and 3) failed at the first forward, inside dynamo, on a matmul's
+    "same reduction dim", naming neither the plan nor the module (torch's eager TP fails the
+    same way). Checked on ``nn.Linear`` and on a column-wise ``nn.Embedding``'s width."""
+    for key, style in plan.items():
+        if isinstance(style, ColwiseParallel):
+            outputs = getattr(style, "output_layouts", ()) or ()
+            if not (getattr(style, "use_local_output", False) and any(isinstance(p, Shard) for p in outputs)):
+                continue
+            what, width_of = "output width", {nn.Linear: "out_features", nn.Embedding: "embedding_dim"}
+        elif isinstance(style, RowwiseParallel):
+            inputs = getattr(style, "input_layouts", ()) or ()
+            if not any(isinstance(p, Shard) for p in inputs):
+                continue
+            what, width_of = "input width", {nn.Linear: "in_features"}
+        else:
+            continue
+        for name, module in _planned_modules(model, key):
+            attr = next((a for cls, a in width_of.items() if isinstance(module, cls)), None)
+            width = getattr(module, attr, None) if attr else None
+            if isinstance(width, int) and width % tp:
+                raise ZeroFXError(
+                    f"tensor-parallel plan key {key!r} ({type(style).__name__}): {name}'s {what} "
+                    f"({attr}={width}) is not divisible by the tensor-parallel size {tp}; torch's styles split "
+                    f"activations evenly, so its ranks' pieces would not fit the next layer. Use a width that "
+                    f"is a multiple of {tp}, or a TP size dividing {width}"
+                )
+
+
 def _check_even_activation_splits(model: nn.Module, tp: int, plan: dict[str, Any]) -> None:
     """A forward pre-hook on every planned module whose output the plan shards along a dim other
     than the last (sequence parallelism: the embeddings' ``Shard(1)`` output, the row-wise
@@ -260,13 +303,8 @@ def _check_even_activation_splits(model: nn.Module, tp: int, plan: dict[str, Any
         dims = [p.dim for p in layouts if isinstance(p, Shard)]
         if not dims or dims[0] == -1:  # the last dim (a column split): no activation is split unevenly
             continue
-        for name, module in model.named_modules():
-            if (
-                name
-                and len(name.split(".")) == len(key.split("."))
-                and all(fnmatch(n, k) for n, k in zip(name.split("."), key.split(".")))
-            ):
-                checks[name] = dims[0]
+        for name, _ in _planned_modules(model, key):
+            checks[name] = dims[0]
     for name, module in model.named_modules():
         if name in checks:
             module.register_forward_pre_hook(_even_split_hook(name, checks[name], tp))
@@ -307,6 +345,7 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Any]) -> 
         )
     _check_plan_keys(model, plan)
     _check_heads(model, tp_mesh.size(), plan)
+    _check_even_widths(model, tp_mesh.size(), plan)
     tied: list[list[tuple[nn.Module, str, str]]] = []  # per shared parameter: (module, attribute, qualified name)
     owners: dict[int, list[tuple[nn.Module, str, str]]] = {}
     trainable: list[tuple[nn.Module, str, bool]] = []
