@@ -580,6 +580,16 @@ def scenarios(rank: int, world: int, folder: str) -> dict:
             "rank0_eval": compiled_eval,
         }
 
+    def eager_reads():
+        """A loop dynamo runs eagerly inside the compiled call (a data-dependent index in it):
+        each layer reads its parameters from eager code (NOTE: reads from eager code inside a
+        compiled region, zerofx/sharding.py). Every rank raised torch's "Multiple dispatch
+        failed" TypeError once the reads passed dynamo's recompile limit."""
+        from tests.models import indexed_loop
+        from zerofx.testing import verify
+
+        return {stage: verify(indexed_loop, mesh, steps=2, stage=stage).to_json() for stage in (3, 1)}
+
     def lockstep_twin():
         """A mesh whose groups cannot take CPU tensors (NCCL's, played here by gloo's answering
         "nccl"): the checks get gloo groups of their own over the same ranks, which compare."""
@@ -663,6 +673,7 @@ def scenarios(rank: int, world: int, folder: str) -> dict:
     attempt("penalty_outside_forward", penalty_outside_forward)
     attempt("routed_experts", routed_experts)
     attempt("lockstep_twin", lockstep_twin)
+    attempt("eager_reads", eager_reads)
     attempt("ranks_disagree", lambda: ranks_disagree(rank, world, mesh))
     attempt("accumulation_windows", lambda: accumulation_windows(rank, mesh))
     attempt("outside_mesh", outside_mesh)

@@ -70,6 +70,31 @@ class RoutedExperts(nn.Module):
         return F.mse_loss(self.out(mixed).squeeze(-1), y)
 
 
+class IndexedLoop(nn.Module):
+    """Layers of six different shapes run in a loop with a data-dependent index in it (eager MoE
+    code's ``nonzero`` over its experts): dynamo falls back to running the loop eagerly, so each
+    layer's ``nn.Linear.forward`` reads its parameters from eager code inside the compiled call,
+    more reads of distinct names and shapes than dynamo's recompile limit (8)."""
+
+    WIDTHS = (8, 10, 12, 14, 16, 18, 8)
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(self.WIDTHS, self.WIDTHS[1:]))
+
+    def forward(self, x, y):
+        h = x
+        for layer in self.layers:
+            keep = (h[:, 0] > -1e9).nonzero(as_tuple=True)[0]  # every row: a graph break in the loop
+            h = torch.tanh(layer(h[keep]))
+        return F.mse_loss(h, y)
+
+
+def indexed_loop():
+    """``zerofx.testing.verify``'s factory for ``IndexedLoop``."""
+    return IndexedLoop(), lambda n, gen: (torch.randn(n, 8, generator=gen), torch.randn(n, 8, generator=gen))
+
+
 def routed_experts(experts=6):
     """``zerofx.testing.verify``'s factory for ``RoutedExperts``: each step routes the global
     batch's samples to consecutive experts from a random first one, so two ranks of two samples

@@ -168,6 +168,33 @@ _INPLACE_DUNDERS = frozenset(
 )
 
 
+# NOTE: reads from eager code inside a compiled region
+# A forward that dynamo does not trace whole still runs inside the compiled call: a frame it
+# fell back on (a graph break it could not resume from, a recompile limit reached) runs eagerly,
+# and so does torch's own module code (``nn.Linear.forward``), where dynamo never starts a frame.
+# A read of ``module.weight`` from there called the parameter's property as a frame of its own,
+# which dynamo then compiled, once per parameter name and shape, until the recompile limit; from
+# then on it ran eagerly and handed ``F.linear`` a GatheredCopy, whose ``__torch_function__``
+# dynamo compiled in turn and AOTAutograd could not run (every rank raised torch's "Multiple
+# dispatch failed" TypeError; an eager mixture-of-experts loop with a data-dependent index did
+# so). Both functions now run as plain Python, with all they call, when dynamo would start a frame
+# in them: the read is then an uncompiled one (a gathered copy, as without torch.compile); traced
+# from inside a frame dynamo compiles, they are inlined as before.
+
+
+def _never_a_frame(fn: Any) -> Any:
+    """``fn`` (a function or classmethod) with dynamo told never to compile a frame of its own
+    in it, nor in anything it calls (NOTE: reads from eager code inside a compiled region).
+    Through dynamo's per-code hook (private; a torch without it compiles them as before)."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:
+        return fn
+    strategy = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+    set_code_exec_strategy(getattr(fn, "__func__", fn).__code__, strategy)
+    return fn
+
+
 class GatheredCopy(torch.Tensor):
     """A parameter's whole value gathered for one eager read (NOTE: writes to a gathered copy)."""
 
@@ -218,6 +245,7 @@ class GatheredCopy(torch.Tensor):
         return out
 
 
+_never_a_frame(GatheredCopy.__dict__["__torch_function__"])
 _REQUIRES_GRAD = torch.Tensor.requires_grad
 _DATA = torch.Tensor.data
 _GRAD = torch.Tensor.grad
@@ -293,6 +321,7 @@ def _gathered_property(name: str) -> property:
         return _as_gathered_copy(value, state.qualname, self._parameters[name])
 
     gathered.__name__ = f"gathered_{name}"
+    _never_a_frame(gathered)  # one code object for every name's property
     return property(gathered, doc=f"The full '{name}', through zerofx's marker ops (may be a collective).")
 
 
