@@ -43,10 +43,12 @@ deterministic (the two copies must start equal for any comparison to mean anythi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import json
 import math
+import sys
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -138,6 +140,37 @@ class StepReport:
     def worst(self, kind: str) -> Divergence | None:
         found = [d for d in self.divergences if d.kind == kind]
         return max(found, key=lambda d: d.max_abs) if found else None
+
+
+# NOTE: library branches a trace takes
+# The replica runs eagerly, zerofx's graphs are what dynamo traced, and a library may branch on
+# which of the two it is in. transformers' masking does, in a way that changes the kernels: run
+# eagerly, it reads the position ids, finds no packed sequences and no padding, skips the causal
+# mask and calls SDPA with ``is_causal=True``; traced, it cannot read values (its ``is_tracing``
+# is True), so it builds the mask and SDPA gets an explicit boolean one. The two kernels compute
+# the same attention with other roundings on some CPUs (an AMD EPYC: the gradients of an HF
+# Llama trained without a KV cache, as activation checkpointing and the HF Trainer train it,
+# differed by 1e-8 in a quarter of their elements; an Intel Xeon happened to agree). So while the
+# replica runs forward, transformers' masking is told it is traced, and both sides call the same
+# kernel.
+
+
+@contextlib.contextmanager
+def branches_as_traced():
+    """Within: transformers' masking branches as it does under dynamo (NOTE: library branches a
+    trace takes): its ``is_tracing`` answers True, as it does by its definition in a graph dynamo
+    traces (it asks ``is_torchdynamo_compiling()`` first). Nothing changes where transformers'
+    masking is not imported, or inside a compiled region."""
+    masking = sys.modules.get("transformers.masking_utils")
+    asked = getattr(masking, "is_tracing", None)
+    if not callable(asked) or torch.compiler.is_compiling():
+        yield
+        return
+    masking.is_tracing = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        masking.is_tracing = asked
 
 
 def exact_divergence(
@@ -300,7 +333,8 @@ class ShardedReference:
         for name, p in self.params.items():
             if isinstance(p, DTensor) and p.grad is not None:
                 held[name], p.grad = p.grad, None
-        loss = loss_fn(self.replica)
+        with branches_as_traced():
+            loss = loss_fn(self.replica)
         loss.backward()
         with torch.no_grad():
             for name, p in self.params.items():
