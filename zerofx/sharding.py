@@ -171,15 +171,16 @@ _INPLACE_DUNDERS = frozenset(
 # NOTE: reads from eager code inside a compiled region
 # A forward that dynamo does not trace whole still runs inside the compiled call: a frame it
 # fell back on (a graph break it could not resume from, a recompile limit reached) runs eagerly,
-# and so does torch's own module code (``nn.Linear.forward``), where dynamo never starts a frame.
-# A read of ``module.weight`` from there called the parameter's property as a frame of its own,
-# which dynamo then compiled, once per parameter name and shape, until the recompile limit; from
-# then on it ran eagerly and handed ``F.linear`` a GatheredCopy, whose ``__torch_function__``
-# dynamo compiled in turn and AOTAutograd could not run (every rank raised torch's "Multiple
-# dispatch failed" TypeError; an eager mixture-of-experts loop with a data-dependent index did
-# so). Both functions now run as plain Python, with all they call, when dynamo would start a frame
-# in them: the read is then an uncompiled one (a gathered copy, as without torch.compile); traced
-# from inside a frame dynamo compiles, they are inlined as before.
+# and so does torch's own module code (``nn.LSTM.forward``). A read of ``module.weight`` from
+# there calls the parameter's property as a frame of its own, which dynamo compiles: a gather in
+# a graph of its own (NOTE: static layouts in a frame of their own, zerofx/runtime/params.py),
+# recompiled per parameter name and shape. Past dynamo's recompile limit (8) the property runs
+# eagerly and hands ``F.linear`` a GatheredCopy (an uncompiled read, as without torch.compile),
+# whose ``__torch_function__`` dynamo then compiled as a frame too, and AOTAutograd could not run
+# it: every rank raised torch's "Multiple dispatch failed" TypeError (an eager mixture-of-experts
+# loop with a data-dependent index over more than four layers did). ``__torch_function__`` now
+# always runs as plain Python when dynamo would start a frame in it: the reads past the limit are
+# uncompiled reads, the ones before it compiled frames, each correct.
 
 
 def _never_a_frame(fn: Any) -> Any:
@@ -321,7 +322,6 @@ def _gathered_property(name: str) -> property:
         return _as_gathered_copy(value, state.qualname, self._parameters[name])
 
     gathered.__name__ = f"gathered_{name}"
-    _never_a_frame(gathered)  # one code object for every name's property
     return property(gathered, doc=f"The full '{name}', through zerofx's marker ops (may be a collective).")
 
 
