@@ -435,14 +435,15 @@ def test_the_even_split_check_leaves_column_splits_alone_however_the_dim_is_writ
 
 
 def test_a_width_the_tp_size_does_not_divide_is_refused_naming_the_plan_key():
-    """A column-wise layer of 7 outputs over 2 ranks hands its row-wise successor pieces of 4
-    and 3, which torch rebuilds as if even: the first forward failed inside dynamo on a matmul's
-    "same reduction dim", naming neither the plan nor the module (one process, a fake group of
-    2). Gathered outputs (``Replicate``) are left alone, as are even widths."""
+    """A column-wise layer of 7 outputs over 2 ranks hands its row-wise successor plain pieces
+    of 4 and 3, which torch rebuilds as if even: the first forward failed inside dynamo on a
+    matmul's "same reduction dim", naming neither the plan nor the module (one process, a fake
+    group of 2). Left alone: outputs gathered (``Replicate``), kept as DTensors (which track
+    uneven pieces), split along another dim, and even widths."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -459,8 +460,6 @@ def test_a_width_the_tp_size_does_not_divide_is_refused_naming_the_plan_key():
             ZeroFXError, match=r"^tensor-parallel plan key '0' \(ColwiseParallel\): 0's output width \(out_features=7\)"
         ):
             parallelize(mlp(7), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        with pytest.raises(ZeroFXError, match=r"key '2' \(RowwiseParallel\): 2's input width \(in_features=7\)"):
-            parallelize(mlp(7), mesh, {"2": RowwiseParallel()})
         embedding = torch.nn.Sequential(torch.nn.Embedding(10, 5))
         with pytest.raises(ZeroFXError, match=r"0's output width \(embedding_dim=5\) is not divisible by .* 2"):
             parallelize(embedding, mesh, {"0": ColwiseParallel()})
@@ -468,6 +467,8 @@ def test_a_width_the_tp_size_does_not_divide_is_refused_naming_the_plan_key():
         assert gathered(torch.randn(3, 8)).shape == (3, 8)
         even = parallelize(mlp(6), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         assert even(torch.randn(3, 8)).shape == (3, 8)
+        parallelize(mlp(7), mesh, {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel()})
+        parallelize(torch.nn.Sequential(torch.nn.Linear(15, 7)), mesh, {"0": ColwiseParallel(output_layouts=Shard(1))})
     finally:
         dist.destroy_process_group()
 

@@ -255,35 +255,34 @@ def _planned_modules(model: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
 
 
 def _check_even_widths(model: nn.Module, tp: int, plan: dict[str, Any]) -> None:
-    """The widths the plan splits into local activations: a column-wise layer whose output
-    stays split (``Shard(-1)``, handed on as a plain local tensor) and a row-wise one that takes
-    such an input (``Shard(-1)``) need a width the TP size divides. torch rebuilds the next
-    layer's input from the local pieces as if the split were even, so an uneven width (7 over 2
-    ranks: pieces of 4 and 3) failed at the first forward, inside dynamo, on a matmul's
-    "same reduction dim", naming neither the plan nor the module (torch's eager TP fails the
-    same way). Checked on ``nn.Linear`` and on a column-wise ``nn.Embedding``'s width."""
+    """A column-wise layer whose output the plan keeps split along its last dim and hands on as
+    a plain local tensor (``ColwiseParallel()``'s default: ``Shard(-1)``, ``use_local_output``)
+    needs a width the TP size divides: the next layer's style rebuilds its input from the local
+    pieces as if the split were even, so an uneven width (7 over 2 ranks: pieces of 4 and 3)
+    failed at the first forward, inside dynamo, on a matmul's "same reduction dim", naming
+    neither the plan nor the module (torch's eager TP fails the same way). Checked on
+    ``nn.Linear`` and ``nn.Embedding``. Outputs kept as DTensors (``use_local_output=False``:
+    DTensor tracks uneven pieces), gathered ones and splits along another dim are left alone
+    (the last are checked at run time, ``_check_even_activation_splits``)."""
+    widths = {nn.Linear: "out_features", nn.Embedding: "embedding_dim"}
     for key, style in plan.items():
-        if isinstance(style, ColwiseParallel):
-            outputs = getattr(style, "output_layouts", ()) or ()
-            if not (getattr(style, "use_local_output", False) and any(isinstance(p, Shard) for p in outputs)):
-                continue
-            what, width_of = "output width", {nn.Linear: "out_features", nn.Embedding: "embedding_dim"}
-        elif isinstance(style, RowwiseParallel):
-            inputs = getattr(style, "input_layouts", ()) or ()
-            if not any(isinstance(p, Shard) for p in inputs):
-                continue
-            what, width_of = "input width", {nn.Linear: "in_features"}
-        else:
+        outputs = getattr(style, "output_layouts", ()) or ()
+        if not (
+            isinstance(style, ColwiseParallel)
+            and getattr(style, "use_local_output", False)
+            and any(isinstance(p, Shard) and p.dim == -1 for p in outputs)
+        ):
             continue
         for name, module in _planned_modules(model, key):
-            attr = next((a for cls, a in width_of.items() if isinstance(module, cls)), None)
+            attr = next((a for cls, a in widths.items() if isinstance(module, cls)), None)
             width = getattr(module, attr, None) if attr else None
             if isinstance(width, int) and width % tp:
                 raise ZeroFXError(
-                    f"tensor-parallel plan key {key!r} ({type(style).__name__}): {name}'s {what} "
-                    f"({attr}={width}) is not divisible by the tensor-parallel size {tp}; torch's styles split "
-                    f"activations evenly, so its ranks' pieces would not fit the next layer. Use a width that "
-                    f"is a multiple of {tp}, or a TP size dividing {width}"
+                    f"tensor-parallel plan key {key!r} ({type(style).__name__}): {name}'s output width "
+                    f"({attr}={width}) is not divisible by the tensor-parallel size {tp}; its local pieces "
+                    f"(uneven) would be taken as an even split by the next layer. Use a width that is a "
+                    f"multiple of {tp}, a TP size dividing {width}, or keep the output a DTensor "
+                    "(use_local_output=False)"
                 )
 
 
