@@ -680,6 +680,15 @@ def test_bad_input_is_one_clear_error(kwargs, message):
     assert "\n" not in str(info.value)
 
 
+def test_numpy_integers_are_sizes():
+    """Sizes read from a numpy array or a config computed with numpy are integers too (the
+    argument checks of 2026-12-07 refused them for a while)."""
+    import numpy as np
+
+    planned = zerofx.plan(build, (np.int64(2),), batch=np.int64(2), seq=16, device="cpu")
+    assert planned.world_size == 2 and planned.batch == 2 and type(planned.batch) is int
+
+
 class _Float32Positions(torch.nn.Module):
     """A float32 buffer added to the embedding's output: under param_dtype=bf16 the sum is float32
     and reaches a bf16 weight's matmul, which real kernels refuse (fake ones do not check)."""

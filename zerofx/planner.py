@@ -43,6 +43,7 @@ import dataclasses
 import importlib
 import json
 import math
+import numbers
 import re
 import time
 from dataclasses import dataclass, field
@@ -716,8 +717,9 @@ def plan(
             raise ZeroFXError("zerofx.plan: give mesh_shape or world_size")
         mesh_shape = (world_size,)
     mesh_shape = tuple(mesh_shape)
-    if len(mesh_shape) not in (1, 2) or not all(_count(n) for n in mesh_shape):
+    if len(mesh_shape) not in (1, 2) or not all(_positive_int(n) for n in mesh_shape):
         raise ZeroFXError(f"mesh {mesh_shape}: give (world,) or (replicate, shard) of ints >= 1, e.g. --mesh 128x8")
+    mesh_shape = tuple(int(n) for n in mesh_shape)
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ZeroFXError(f"tensor_parallel={tensor_parallel!r}: give the tensor-parallel size, an int >= 1")
     if tensor_parallel > 1:  # the data-parallel dims: (shard,) or (replicate, shard) for hybrid sharding
@@ -740,8 +742,9 @@ def plan(
             f"grad_accumulation={grad_accumulation!r}: give the micro-batches per optimizer step, an int >= 1"
         )
     for label, value in (("batch", batch), ("global_batch", global_batch)):
-        if value is not None and not _count(value):
+        if value is not None and not _positive_int(value):
             raise ZeroFXError(f"{label}={value!r}: give a number of sequences, an int >= 1")
+    batch, global_batch = (None if v is None else int(v) for v in (batch, global_batch))
     if backend not in (None, "nccl", "gloo"):
         raise ZeroFXError(f"backend={backend!r}: give 'nccl' (GPUs) or 'gloo' (CPUs), or None for the device's")
     if global_batch is not None:
@@ -1359,9 +1362,10 @@ def _settle_peak(p: Plan) -> None:
         p.max_seq = 0 if p.max_seq is not None else None
 
 
-def _count(n: Any) -> bool:
-    """Whether ``n`` is an int >= 1 (not a bool, not a float that happens to be whole)."""
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+def _positive_int(n: Any) -> bool:
+    """Whether ``n`` is an integer >= 1 (a Python or numpy int; not a bool, not a float that
+    happens to be whole)."""
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
 
 
 def _example_inputs(inputs_fn: Callable, hints: tuple[int, int]) -> Any:
