@@ -570,7 +570,7 @@ def test_an_fp16_loss_is_warned_about_once_since_its_gradient_is_the_scale(one_r
 def test_a_fused_adam_steps_after_unscale(one_rank, hysteresis):
     """scaler.unscale_ (before clipping), then scaler.step on AdamW(fused=True), the HF Trainer's
     default: torch's ShardedGradScaler left 1-element inf flags that the fused step cannot subtract
-    from its 0-d step count (a RuntimeError). The step is taken, equal to the unfused one; an
+    from its 0-d step count (a RuntimeError). The step is taken, fused or not; an
     overflowing step is skipped by both, the fused optimizer's step not called (it was, changing
     nothing, and accelerate took that for a step taken).
 

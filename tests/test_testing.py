@@ -318,3 +318,35 @@ def test_verify_on_one_rank_says_nothing_is_sharded():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "at world size 1 zerofx shards nothing" in out.stdout, out.stdout
     assert "sharded training matches" not in out.stdout, out.stdout
+
+
+def test_the_replica_builds_the_causal_mask_the_compiled_graph_does():
+    """transformers' masking skips its causal mask when run eagerly (SDPA's is_causal kernel)
+    and builds it when traced (an explicit mask): two kernels that round otherwise on some CPUs
+    (an AMD EPYC). Inside ``branches_as_traced`` the eager model takes the traced branch: its
+    gradients equal torch.compile's (aot_eager) bit for bit, and ``is_tracing`` is put back,
+    after an error too."""
+    import transformers.masking_utils as masking
+
+    from tests.hf_scenarios import tiny_llama
+    from zerofx.testing import branches_as_traced
+
+    asked = masking.is_tracing
+    with pytest.raises(RuntimeError, match="inside"):
+        with branches_as_traced():
+            assert masking.is_tracing() is True
+            raise RuntimeError("inside")
+    assert masking.is_tracing is asked and masking.is_tracing() is False
+
+    model = tiny_llama()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    eager, compiled = copy.deepcopy(model), copy.deepcopy(model)
+    with branches_as_traced():
+        eager_loss = eager(input_ids=ids, labels=ids, use_cache=False).loss
+    eager_loss.backward()
+    torch._dynamo.reset()
+    compiled_loss = torch.compile(compiled, backend="aot_eager")(input_ids=ids, labels=ids, use_cache=False).loss
+    compiled_loss.backward()
+    assert torch.equal(eager_loss, compiled_loss)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(a.grad, b.grad), name
