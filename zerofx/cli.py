@@ -10,6 +10,7 @@ import os
 import sys
 
 from zerofx.demo import DemoConfig, check_plotting, run_demo
+from zerofx.errors import first_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -520,23 +521,14 @@ def _rank_failure(e: BaseException) -> str:
         rank, failure = first()
         message = failure.message
         if isinstance(message, dict):  # the rank's error file: {"message": "Type: text", "extraInfo": ...}
-            line = _first_line(str(message.get("message", "")))
+            line = first_line(str(message.get("message", "")))
         elif failure.exitcode < 0 or failure.error_file_data.get("message") == message:  # a signal, or a file's
-            line = _first_line(message)
+            line = first_line(message)
         else:  # no error file: torch's message is a link to its docs
             line = ""
         return f"rank {rank}: {line or f'exit code {failure.exitcode}'}"
-    line = _first_line(str(e))
+    line = first_line(str(e))
     return f"{type(e).__name__}: {line}" if line else type(e).__name__
-
-
-def _first_line(text: str) -> str:
-    """The error's first line; for an error dynamo wraps (``BackendCompilerFailed: backend=...
-    raised:``, with the cause on the next line: a ZeroFXError from zerofx's compile) the cause's."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if len(lines) > 1 and lines[0].endswith("raised:"):
-        return lines[1]
-    return lines[0] if lines else ""
 
 
 def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -56,7 +56,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zerofx.errors import ZeroFXError
+from zerofx.errors import ZeroFXError, first_line
 from zerofx.passes.cost_model import hint
 
 __all__ = ["plan", "Plan", "PerRank", "BUILTIN_MODELS", "load_factory", "write_timeline_plot", "dump_json"]
@@ -1406,9 +1406,7 @@ def _step_failure(error: Exception, model_name: str, inputs_fn: Callable) -> Zer
         seen.add(id(error))
         error = error.__cause__
     text = str(error)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    first = lines[1] if len(lines) > 1 and lines[0].endswith("raised:") else (lines[0] if lines else "")
-    what = f"{type(error).__name__}: {first[:400]}"
+    what = f"{type(error).__name__}: {first_line(text)[:400]}"
     # dynamo's "RuntimeError when making fake tensor call" names the op's own error inside
     found = re.search(r"got (\w+)\((['\"])(.*?)\2\)", text)
     if found:
